@@ -1,0 +1,46 @@
+"""One ``uint8`` arena per record: allocation and carving into the planned views."""
+
+from __future__ import annotations
+
+import torch
+
+from .limits import IndexerLimits
+from .plan import ALIGN, BufferPlan, plan
+from .record import Buffers
+
+__all__ = ["allocate", "carve"]
+
+
+def carve(plan_: BufferPlan, arena: torch.Tensor) -> Buffers:
+    """Views of ``arena`` laid out as ``plan_``; see :meth:`Buffers.from_arena`."""
+    if not isinstance(plan_, BufferPlan):
+        raise TypeError(f"plan must be a BufferPlan, got {type(plan_).__name__}")
+    if not isinstance(arena, torch.Tensor):
+        raise TypeError(f"arena must be a torch.Tensor, got {type(arena).__name__}")
+    if arena.dtype != torch.uint8 or arena.dim() != 1:
+        raise ValueError(f"arena must be a 1-D uint8 tensor, got {arena.dtype} of shape {tuple(arena.shape)}")
+    if not arena.is_contiguous():
+        raise ValueError(f"arena must be contiguous, got stride {arena.stride()}")
+    if arena.numel() < plan_.total_bytes:
+        raise ValueError(f"arena holds {arena.numel()} bytes but the plan needs total_bytes={plan_.total_bytes}")
+    if arena.numel() and arena.data_ptr() % ALIGN:
+        raise ValueError(
+            f"arena data pointer {arena.data_ptr():#x} is not {ALIGN}-byte aligned "
+            f"(offset {arena.data_ptr() % ALIGN}); slice it at an aligned offset"
+        )
+    views = {}
+    for f in plan_.fields:
+        views[f.name] = arena[f.offset : f.offset + f.nbytes].view(f.dtype).view(f.shape)
+    return Buffers(**views)
+
+
+def allocate(limits_or_plan: IndexerLimits | BufferPlan, device: torch.device | str = "cpu") -> Buffers:
+    """Allocate one arena of ``plan.total_bytes`` bytes (plus at most 256 for alignment) on ``device`` and carve it into a :class:`Buffers`.
+
+    This is the only allocation the indexer needs; do it once, at start-up (or at profiling time).
+    Contents are uninitialised.
+    """
+    p = limits_or_plan if isinstance(limits_or_plan, BufferPlan) else plan(limits_or_plan)
+    raw = torch.empty(p.total_bytes + ALIGN, dtype=torch.uint8, device=device)
+    start = (-raw.data_ptr()) % ALIGN  # CUDA allocations are already 512-byte aligned; the CPU's are 64
+    return carve(p, raw[start : start + p.total_bytes])

@@ -1,0 +1,90 @@
+"""Static engine limits that size every scratch buffer of the indexer (SPEC section 9)."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+__all__ = ["IndexerLimits", "FP8_DTYPES", "MiB"]
+
+MiB = 1 << 20
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+
+
+def _positive(inst, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"IndexerLimits.{attribute.name} must be an int, got {type(value).__name__} {value!r}")
+    if value <= 0:
+        raise ValueError(f"IndexerLimits.{attribute.name} must be > 0, got {value}")
+
+
+def _one_of(*allowed):
+    def check(inst, attribute, value):
+        if value not in allowed:
+            raise ValueError(f"IndexerLimits.{attribute.name} must be one of {allowed}, got {value!r}")
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class IndexerLimits:
+    """Static limits of an engine, from which :func:`buffers.plan` sizes every buffer.
+
+    Attributes:
+        max_model_len: longest context (keys) of one request, in tokens.
+        max_num_batched_tokens: most query tokens in one step (decode + prefill).
+        max_num_seqs: most requests in one step.
+        next_n: 1 + number of speculative tokens; decode rows per request.
+        n_heads: indexer heads H (32 or 64).
+        head_dim: indexer head dim D (64 or 128).
+        topk: tokens selected per query (512, 1024 or 2048).
+        block_size: tokens per page of the paged K cache.
+        prefill_k_tokens: gathered key tokens one prefill chunk may hold (default ``max_model_len * 40``,
+            vLLM's rule); must be at least ``max_model_len``.
+        max_logits_bytes: byte cap of one prefill chunk's ``[M, N]`` logits (default 512 MiB).
+        fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e4m3fnuz``.
+        with_qk: also plan the ``qk`` buffer ``[H, max_num_seqs * next_n, max_model_len]`` float32, needed only
+            by backends that materialise per-head scores (aiter's paged stage1).
+    """
+
+    max_model_len: int = attrs.field(validator=_positive)
+    max_num_batched_tokens: int = attrs.field(validator=_positive)
+    max_num_seqs: int = attrs.field(validator=_positive)
+    next_n: int = attrs.field(default=1, validator=_one_of(1, 2, 3, 4))
+    n_heads: int = attrs.field(default=64, validator=_positive)
+    head_dim: int = attrs.field(default=128, validator=_one_of(64, 128))
+    topk: int = attrs.field(default=2048, validator=_positive)
+    block_size: int = attrs.field(default=64, validator=_positive)
+    prefill_k_tokens: int = attrs.field(
+        default=attrs.Factory(lambda self: self.max_model_len * 40, takes_self=True), validator=_positive
+    )
+    max_logits_bytes: int = attrs.field(default=512 * MiB, validator=_positive)
+    fp8_dtype: torch.dtype = attrs.field(default=torch.float8_e4m3fn, validator=_one_of(*FP8_DTYPES))
+    with_qk: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+
+    def __attrs_post_init__(self):
+        if self.prefill_k_tokens < self.max_model_len:
+            raise ValueError(
+                f"IndexerLimits.prefill_k_tokens={self.prefill_k_tokens} must be >= "
+                f"max_model_len={self.max_model_len}: one request's keys must fit one prefill chunk"
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"IndexerLimits.max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                f"max_num_seqs={self.max_num_seqs}"
+            )
+
+    @property
+    def max_decode_rows(self) -> int:
+        """Rows of decode logits: ``max_num_seqs * next_n``."""
+        return self.max_num_seqs * self.next_n
+
+    @property
+    def logits_elems(self) -> int:
+        """Float32 elements of the flat ``logits`` buffer (SPEC 9)."""
+        return max(self.max_decode_rows * self.max_model_len, self.max_logits_bytes // 4)
+
+    @property
+    def prefill_logits_elems(self) -> int:
+        """Cap on ``query_tokens * key_tokens`` of one prefill chunk."""
+        return self.max_logits_bytes // 4

@@ -1,0 +1,145 @@
+"""``Buffers``: the immutable record of scratch views that the indexer threads through every call."""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+
+from .limits import FP8_DTYPES
+
+__all__ = ["Buffers", "BufferTooSmall"]
+
+
+class BufferTooSmall(ValueError):
+    """A request needs more of a buffer field than the record holds.
+
+    Attributes: ``field`` (the field's name), ``needed`` and ``available`` (in elements of the field's dtype).
+    """
+
+    def __init__(self, field: str, needed: int, available: int, what: str = ""):
+        self.field = field
+        self.needed = int(needed)
+        self.available = int(available)
+        extra = f" ({what})" if what else ""
+        super().__init__(
+            f"buffer {field!r} is too small{extra}: needs {self.needed} elements, holds {self.available}; "
+            f"raise the IndexerLimits that size it"
+        )
+
+
+def _tensor(ndim, dtypes):
+    def check(inst, attribute, value):
+        if value is None and attribute.name == "qk":
+            return
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"Buffers.{attribute.name} must be a tensor, got {type(value).__name__}")
+        if value.dim() != ndim:
+            raise ValueError(f"Buffers.{attribute.name} must be {ndim}-D, got shape {tuple(value.shape)}")
+        if value.dtype not in dtypes:
+            raise TypeError(f"Buffers.{attribute.name} must have dtype in {dtypes}, got {value.dtype}")
+        if not value.is_contiguous():
+            raise ValueError(f"Buffers.{attribute.name} must be contiguous, got strides {value.stride()}")
+
+    return check
+
+
+@attrs.frozen(eq=False, kw_only=True)
+class Buffers:
+    """Views of the indexer's scratch memory (SPEC section 9). Build it with :func:`buffers.allocate` or
+    :meth:`Buffers.from_arena`; nothing in the library allocates in their place.
+
+    Attributes:
+        k_fp8: ``[prefill_k_tokens, D]`` fp8 — gathered keys of one prefill chunk.
+        k_scale: ``[prefill_k_tokens]`` float32 — their scales.
+        logits: ``[logits_elems]`` float32, flat — one prefill chunk's ``[M, N]`` logits or the decode logits
+            ``[B * next_n, W]``.
+        qk: ``[H, max_num_seqs * next_n, max_model_len]`` float32 or ``None`` — per-head scores for backends
+            that need them.
+    """
+
+    k_fp8: torch.Tensor = attrs.field(validator=_tensor(2, FP8_DTYPES))
+    k_scale: torch.Tensor = attrs.field(validator=_tensor(1, (torch.float32,)))
+    logits: torch.Tensor = attrs.field(validator=_tensor(1, (torch.float32,)))
+    qk: torch.Tensor | None = attrs.field(default=None, validator=_tensor(3, (torch.float32,)))
+
+    def __attrs_post_init__(self):
+        if self.k_scale.shape[0] != self.k_fp8.shape[0]:
+            raise ValueError(
+                f"Buffers.k_scale has {self.k_scale.shape[0]} rows but k_fp8 has {self.k_fp8.shape[0]}"
+            )
+        for name in ("k_scale", "logits", "qk"):
+            t = getattr(self, name)
+            if t is not None and t.device != self.k_fp8.device:
+                raise ValueError(f"Buffers.{name} is on {t.device} but k_fp8 is on {self.k_fp8.device}")
+
+    # ---------------------------------------------------------------- views
+    @property
+    def device(self) -> torch.device:
+        return self.k_fp8.device
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return self.k_fp8.dtype
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_fp8.shape[1]
+
+    @property
+    def k_capacity(self) -> int:
+        """Key tokens the prefill gather buffers hold."""
+        return self.k_fp8.shape[0]
+
+    @property
+    def logits_capacity(self) -> int:
+        """Float32 elements of the flat logits buffer."""
+        return self.logits.shape[0]
+
+    def k_view(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``n`` rows of the gather buffers: (``[n, D]`` fp8, ``[n]`` float32)."""
+        if n > self.k_capacity:
+            raise BufferTooSmall("k_fp8", n, self.k_capacity, "gathered prefill key tokens")
+        return self.k_fp8[:n], self.k_scale[:n]
+
+    def logits_view(self, rows: int, cols: int) -> torch.Tensor:
+        """A contiguous ``[rows, cols]`` float32 view at the start of ``logits``."""
+        if rows < 0 or cols < 0:
+            raise ValueError(f"logits_view needs rows, cols >= 0, got {rows=} {cols=}")
+        if rows * cols > self.logits_capacity:
+            raise BufferTooSmall("logits", rows * cols, self.logits_capacity, f"[{rows}, {cols}] logits")
+        return self.logits[: rows * cols].view(rows, cols)
+
+    def qk_view(self, rows: int, cols: int) -> torch.Tensor:
+        """A ``[H, rows, cols]`` float32 view of ``qk`` (rows and columns packed contiguously per head)."""
+        if self.qk is None:
+            raise BufferTooSmall("qk", 1, 0, "this record was planned without qk (IndexerLimits.with_qk)")
+        h = self.qk.shape[0]
+        per_head = self.qk.shape[1] * self.qk.shape[2]
+        if rows * cols > per_head:
+            raise BufferTooSmall("qk", h * rows * cols, h * per_head, f"[{h}, {rows}, {cols}] per-head scores")
+        return self.qk.view(h, per_head)[:, : rows * cols].view(h, rows, cols)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The present fields by name (``qk`` only when planned)."""
+        out = {"k_fp8": self.k_fp8, "k_scale": self.k_scale, "logits": self.logits}
+        if self.qk is not None:
+            out["qk"] = self.qk
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(t.shape) * t.element_size() for t in self.tensors().values())
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def from_arena(cls, plan, arena: torch.Tensor) -> Buffers:
+        """Carve a caller-owned ``uint8`` arena into a record following ``plan`` (a :class:`BufferPlan`).
+
+        ``arena``: 1-D contiguous ``uint8`` tensor of at least ``plan.total_bytes`` bytes whose data pointer is
+        256-byte aligned. The record's fields are views of it; nothing is copied or allocated.
+        """
+        from .arena import carve
+
+        return carve(plan, arena)

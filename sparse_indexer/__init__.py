@@ -1,0 +1,25 @@
+"""sparse-indexer: the FP8 lightning indexer of DeepSeek-V3.2-class sparse attention.
+
+Pure functions over caller-owned tensors: they write only into the outputs and :class:`buffers.Buffers` they
+are given. See ``SPEC.md`` for the math and layouts.
+"""
+
+from buffers import Buffers, BufferTooSmall, IndexerLimits, allocate, plan
+
+from ._dispatch import BACKENDS, BackendUnavailable, available
+from .fp8 import FP8_MAX, QUANT_MAX, fn_to_fnuz, fp8_max, quant_max, quantize_k, quantize_q
+from .kcache import cache_layout, cache_views, new_kv_cache, slots_from_block_table
+from .ops.fp8_mqa_logits import fp8_mqa_logits
+from .ops.fp8_paged_mqa_logits import fp8_paged_mqa_logits, row_limits
+from .ops.gather_k_cache import gather_k_cache
+from .ops.top_k_per_row import top_k_per_row
+from .ops.write_k_cache import write_k_cache
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS", "FP8_MAX", "QUANT_MAX", "BackendUnavailable", "BufferTooSmall", "Buffers", "IndexerLimits",
+    "allocate", "available", "cache_layout", "cache_views", "fn_to_fnuz", "fp8_max", "fp8_mqa_logits",
+    "fp8_paged_mqa_logits", "gather_k_cache", "new_kv_cache", "plan", "quant_max", "quantize_k", "quantize_q",
+    "row_limits", "slots_from_block_table", "top_k_per_row", "write_k_cache",
+]

@@ -1,0 +1,109 @@
+"""Backend resolution: one immutable table from (op, backend) to the implementation's import path.
+
+Every op has the same implementation signature in every backend file
+(``sparse_indexer/ops/<op>/{reference,triton,aiter}.py``): arguments already checked, outputs written in place.
+``backend=None``/``"auto"`` tries the best available backend for the device, falling back to the next when one
+raises :class:`NotImplementedError` for a case (before writing anything); an explicitly requested backend that
+is not available raises :class:`BackendUnavailable`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["BACKENDS", "BackendUnavailable", "available", "candidates", "call", "unavailable_reason"]
+
+BACKENDS = ("reference", "triton", "aiter")
+OPS = ("write_k_cache", "gather_k_cache", "fp8_mqa_logits", "fp8_paged_mqa_logits", "top_k_per_row")
+
+
+class BackendUnavailable(RuntimeError):
+    """An explicitly requested backend cannot run here; the message says what is missing."""
+
+
+@functools.cache
+def _module_ok(name: str) -> str | None:
+    try:
+        importlib.import_module(name)
+    except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+        return f"{name} does not import ({type(e).__name__}: {e})"
+    return None
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def unavailable_reason(backend: str, device: torch.device) -> str | None:
+    """``None`` when ``backend`` can run on ``device``, else why not."""
+    device = torch.device(device)
+    if backend == "reference":
+        return None
+    if backend == "triton":
+        why = _module_ok("triton")
+        if why:
+            return why
+        if device.type == "cuda":
+            return None
+        if device.type == "cpu" and _interpret():
+            return None
+        return f"the Triton backend runs on CUDA/ROCm devices (or on the CPU with TRITON_INTERPRET=1), not {device}"
+    if backend == "aiter":
+        if device.type != "cuda" or torch.version.hip is None:
+            return f"the aiter backend runs on ROCm GPUs only, not on {device} (torch.version.hip={torch.version.hip})"
+        return _module_ok("aiter")
+    return f"unknown backend {backend!r}; choose one of {BACKENDS} or 'auto'"
+
+
+def available(device: torch.device | str) -> tuple[str, ...]:
+    """The backends that can run on ``device``, best first (the order ``auto`` tries them)."""
+    device = torch.device(device)
+    order = ("aiter", "triton", "reference") if device.type == "cuda" else ("reference",)
+    return tuple(b for b in order if unavailable_reason(b, device) is None)
+
+
+def candidates(op: str, backend: str | None, device: torch.device) -> tuple[str, ...]:
+    """Backends to try for ``op``, in order."""
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}")
+    if backend is None or backend == "auto":
+        return available(device)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, 'auto' or None, got {backend!r}")
+    why = unavailable_reason(backend, device)
+    if why is not None:
+        raise BackendUnavailable(f"backend {backend!r} is not available for {op}: {why}")
+    return (backend,)
+
+
+@functools.cache
+def implementation(op: str, backend: str) -> Callable:
+    module = importlib.import_module(f"sparse_indexer.ops.{op}.{backend}")
+    return getattr(module, op)
+
+
+def call(op: str, backend: str | None, device: torch.device, *args, **kwargs):
+    """Run ``op`` on the first candidate backend that accepts the case."""
+    names = candidates(op, backend, device)
+    explicit = not (backend is None or backend == "auto")
+    last = None
+    for name in names:
+        try:
+            fn = implementation(op, name)
+        except (ImportError, AttributeError) as e:
+            if explicit:
+                raise BackendUnavailable(f"backend {name!r} has no implementation of {op}: {e}") from e
+            last = e
+            continue
+        try:
+            return fn(*args, **kwargs)
+        except NotImplementedError as e:
+            if explicit:
+                raise
+            last = e
+    raise BackendUnavailable(f"no backend among {names} handles this {op} call: {last}")

@@ -1,0 +1,107 @@
+"""The paged indexer K cache (SPEC section 4): layout, views, allocation.
+
+A cache is a ``uint8`` tensor ``[num_blocks, block_size, D + 4]`` (or ``[num_blocks, block_size, 1, D + 4]``).
+Inside block ``b`` (starting at byte ``b * stride0``) the bytes are block-major: first the FP8 values of all
+``block_size`` tokens (``D`` bytes each), then their float32 scales (4 bytes each).
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+__all__ = ["CacheLayout", "cache_layout", "cache_views", "new_kv_cache", "slots_from_block_table"]
+
+
+@attrs.frozen
+class CacheLayout:
+    """Static facts about one K cache tensor."""
+
+    num_blocks: int
+    block_size: int
+    head_dim: int
+    block_stride: int  # bytes between consecutive blocks (stride0), >= block_size * (head_dim + 4)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def scale_offset(self) -> int:
+        """Byte offset of the scale region inside a block."""
+        return self.block_size * self.head_dim
+
+
+def as_3d(kv_cache: torch.Tensor, name: str = "kv_cache") -> torch.Tensor:
+    """``[nb, bs, D + 4]`` view of a 3-D or 4-D (``[nb, bs, 1, D + 4]``) cache, checked."""
+    if not isinstance(kv_cache, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(kv_cache).__name__}")
+    if kv_cache.dtype != torch.uint8:
+        raise TypeError(f"{name} must be uint8 (a byte cache), got {kv_cache.dtype}")
+    if kv_cache.dim() == 4:
+        if kv_cache.shape[2] != 1:
+            raise ValueError(f"4-D {name} must be [num_blocks, block_size, 1, D + 4], got {tuple(kv_cache.shape)}")
+        kv_cache = kv_cache[:, :, 0, :]
+    elif kv_cache.dim() != 3:
+        raise ValueError(
+            f"{name} must be [num_blocks, block_size, D + 4] or [num_blocks, block_size, 1, D + 4], "
+            f"got shape {tuple(kv_cache.shape)}"
+        )
+    return kv_cache
+
+
+def cache_layout(kv_cache: torch.Tensor, name: str = "kv_cache") -> CacheLayout:
+    """Check ``kv_cache``'s layout and return its :class:`CacheLayout`."""
+    kv = as_3d(kv_cache, name)
+    nb, bs, width = kv.shape
+    d = width - 4
+    if d not in (64, 128):
+        raise ValueError(f"{name}.shape[-1] must be D + 4 with D in (64, 128), got {width}")
+    stride0 = kv.stride(0) if nb > 1 else bs * width
+    if kv.stride(2) != 1 or (bs > 1 and kv.stride(1) != width):
+        raise ValueError(f"{name} must be contiguous inside a block (strides [*, {width}, 1]), got {kv.stride()}")
+    if stride0 < bs * width or stride0 % 4:
+        raise ValueError(
+            f"{name} block stride must be a multiple of 4 and >= block_size * (D + 4) = {bs * width}, got {stride0}"
+        )
+    if kv.storage_offset() % 4:
+        raise ValueError(f"{name} must start at a 4-byte aligned storage offset, got {kv.storage_offset()}")
+    return CacheLayout(num_blocks=nb, block_size=bs, head_dim=d, block_stride=stride0)
+
+
+def cache_views(kv_cache: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of the value and scale regions: (``[nb, bs, D]`` fp8_dtype, ``[nb, bs]`` float32).
+
+    Writing into them writes the cache. Works for padded block strides.
+    """
+    lay = cache_layout(kv_cache)
+    kv = as_3d(kv_cache)
+    nb, bs, d = lay.num_blocks, lay.block_size, lay.head_dim
+    raw = kv.as_strided((nb, bs * (d + 4)), (lay.block_stride, 1), kv.storage_offset())
+    values = raw[:, : bs * d].view(nb, bs, d).view(fp8_dtype)
+    scales = raw[:, bs * d :].view(torch.float32)
+    return values, scales
+
+
+def new_kv_cache(num_blocks: int, block_size: int, head_dim: int = 128, *, device="cpu", block_pad: int = 0,
+                 four_d: bool = False) -> torch.Tensor:
+    """Allocate a zeroed cache ``[num_blocks, block_size, head_dim + 4]`` uint8.
+
+    ``block_pad`` extra bytes per block (a multiple of 4) give a padded block stride, as when the cache is a
+    view of a larger per-layer allocation; ``four_d`` returns the ``[nb, bs, 1, D + 4]`` shape.
+    """
+    if block_pad % 4:
+        raise ValueError(f"block_pad must be a multiple of 4, got {block_pad}")
+    width = head_dim + 4
+    per_block = block_size * width + block_pad
+    flat = torch.zeros(num_blocks * per_block, dtype=torch.uint8, device=device)
+    kv = flat.as_strided((num_blocks, block_size, width), (per_block, width, 1))
+    return kv.unsqueeze(2) if four_d else kv
+
+
+def slots_from_block_table(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slots of request-local token ``positions`` ``[B, P]`` through ``block_table`` ``[B, max_blocks]``:
+    ``block_table[b, p // block_size] * block_size + p % block_size`` (int64). Negative positions give -1."""
+    pos = positions.long()
+    blk = block_table.long().gather(1, (pos.clamp(min=0) // block_size))
+    return torch.where(pos >= 0, blk * block_size + pos.clamp(min=0) % block_size, -1)

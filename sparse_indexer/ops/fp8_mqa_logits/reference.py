@@ -1,0 +1,49 @@
+"""Reference ``fp8_mqa_logits``: exact FP8 emulation (upcast to float32, float32 accumulation), in tiles.
+
+Temporaries are bounded: rows and key columns are processed in tiles of at most :data:`TILE_ELEMS`
+``[rows, H, cols]`` float32 elements, so an ``[8192, 65536]`` call never builds an ``[H, M, N]`` tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TILE_ELEMS = 1 << 24  # 64 MiB of float32 scores per tile
+
+
+def tile_sizes(rows: int, heads: int, cols: int, budget: int = TILE_ELEMS) -> tuple[int, int]:
+    """(row tile, column tile) with ``row_tile * heads * col_tile <= budget`` (at least one row and column)."""
+    col_tile = max(1, min(cols, budget // max(1, heads)))
+    row_tile = max(1, min(rows, budget // max(1, heads * col_tile)))
+    return row_tile, col_tile
+
+
+def score_tile(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``sum_h weights[m, h] * relu(q[m, h] . k[n])`` in float32: q ``[m, H, D]``, k ``[n, D]`` float32."""
+    mt, h, d = q.shape
+    s = (q.reshape(mt * h, d) @ k.T).view(mt, h, -1).relu_()  # [m, H, n]
+    return torch.bmm(weights.unsqueeze(1), s).squeeze(1)  # [m, n]
+
+
+def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, out, clean) -> None:
+    """See :func:`sparse_indexer.fp8_mqa_logits`; arguments are checked."""
+    m, h, _ = q.shape
+    n = k_fp8.shape[0]
+    if m == 0 or n == 0:
+        return
+    rt, ct = tile_sizes(m, h, n)
+    cols_all = torch.arange(n, device=q.device)
+    for r0 in range(0, m, rt):
+        r1 = min(m, r0 + rt)
+        qf = q[r0:r1].float()
+        w = weights[r0:r1]
+        ks = cu_seqlen_ks[r0:r1, None].long()
+        ke = cu_seqlen_ke[r0:r1, None].long()
+        for c0 in range(0, n, ct):
+            c1 = min(n, c0 + ct)
+            val = score_tile(qf, k_fp8[c0:c1].float(), w) * k_scale[None, c0:c1]
+            cols = cols_all[None, c0:c1]
+            inside = (cols >= ks) & (cols < ke)
+            dst = out[r0:r1, c0:c1]
+            fill = torch.full_like(val, float("-inf")) if clean else dst
+            dst.copy_(torch.where(inside, val, fill))

@@ -1,0 +1,82 @@
+"""``fp8_paged_mqa_logits``: decode indexer scores read straight from the paged K cache (SPEC 5)."""
+
+from __future__ import annotations
+
+import torch
+
+from ... import _checks as C
+from ... import _dispatch
+from ...kcache import as_3d, cache_layout
+
+__all__ = ["fp8_paged_mqa_logits", "row_limits"]
+
+
+def row_limits(context_lens: torch.Tensor, next_n: int) -> torch.Tensor:
+    """``limit[b * next_n + j]`` (int64, clamped at 0) of SPEC 5 from 1-D ``[B]`` or 2-D ``[B, next_n]`` lengths."""
+    if context_lens.dim() == 2:
+        lim = context_lens.long().reshape(-1)
+    else:
+        j = torch.arange(next_n, device=context_lens.device)
+        lim = (context_lens.long()[:, None] - next_n + j[None, :] + 1).reshape(-1)
+    return lim.clamp(min=0)
+
+
+def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
+                         context_lens: torch.Tensor, block_table: torch.Tensor, *,
+                         out: torch.Tensor | None = None, clean: bool = True, backend: str | None = None,
+                         check_values: bool | None = None) -> torch.Tensor:
+    """Score ``next_n`` query tokens of each of ``B`` requests against its cached keys.
+
+    Row ``r = b * next_n + j`` holds key positions ``p < limit[r]`` (request-local, read through
+    ``block_table``); ``limit[r] = context_lens[b] - next_n + j + 1`` for 1-D ``context_lens`` and
+    ``context_lens[b, j]`` for 2-D, clamped at 0. Other cells are ``-inf`` (``clean=True``) or undefined.
+
+    Args:
+        q: ``[B, next_n, H, D]`` fp8 queries (the cache's format).
+        kv_cache: ``[num_blocks, block_size, D + 4]`` (or 4-D) uint8 paged cache.
+        weights: ``[B * next_n, H]`` float32.
+        context_lens: ``[B]`` or ``[B, next_n]`` int32.
+        block_table: ``[B, max_blocks]`` int32.
+        out: ``[B * next_n, W]`` float32 (unit last stride), ``W >= max(limit)``; allocated with
+            ``W = max_blocks * block_size`` when ``None``.
+        clean: see above.
+
+    Returns:
+        ``out``.
+    """
+    C.fp8("q", q, ndim=4, last_contiguous=True)
+    b, next_n, h, d = q.shape
+    dev = q.device
+    lay = cache_layout(kv_cache)
+    C.tensor("kv_cache", kv_cache, device=dev)
+    if lay.head_dim != d:
+        raise ValueError(f"kv_cache holds D={lay.head_dim} but q has D={d}")
+    C.tensor("weights", weights, dtypes=torch.float32, device=dev, shape=(b * next_n, h), last_contiguous=True)
+    C.tensor("context_lens", context_lens, dtypes=C.INDEX_DTYPES, device=dev)
+    if context_lens.dim() == 1:
+        C.tensor("context_lens", context_lens, shape=(b,))
+    else:
+        C.tensor("context_lens", context_lens, shape=(b, next_n))
+    C.tensor("block_table", block_table, ndim=2, dtypes=C.INDEX_DTYPES, device=dev, shape=(b, None),
+             last_contiguous=True)
+    capacity = block_table.shape[1] * lay.block_size
+    if out is None:
+        out = torch.empty(b * next_n, capacity, dtype=torch.float32, device=dev)
+    else:
+        C.tensor("out", out, ndim=2, dtypes=torch.float32, device=dev, shape=(b * next_n, None),
+                 last_contiguous=True)
+        C.no_alias("out", out, q=q, kv_cache=kv_cache, weights=weights, context_lens=context_lens,
+                   block_table=block_table)
+    w = out.shape[1]
+    if C.want_value_checks(check_values, context_lens, block_table):
+        lim = row_limits(context_lens, next_n)
+        C.values_in("context_lens", lim, None, min(w, capacity) + 1,
+                    f"row limits must be <= W = {w} and <= max_blocks * block_size = {capacity}")
+        need = lim.view(b, next_n).amax(1) if b else lim
+        used = torch.arange(block_table.shape[1], device=dev)[None, :] < (
+            (need + lay.block_size - 1) // lay.block_size)[:, None]
+        C.values_in("block_table", block_table, 0, lay.num_blocks,
+                    f"block ids must be in [0, num_blocks={lay.num_blocks})", mask=used)
+    _dispatch.call("fp8_paged_mqa_logits", backend, dev, q, as_3d(kv_cache), weights, context_lens, block_table,
+                   out=out, clean=bool(clean))
+    return out

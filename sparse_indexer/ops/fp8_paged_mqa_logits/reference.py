@@ -1,0 +1,43 @@
+"""Reference ``fp8_paged_mqa_logits``: gather keys through the block table, exact FP8 emulation, in tiles.
+
+Vectorised over requests and tiled over key positions (no per-request host loop), so the same code runs
+under ``torch.func`` transforms.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...kcache import cache_views
+from ..fp8_mqa_logits.reference import TILE_ELEMS
+from . import row_limits
+
+
+def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean) -> None:
+    """See :func:`sparse_indexer.fp8_paged_mqa_logits`; ``kv_cache`` is the 3-D view, arguments are checked."""
+    b, next_n, h, d = q.shape
+    w = out.shape[1]
+    if b == 0 or w == 0:
+        return
+    values, scales = cache_views(kv_cache, q.dtype)
+    nb, bs, _ = values.shape
+    max_blocks = block_table.shape[1]
+    lim = row_limits(context_lens, next_n).view(b, next_n, 1)
+    qf = q.float().reshape(b, next_n * h, d)
+    wts = weights.view(b, next_n, h)
+    ct = max(1, min(w, TILE_ELEMS // max(1, b * next_n * h)))
+    for c0 in range(0, w, ct):
+        c1 = min(w, c0 + ct)
+        pos = torch.arange(c0, c1, device=q.device)
+        bi = (pos // bs).clamp(max=max(0, max_blocks - 1))
+        blk = block_table[:, bi].long().clamp(0, nb - 1) if max_blocks else torch.zeros(
+            b, c1 - c0, dtype=torch.long, device=q.device)
+        off = (pos % bs)[None, :]
+        k = values[blk, off].float()  # [B, c, D]
+        ksc = scales[blk, off]  # [B, c]
+        s = torch.bmm(qf, k.transpose(1, 2)).view(b, next_n, h, c1 - c0).relu_()
+        val = (s * wts.unsqueeze(-1)).sum(2) * ksc[:, None, :]  # [B, next_n, c]
+        inside = pos.view(1, 1, -1) < lim
+        dst = out[:, c0:c1].view(b, next_n, c1 - c0)
+        fill = torch.full_like(val, float("-inf")) if clean else dst
+        dst.copy_(torch.where(inside, val, fill))

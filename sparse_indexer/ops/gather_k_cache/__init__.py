@@ -1,0 +1,52 @@
+"""``gather_k_cache``: copy the paged keys of several requests into one dense workspace (SPEC 4)."""
+
+from __future__ import annotations
+
+import torch
+
+from ... import _checks as C
+from ... import _dispatch
+from ...kcache import as_3d, cache_layout
+
+__all__ = ["gather_k_cache"]
+
+
+def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torch.Tensor, *,
+                   out_k: torch.Tensor, out_scale: torch.Tensor, backend: str | None = None,
+                   check_values: bool | None = None) -> None:
+    """Gather the keys of ``R`` requests, concatenated, into ``out_k[:cu_seq_lens[R]]`` / ``out_scale``.
+
+    Args:
+        kv_cache: ``[num_blocks, block_size, D + 4]`` (or 4-D) uint8 paged cache.
+        block_table: ``[R, max_blocks]`` int32, block ids of each request.
+        cu_seq_lens: ``[R + 1]`` int32, non-decreasing, ``cu_seq_lens[0] == 0``; request r owns output rows
+            ``[cu_seq_lens[r], cu_seq_lens[r + 1])``.
+        out_k: ``[N, D]`` fp8 (the cache's format), ``N >= cu_seq_lens[R]``; rows beyond are not touched.
+        out_scale: ``[N]`` float32.
+    """
+    lay = cache_layout(kv_cache)
+    dev = kv_cache.device
+    C.tensor("block_table", block_table, ndim=2, dtypes=C.INDEX_DTYPES, device=dev, last_contiguous=True)
+    r = block_table.shape[0]
+    C.tensor("cu_seq_lens", cu_seq_lens, dtypes=C.INDEX_DTYPES, device=dev, shape=(r + 1,))
+    C.fp8("out_k", out_k, ndim=2, device=dev, shape=(None, lay.head_dim), last_contiguous=True)
+    C.tensor("out_scale", out_scale, dtypes=torch.float32, device=dev, shape=(out_k.shape[0],))
+    C.no_alias("out_k", out_k, kv_cache=kv_cache, block_table=block_table, cu_seq_lens=cu_seq_lens,
+               out_scale=out_scale)
+    C.no_alias("out_scale", out_scale, kv_cache=kv_cache, block_table=block_table, cu_seq_lens=cu_seq_lens)
+    if C.want_value_checks(check_values, block_table, cu_seq_lens):
+        if int(cu_seq_lens[0]) != 0:
+            raise ValueError(f"cu_seq_lens[0] must be 0, got {int(cu_seq_lens[0])}")
+        lens = cu_seq_lens[1:].long() - cu_seq_lens[:-1].long()
+        C.values_in("cu_seq_lens diffs", lens, 0, lay.block_size * block_table.shape[1] + 1,
+                    f"request lengths must be >= 0 and fit max_blocks * block_size = "
+                    f"{lay.block_size * block_table.shape[1]}")
+        total = int(cu_seq_lens[-1]) if r else 0
+        if total > out_k.shape[0]:
+            raise ValueError(f"cu_seq_lens[-1] = {total} exceeds the {out_k.shape[0]} rows of out_k")
+        used = torch.arange(block_table.shape[1], device=dev)[None, :] < (
+            (lens + lay.block_size - 1) // lay.block_size)[:, None]
+        C.values_in("block_table", block_table, 0, lay.num_blocks,
+                    f"block ids must be in [0, num_blocks={lay.num_blocks})", mask=used)
+    _dispatch.call("gather_k_cache", backend, dev, as_3d(kv_cache), block_table, cu_seq_lens,
+                   out_k=out_k, out_scale=out_scale)

@@ -1,0 +1,49 @@
+"""``write_k_cache``: quantize keys and store them in the paged K cache (SPEC 3 and 4)."""
+
+from __future__ import annotations
+
+import torch
+
+from ... import _checks as C
+from ... import _dispatch
+from ...fp8 import FP8_DTYPES, SCALE_FMTS
+from ...kcache import as_3d, cache_layout
+
+__all__ = ["write_k_cache"]
+
+
+def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+                  scale_fmt: str | None = "ue8m0", fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+                  backend: str | None = None, check_values: bool | None = None) -> None:
+    """Quantize ``k`` per token and write token ``i`` to cache slot ``slot_mapping[i]``.
+
+    Args:
+        k: ``[T, D]`` bfloat16/float16/float32 keys (rows ``>= S`` are ignored).
+        kv_cache: ``[num_blocks, block_size, D + 4]`` or ``[num_blocks, block_size, 1, D + 4]`` uint8,
+            block-major (SPEC 4); written in place.
+        slot_mapping: ``[S]`` int64 (int32 accepted), ``S <= T``; slot = block * block_size + offset;
+            negative slots are skipped.
+        scale_fmt: ``"ue8m0"`` or ``None`` (plain float32 scales).
+        fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e4m3fnuz``.
+        backend: ``None``/``"auto"``, ``"reference"``, ``"triton"`` or ``"aiter"``.
+        check_values: check slot values against the cache (a device sync on GPU); default: on CPU only.
+    """
+    C.tensor("k", k, ndim=2, dtypes=(torch.bfloat16, torch.float16, torch.float32), last_contiguous=True)
+    dev = k.device
+    lay = cache_layout(kv_cache)
+    C.tensor("kv_cache", kv_cache, device=dev)
+    C.tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64, torch.int32), device=dev)
+    if k.shape[1] != lay.head_dim:
+        raise ValueError(f"k.shape[1] must equal the cache's head dim D={lay.head_dim}, got {k.shape[1]}")
+    if slot_mapping.shape[0] > k.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries but k has only {k.shape[0]} rows")
+    if scale_fmt not in SCALE_FMTS:
+        raise ValueError(f"scale_fmt must be one of {SCALE_FMTS}, got {scale_fmt!r}")
+    if fp8_dtype not in FP8_DTYPES:
+        raise ValueError(f"fp8_dtype must be one of {FP8_DTYPES}, got {fp8_dtype!r}")
+    C.no_alias("kv_cache", kv_cache, k=k, slot_mapping=slot_mapping)
+    if C.want_value_checks(check_values, k, slot_mapping) and slot_mapping.numel():
+        C.values_in("slot_mapping", slot_mapping, None, lay.num_slots,
+                    f"slots must be < num_blocks * block_size = {lay.num_slots} (negative = skip)")
+    _dispatch.call("write_k_cache", backend, dev, k, as_3d(kv_cache), slot_mapping,
+                   scale_fmt=scale_fmt, fp8_dtype=fp8_dtype)
