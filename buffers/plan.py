@@ -23,6 +23,20 @@ FIELDS = {
         lambda lim: (lim.n_heads, lim.max_decode_rows, lim.max_model_len) if lim.with_qk else None,
         lambda lim: torch.float32,
     ),
+    # Non-uniform decode (requests with fewer than next_n new tokens) packs queries, weights and top-k rows
+    # into [max_num_seqs, next_n] slots (SPEC 7, step 4); only needed when next_n > 1.
+    "q_pack": (
+        lambda lim: (lim.max_decode_rows, lim.n_heads, lim.head_dim) if lim.next_n > 1 else None,
+        lambda lim: lim.fp8_dtype,
+    ),
+    "w_pack": (
+        lambda lim: (lim.max_decode_rows, lim.n_heads) if lim.next_n > 1 else None,
+        lambda lim: torch.float32,
+    ),
+    "topk_pack": (
+        lambda lim: (lim.max_decode_rows, lim.topk) if lim.next_n > 1 else None,
+        lambda lim: torch.int32,
+    ),
 }
 
 

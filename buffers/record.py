@@ -11,6 +11,8 @@ from .limits import FP8_DTYPES
 
 __all__ = ["Buffers", "BufferTooSmall"]
 
+OPTIONAL = ("qk", "q_pack", "w_pack", "topk_pack")
+
 
 class BufferTooSmall(ValueError):
     """A request needs more of a buffer field than the record holds.
@@ -31,7 +33,7 @@ class BufferTooSmall(ValueError):
 
 def _tensor(ndim, dtypes):
     def check(inst, attribute, value):
-        if value is None and attribute.name == "qk":
+        if value is None and attribute.name in OPTIONAL:
             return
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"Buffers.{attribute.name} must be a tensor, got {type(value).__name__}")
@@ -57,19 +59,25 @@ class Buffers:
             ``[B * next_n, W]``.
         qk: ``[H, max_num_seqs * next_n, max_model_len]`` float32 or ``None`` — per-head scores for backends
             that need them.
+        q_pack, w_pack, topk_pack: ``[max_num_seqs * next_n, H, D]`` fp8, ``[max_num_seqs * next_n, H]``
+            float32, ``[max_num_seqs * next_n, topk]`` int32, or ``None`` when ``next_n == 1`` — the padded
+            decode slots of a step whose requests have fewer than ``next_n`` new tokens.
     """
 
     k_fp8: torch.Tensor = attrs.field(validator=_tensor(2, FP8_DTYPES))
     k_scale: torch.Tensor = attrs.field(validator=_tensor(1, (torch.float32,)))
     logits: torch.Tensor = attrs.field(validator=_tensor(1, (torch.float32,)))
     qk: torch.Tensor | None = attrs.field(default=None, validator=_tensor(3, (torch.float32,)))
+    q_pack: torch.Tensor | None = attrs.field(default=None, validator=_tensor(3, FP8_DTYPES))
+    w_pack: torch.Tensor | None = attrs.field(default=None, validator=_tensor(2, (torch.float32,)))
+    topk_pack: torch.Tensor | None = attrs.field(default=None, validator=_tensor(2, (torch.int32,)))
 
     def __attrs_post_init__(self):
         if self.k_scale.shape[0] != self.k_fp8.shape[0]:
             raise ValueError(
                 f"Buffers.k_scale has {self.k_scale.shape[0]} rows but k_fp8 has {self.k_fp8.shape[0]}"
             )
-        for name in ("k_scale", "logits", "qk"):
+        for name in ("k_scale", "logits", *OPTIONAL):
             t = getattr(self, name)
             if t is not None and t.device != self.k_fp8.device:
                 raise ValueError(f"Buffers.{name} is on {t.device} but k_fp8 is on {self.k_fp8.device}")
@@ -122,11 +130,20 @@ class Buffers:
         return self.qk.view(h, per_head)[:, : rows * cols].view(h, rows, cols)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The present fields by name (``qk`` only when planned)."""
+        """The present fields by name (optional ones only when planned)."""
         out = {"k_fp8": self.k_fp8, "k_scale": self.k_scale, "logits": self.logits}
-        if self.qk is not None:
-            out["qk"] = self.qk
+        for name in OPTIONAL:
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         return out
+
+    def pack_views(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q_pack[:rows], w_pack[:rows], topk_pack[:rows])`` for non-uniform decode."""
+        if self.q_pack is None or self.w_pack is None or self.topk_pack is None:
+            raise BufferTooSmall("q_pack", rows, 0, "this record was planned with next_n == 1: no decode packing")
+        if rows > self.q_pack.shape[0]:
+            raise BufferTooSmall("q_pack", rows, self.q_pack.shape[0], "packed decode rows")
+        return self.q_pack[:rows], self.w_pack[:rows], self.topk_pack[:rows]
 
     @property
     def nbytes(self) -> int:
