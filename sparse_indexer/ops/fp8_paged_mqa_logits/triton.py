@@ -1,0 +1,191 @@
+"""Triton ``fp8_paged_mqa_logits``: decode indexer scores read straight from the paged K cache.
+
+One persistent launch. The key tiles of all requests (``cdiv(max_limit[b], BLOCK_N)`` tiles of ``BLOCK_N``
+positions for request ``b``) form one global range that is cut into ``P`` equal contiguous pieces, one per
+program, so ragged lengths stay balanced; a piece may span several requests. A program loads the
+``[next_n * H, D]`` queries of a request once and, per key tile, computes all ``next_n`` rows with one fp8
+``tl.dot`` (keys as the MMA's M dimension, ``next_n * H`` query rows as N), so each key byte is read from memory
+once. Per tile: ``relu``, times the head weights, sum over heads, times the key scale, masked store.
+With ``clean=True`` the programs then fill the columns past each request's last tile with ``-inf``.
+
+No host synchronisation and no allocation: the grid depends on the device's multiprocessor count only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["fp8_paged_mqa_logits"]
+
+
+@triton.jit
+def _paged_logits_kernel(
+    out_ptr,  # [B * next_n, W] float32, row stride stride_out
+    q_ptr,  # [B, next_n, H, D] fp8
+    kv_ptr,  # cache bytes viewed as fp8: block b at b * stride_blk (bytes)
+    w_ptr,  # [B * next_n, H] float32
+    cl_ptr,  # [B] or [B, next_n] int32/int64
+    bt_ptr,  # [B, max_blocks] int32
+    B, W, CAP,  # CAP = min(W, max_blocks * BS): no key position reaches it
+    stride_out, stride_qb, stride_qn, stride_qh, stride_w, stride_clb, stride_cln, stride_bt, stride_blk,
+    NUM_PROGRAMS,
+    NEXT_N: tl.constexpr, NN_PAD: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, CL_2D: tl.constexpr, CLEAN: tl.constexpr,
+    FILL_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_b = tl.arange(0, BLOCK_B)
+    bmask = offs_b < B
+    # Largest row limit of every request (the last token's for 1-D lengths), clamped to [0, CAP].
+    if CL_2D:
+        maxlim = tl.zeros([BLOCK_B], dtype=tl.int64)
+        for j in tl.static_range(NEXT_N):
+            c = tl.load(cl_ptr + offs_b * stride_clb + j * stride_cln, mask=bmask, other=0).to(tl.int64)
+            maxlim = tl.maximum(maxlim, c)
+    else:
+        maxlim = tl.load(cl_ptr + offs_b * stride_clb, mask=bmask, other=0).to(tl.int64)
+    maxlim = tl.minimum(tl.maximum(maxlim, 0), CAP)
+    tiles = (maxlim + BLOCK_N - 1) // BLOCK_N  # [BLOCK_B] int64
+    cum_end = tl.cumsum(tiles, axis=0)
+    total = tl.sum(tiles, axis=0)
+    start = pid * total // NUM_PROGRAMS
+    end = (pid + 1) * total // NUM_PROGRAMS
+
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    offs_r = tl.arange(0, NN_PAD * H)  # query row (token j = r // H, head r % H)
+    offs_j = tl.arange(0, NN_PAD)
+    rmask = offs_r < NEXT_N * H
+    jmask = offs_j < NEXT_N
+
+    b = tl.sum((cum_end <= start).to(tl.int32), axis=0)
+    t = start
+    while t < end:
+        sel = offs_b == b
+        b_end = tl.sum(tl.where(sel, cum_end, 0), axis=0)
+        b_tiles = tl.sum(tl.where(sel, tiles, 0), axis=0)
+        b_start = b_end - b_tiles
+        t_lo = (t - b_start).to(tl.int32)
+        t_hi = (tl.minimum(end, b_end) - b_start).to(tl.int32)
+        b64 = b.to(tl.int64)
+        # Row limits of the request's next_n tokens.
+        if CL_2D:
+            lim = tl.load(cl_ptr + b64 * stride_clb + offs_j * stride_cln, mask=jmask, other=0).to(tl.int32)
+        else:
+            c = tl.load(cl_ptr + b64 * stride_clb).to(tl.int32)
+            lim = c - NEXT_N + offs_j + 1
+        lim = tl.where(jmask, tl.maximum(lim, 0), 0)
+        b_lim = tl.sum(tl.where(sel, maxlim, 0), axis=0).to(tl.int32)
+        q = tl.load(q_ptr + b64 * stride_qb + (offs_r // H)[:, None] * stride_qn + (offs_r % H)[:, None] * stride_qh
+                    + offs_d[None, :], mask=rmask[:, None], other=0.0)  # [NN_PAD * H, D]
+        wts = tl.load(w_ptr + (b64 * NEXT_N + offs_r // H) * stride_w + offs_r % H, mask=rmask, other=0.0)
+        bt_row = bt_ptr + b64 * stride_bt
+        out_rows = out_ptr + (b64 * NEXT_N + offs_j).to(tl.int64) * stride_out  # [NN_PAD] pointers
+        for tt in range(t_lo, t_hi):
+            p0 = tt * BLOCK_N
+            pos = p0 + offs_n
+            if BS >= BLOCK_N:
+                # The tile lies inside one cache block: contiguous values and scales.
+                blk = tl.load(bt_row + p0 // BS).to(tl.int64)
+                base = kv_ptr + blk * stride_blk
+                off = p0 % BS + offs_n
+                k = tl.load(base + off[:, None] * D + offs_d[None, :])
+                ksc = tl.load((base + BS * D).to(tl.pointer_type(tl.float32)) + off)
+            else:
+                valid = pos < b_lim
+                blk = tl.load(bt_row + pos // BS, mask=valid, other=0).to(tl.int64)
+                base = kv_ptr + blk * stride_blk
+                off = pos % BS
+                k = tl.load((base + off * D)[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+                ksc = tl.load((base + BS * D).to(tl.pointer_type(tl.float32)) + off, mask=valid, other=0.0)
+            s = tl.dot(k, tl.trans(q))  # [BLOCK_N, NN_PAD * H] float32
+            s = tl.maximum(s, 0.0) * wts[None, :]
+            if NN_PAD == 1:
+                logit = tl.sum(s, axis=1)[:, None]  # [BLOCK_N, 1]
+            else:
+                logit = tl.sum(tl.reshape(s, (BLOCK_N, NN_PAD, H)), axis=2)  # [BLOCK_N, NN_PAD]
+            logit = logit * ksc[:, None]
+            inside = pos[:, None] < lim[None, :]
+            ptrs = out_rows[None, :] + pos[:, None]
+            if CLEAN:
+                tl.store(ptrs, tl.where(inside, logit, float("-inf")), mask=jmask[None, :] & (pos[:, None] < W))
+            else:
+                tl.store(ptrs, logit, mask=inside)
+        t = b_start + t_hi
+        b += 1
+
+    if CLEAN:
+        # Columns past each request's computed tiles: -inf, chunks of FILL_N shared round-robin.
+        offs_f = tl.arange(0, FILL_N)
+        chunks = tl.cdiv(W, FILL_N)
+        for c in range(pid, B * chunks, NUM_PROGRAMS):
+            fb = c // chunks
+            col0 = (c % chunks) * FILL_N
+            fb64 = fb.to(tl.int64)
+            if CL_2D:
+                m = tl.max(tl.load(cl_ptr + fb64 * stride_clb + offs_j * stride_cln, mask=jmask, other=0), axis=0)
+            else:
+                m = tl.load(cl_ptr + fb64 * stride_clb)
+            m = tl.minimum(tl.maximum(m.to(tl.int64), 0), CAP)
+            first = ((m + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+            if col0 + FILL_N > first:
+                cols = col0 + offs_f
+                cmask = (cols >= first) & (cols < W)
+                rows = out_ptr + (fb64 * NEXT_N + offs_j).to(tl.int64) * stride_out
+                tl.store(rows[:, None] + cols[None, :], tl.full([NN_PAD, FILL_N], float("-inf"), tl.float32),
+                         mask=jmask[:, None] & cmask[None, :])
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# Tuned on an H200 (see scripts/gpu_logits_bench.py); overridable for benchmarking.
+CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "programs_per_sm": 4}
+
+
+def _pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean, config=None) -> None:
+    """See :func:`sparse_indexer.fp8_paged_mqa_logits`; ``kv_cache`` is the 3-D view, arguments are checked."""
+    cfg = dict(CONFIG, **(config or {}))
+    b, next_n, h, d = q.shape
+    nb, bs, _ = kv_cache.shape
+    w = out.shape[1]
+    if not (_pow2(h) and _pow2(d) and _pow2(bs)) or d < 32 or h < 16:
+        raise NotImplementedError(f"triton fp8_paged_mqa_logits needs power-of-two H >= 16, D >= 32 and block_size, "
+                                  f"got {h=}, {d=}, {bs=}")
+    if next_n > 4:
+        raise NotImplementedError(f"triton fp8_paged_mqa_logits handles next_n <= 4, got {next_n=}")
+    if b == 0 or w == 0:
+        return
+    max_blocks = block_table.shape[1]
+    cap = min(w, max_blocks * bs)
+    block_n = cfg["BLOCK_N"]
+    if q.device.type == "cuda":
+        num_programs = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        num_programs *= cfg["programs_per_sm"]
+    else:
+        num_programs = 3  # interpreter: small, but enough for pieces that span requests
+    stride_blk = kv_cache.stride(0) if nb > 1 else bs * (d + 4)
+    kv = kv_cache.view(q.dtype)
+    cl_2d = context_lens.dim() == 2
+    stride_cln = context_lens.stride(1) if cl_2d else 0
+    nn_pad = triton.next_power_of_2(next_n)
+    _paged_logits_kernel[(num_programs,)](
+        out, q, kv, weights, context_lens, block_table,
+        b, w, cap,
+        out.stride(0), q.stride(0), q.stride(1), q.stride(2), weights.stride(0), context_lens.stride(0), stride_cln,
+        block_table.stride(0), stride_blk,
+        num_programs,
+        NEXT_N=next_n, NN_PAD=nn_pad, H=h, D=d, BS=bs, BLOCK_N=block_n,
+        BLOCK_B=max(16, triton.next_power_of_2(b)), CL_2D=cl_2d, CLEAN=bool(clean), FILL_N=cfg.get("FILL_N", 1024),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
