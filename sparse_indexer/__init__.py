@@ -8,7 +8,16 @@ from buffers import Buffers, BufferTooSmall, IndexerLimits, allocate, plan
 
 from ._dispatch import BACKENDS, BackendUnavailable, available
 from .fp8 import FP8_MAX, QUANT_MAX, fn_to_fnuz, fp8_max, quant_max, quantize_k, quantize_q
+from .indexer import check_step, indexer_decode, indexer_prefill, sparse_attn_indexer
 from .kcache import cache_layout, cache_views, new_kv_cache, slots_from_block_table
+from .metadata import (
+    ChunkPlan,
+    DecodeMetadata,
+    IndexerMetadata,
+    PrefillChunk,
+    build_metadata,
+    plan_prefill_chunks,
+)
 from .ops.fp8_mqa_logits import fp8_mqa_logits
 from .ops.fp8_paged_mqa_logits import fp8_paged_mqa_logits, row_limits
 from .ops.gather_k_cache import gather_k_cache
@@ -18,6 +27,8 @@ from .ops.write_k_cache import write_k_cache
 __version__ = "0.1.0"
 
 __all__ = [
+    "ChunkPlan", "DecodeMetadata", "IndexerMetadata", "PrefillChunk", "build_metadata", "check_step",
+    "indexer_decode", "indexer_prefill", "plan_prefill_chunks", "sparse_attn_indexer",
     "BACKENDS", "FP8_MAX", "QUANT_MAX", "BackendUnavailable", "BufferTooSmall", "Buffers", "IndexerLimits",
     "allocate", "available", "cache_layout", "cache_views", "fn_to_fnuz", "fp8_max", "fp8_mqa_logits",
     "fp8_paged_mqa_logits", "gather_k_cache", "new_kv_cache", "plan", "quant_max", "quantize_k", "quantize_q",

@@ -1,0 +1,166 @@
+"""One indexer step of one layer, as a pure function over caller-owned tensors (SPEC 7).
+
+``sparse_attn_indexer`` writes the K cache, scores every prefill chunk and the decode rows into views of
+``buffers``, and writes the top-k positions of every token into ``topk_out``. It reads only host integers and
+the device tensors of :class:`~sparse_indexer.metadata.IndexerMetadata`, allocates no device memory, and checks
+that the whole step fits the buffers before it writes anything (the cache included).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from buffers import Buffers, BufferTooSmall
+
+from . import _checks as C
+from .kcache import cache_layout
+from .metadata import IndexerMetadata
+from .ops.fp8_mqa_logits import fp8_mqa_logits
+from .ops.fp8_paged_mqa_logits import fp8_paged_mqa_logits
+from .ops.gather_k_cache import gather_k_cache
+from .ops.top_k_per_row import top_k_per_row
+from .ops.write_k_cache import write_k_cache
+
+__all__ = ["sparse_attn_indexer", "indexer_prefill", "indexer_decode", "check_step"]
+
+
+def check_step(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor, metadata: IndexerMetadata,
+               buffers: Buffers, topk_out: torch.Tensor, k: torch.Tensor | None = None,
+               *, prefill: bool = True, decode: bool = True) -> None:
+    """Raise ``ValueError``/``TypeError``/:class:`BufferTooSmall` unless the step fits; reads no device values.
+
+    Shapes: ``q_fp8 [T, H, D]`` fp8, ``k [T, D]``, ``weights [T, H]`` float32, ``topk_out [T_max, topk]`` int32,
+    with ``T >= metadata.num_tokens`` and ``T_max >= T``.
+    """
+    if not isinstance(metadata, IndexerMetadata):
+        raise TypeError(f"metadata must be an IndexerMetadata, got {type(metadata).__name__}")
+    if not isinstance(buffers, Buffers):
+        raise TypeError(f"buffers must be a Buffers record, got {type(buffers).__name__}")
+    lim = metadata.limits
+    C.fp8("q_fp8", q_fp8, ndim=3, contiguous=True)
+    t, h, d = q_fp8.shape
+    dev = q_fp8.device
+    if t < metadata.num_tokens:
+        raise ValueError(f"q_fp8 has {t} rows but the metadata describes {metadata.num_tokens} tokens")
+    if (h, d) != (lim.n_heads, lim.head_dim):
+        raise ValueError(f"q_fp8 has H={h}, D={d} but the limits say H={lim.n_heads}, D={lim.head_dim}")
+    if q_fp8.dtype != buffers.fp8_dtype:
+        raise TypeError(f"q_fp8 is {q_fp8.dtype} but buffers.k_fp8 is {buffers.fp8_dtype}")
+    if buffers.device != dev:
+        raise ValueError(f"buffers live on {buffers.device} but q_fp8 is on {dev}")
+    C.tensor("weights", weights, dtypes=torch.float32, device=dev, shape=(t, h), last_contiguous=True)
+    if k is not None:
+        C.tensor("k", k, ndim=2, device=dev, shape=(None, d))
+        if k.shape[0] < metadata.num_tokens:
+            raise ValueError(f"k has {k.shape[0]} rows but the metadata describes {metadata.num_tokens} tokens")
+    C.tensor("topk_out", topk_out, ndim=2, dtypes=torch.int32, device=dev, contiguous=True)
+    if topk_out.shape[0] < metadata.num_tokens:
+        raise ValueError(f"topk_out has {topk_out.shape[0]} rows < {metadata.num_tokens} tokens")
+    lay = cache_layout(kv_cache)
+    C.tensor("kv_cache", kv_cache, device=dev)
+    if lay.head_dim != d or lay.block_size != lim.block_size:
+        raise ValueError(f"kv_cache has D={lay.head_dim}, block_size={lay.block_size}; expected D={d}, "
+                         f"block_size={lim.block_size}")
+    if buffers.head_dim != d:
+        raise ValueError(f"buffers.k_fp8 has D={buffers.head_dim} but q_fp8 has D={d}")
+    if prefill:
+        for c in metadata.prefill_chunks:
+            buffers.k_view(c.num_k_tokens)
+            buffers.logits_view(c.num_tokens, c.num_k_tokens)
+    dm = metadata.decode
+    if decode and dm is not None:
+        buffers.logits_view(dm.num_rows, dm.width)
+        if not dm.uniform:
+            buffers.pack_views(dm.num_rows)
+            if buffers.topk_pack.shape[1] != topk_out.shape[1]:
+                raise BufferTooSmall("topk_pack", topk_out.shape[1], buffers.topk_pack.shape[1], "topk columns")
+
+
+def indexer_prefill(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor,
+                    metadata: IndexerMetadata, buffers: Buffers, topk_out: torch.Tensor, *,
+                    backend: str | None = None, _checked: bool = False) -> torch.Tensor:
+    """Top-k of every prefill token, chunk by chunk (SPEC 7 step 3); writes ``topk_out`` prefill rows only.
+
+    Each chunk gathers its requests' keys into ``buffers.k_fp8/k_scale`` (skipped for a later query piece of a
+    split request), computes ``[M_c, N_c]`` logits into ``buffers.logits`` with ``clean=False``, and selects
+    request-local top-k positions into ``topk_out[token_start:token_end]``.
+    """
+    if not _checked:
+        check_step(q_fp8, weights, kv_cache, metadata, buffers, topk_out, decode=False)
+    for c in metadata.prefill_chunks:
+        k_fp8, k_scale = buffers.k_view(c.num_k_tokens)
+        if c.gather:
+            gather_k_cache(kv_cache, c.block_table, c.cu_seq_lens, out_k=k_fp8, out_scale=k_scale,
+                           backend=backend, check_values=False)
+        rows = slice(c.token_start, c.token_end)
+        logits = buffers.logits_view(c.num_tokens, c.num_k_tokens)
+        fp8_mqa_logits(q_fp8[rows], k_fp8, k_scale, weights[rows], c.cu_seqlen_ks, c.cu_seqlen_ke, out=logits,
+                       clean=False, backend=backend, check_values=False)
+        top_k_per_row(logits, c.cu_seqlen_ks, c.cu_seqlen_ke, out=topk_out[rows], backend=backend,
+                      check_values=False)
+    return topk_out
+
+
+def indexer_decode(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor,
+                   metadata: IndexerMetadata, buffers: Buffers, topk_out: torch.Tensor, *,
+                   backend: str | None = None, _checked: bool = False) -> torch.Tensor:
+    """Top-k of every decode token (SPEC 7 step 4); writes ``topk_out[:num_decode_tokens]`` only.
+
+    Uniform steps reshape the queries to ``[B, next_n, H, D]`` and write top-k straight into ``topk_out``.
+    Non-uniform steps pack queries and weights into ``buffers.q_pack/w_pack`` slots, select into
+    ``buffers.topk_pack`` and copy the real rows back, so no padded row reaches ``topk_out``.
+    """
+    if not _checked:
+        check_step(q_fp8, weights, kv_cache, metadata, buffers, topk_out, prefill=False)
+    dm = metadata.decode
+    if dm is None:
+        return topk_out
+    b, nn = dm.num_reqs, dm.next_n
+    nd = metadata.num_decode_tokens
+    h, d = q_fp8.shape[1], q_fp8.shape[2]
+    logits = buffers.logits_view(dm.num_rows, dm.width)
+    if dm.uniform:
+        q = q_fp8[:nd].view(b, nn, h, d)
+        w = weights[:nd]
+        sel = topk_out[:nd]
+    else:
+        q_pack, w_pack, sel = buffers.pack_views(dm.num_rows)
+        torch.index_select(q_fp8.view(torch.uint8), 0, dm.pack_src, out=q_pack.view(torch.uint8))
+        torch.index_select(weights, 0, dm.pack_src, out=w_pack)
+        q, w = q_pack.view(b, nn, h, d), w_pack
+    fp8_paged_mqa_logits(q, kv_cache, w, dm.context_lens, dm.block_table, out=logits, clean=False,
+                         backend=backend, check_values=False)
+    top_k_per_row(logits, dm.row_starts, dm.row_ends, out=sel, backend=backend, check_values=False)
+    if not dm.uniform:
+        torch.index_select(sel, 0, dm.unpack_src, out=topk_out[:nd])
+    return topk_out
+
+
+def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor,
+                        metadata: IndexerMetadata, buffers: Buffers, topk_out: torch.Tensor, *,
+                        backend: str | None = None, scale_fmt: str | None = "ue8m0") -> torch.Tensor:
+    """One indexer step of one layer (SPEC 7). Returns ``topk_out``.
+
+    Args:
+        q_fp8: ``[T, H, D]`` fp8 queries, decode tokens first; their scales folded into ``weights``.
+        k: ``[T, D]`` bfloat16/float16/float32 keys of the new tokens (quantized into the cache).
+        weights: ``[T, H]`` float32.
+        kv_cache: ``[num_blocks, block_size, D + 4]`` (or 4-D) uint8, this layer's K cache (written).
+        metadata: from :func:`sparse_indexer.build_metadata`, shared by every layer of the step.
+        buffers: scratch views from :func:`buffers.allocate`; only its views are written.
+        topk_out: ``[T_max, topk]`` int32, ``T_max >= T``; rows ``[0, num_tokens)`` receive request-local
+            token positions (-1 = none); rows beyond are untouched.
+        backend: ``None``/``"auto"``, ``"reference"``, ``"triton"`` or ``"aiter"`` for every op.
+        scale_fmt: key scale format of the cache write (``"ue8m0"`` or ``None``).
+
+    Raises:
+        BufferTooSmall, ValueError, TypeError: before anything is written.
+    """
+    check_step(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k)
+    n = metadata.num_tokens
+    write_k_cache(k, kv_cache, metadata.slot_mapping, scale_fmt=scale_fmt, fp8_dtype=q_fp8.dtype,
+                  backend=backend, check_values=False)
+    topk_out[:n].fill_(-1)
+    indexer_prefill(q_fp8, weights, kv_cache, metadata, buffers, topk_out, backend=backend, _checked=True)
+    indexer_decode(q_fp8, weights, kv_cache, metadata, buffers, topk_out, backend=backend, _checked=True)
+    return topk_out

@@ -1,0 +1,311 @@
+"""Host-side planning of one indexer step: the decode/prefill split and the prefill chunks (SPEC 7 and 8).
+
+Everything here runs on the host, once per engine step (shared by every layer), and produces small device
+tensors; the step itself (:func:`sparse_indexer.sparse_attn_indexer`) then reads only host integers and these
+tensors, so it never synchronises with the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from buffers import IndexerLimits
+
+__all__ = [
+    "ChunkPlan", "PrefillChunk", "DecodeMetadata", "IndexerMetadata", "plan_prefill_chunks", "build_metadata",
+]
+
+
+@attrs.frozen
+class ChunkPlan:
+    """One prefill chunk: requests ``[req_start, req_end)`` (prefill-local indices) and, within the chunk's
+    concatenated queries, rows ``[query_start, query_end)``."""
+
+    req_start: int
+    req_end: int
+    query_start: int
+    query_end: int
+
+
+def _ints(name: str, xs) -> list[int]:
+    if isinstance(xs, torch.Tensor):
+        xs = xs.tolist()
+    out = [int(x) for x in xs]
+    for i, x in enumerate(out):
+        if x < 0:
+            raise ValueError(f"{name}[{i}] = {x} must be >= 0")
+    return out
+
+
+def plan_prefill_chunks(seq_lens: Sequence[int], query_lens: Sequence[int], k_tokens_cap: int,
+                        logits_elems_cap: int) -> list[ChunkPlan]:
+    """Split prefill requests into chunks that bound gathered keys and logits (SPEC 8). Pure, host integers.
+
+    Whole requests are added greedily, in order, while ``sum(seq_len) <= k_tokens_cap`` and
+    ``sum(query_len) * sum(seq_len) <= logits_elems_cap``. A request whose ``query_len * seq_len`` alone
+    exceeds the logits cap forms chunks alone, split along its queries into pieces of
+    ``max(1, logits_elems_cap // seq_len)``. A request with ``seq_len > k_tokens_cap`` raises ``ValueError``.
+
+    Example: ``plan_prefill_chunks([10, 10, 10], [5, 5, 5], 100, 250)`` ->
+    ``[ChunkPlan(0, 2, 0, 10), ChunkPlan(2, 3, 0, 5)]``.
+    """
+    seq = _ints("seq_lens", seq_lens)
+    qry = _ints("query_lens", query_lens)
+    if len(seq) != len(qry):
+        raise ValueError(f"seq_lens has {len(seq)} entries but query_lens has {len(qry)}")
+    if k_tokens_cap < 1 or logits_elems_cap < 1:
+        raise ValueError(f"caps must be >= 1, got {k_tokens_cap=} {logits_elems_cap=}")
+    chunks: list[ChunkPlan] = []
+    start, s_sum, q_sum = 0, 0, 0
+
+    def close(end: int) -> None:
+        if end > start:
+            chunks.append(ChunkPlan(start, end, 0, q_sum))
+
+    for i, (s, q) in enumerate(zip(seq, qry)):
+        if s > k_tokens_cap:
+            raise ValueError(
+                f"prefill request {i} has seq_len {s} > k_tokens_cap {k_tokens_cap}: it cannot be gathered "
+                f"(IndexerLimits guarantees prefill_k_tokens >= max_model_len; is seq_len > max_model_len?)"
+            )
+        if q * s > logits_elems_cap:
+            close(i)
+            piece = max(1, logits_elems_cap // max(1, s))
+            for q0 in range(0, q, piece):
+                chunks.append(ChunkPlan(i, i + 1, q0, min(q, q0 + piece)))
+            start, s_sum, q_sum = i + 1, 0, 0
+            continue
+        if i > start and (s_sum + s > k_tokens_cap or (q_sum + q) * (s_sum + s) > logits_elems_cap):
+            close(i)
+            start, s_sum, q_sum = i, 0, 0
+        s_sum += s
+        q_sum += q
+    close(len(seq))
+    return chunks
+
+
+@attrs.frozen(eq=False, kw_only=True)
+class PrefillChunk:
+    """Device tensors and host sizes of one prefill chunk.
+
+    Attributes:
+        token_start, token_end: rows of the step's tokens (``q_fp8``, ``topk_out``) this chunk scores.
+        num_k_tokens: keys gathered for the chunk (``cu_seq_lens[-1]``).
+        gather: ``False`` when the keys are already in the buffers (a later query piece of a split request).
+        block_table: ``[R_c, max_blocks]`` int32 — the chunk's requests.
+        cu_seq_lens: ``[R_c + 1]`` int32 — gathered key offsets.
+        cu_seqlen_ks, cu_seqlen_ke: ``[token_end - token_start]`` int32 — each query's key window in the
+            gathered keys (causal).
+    """
+
+    token_start: int
+    token_end: int
+    num_k_tokens: int
+    gather: bool
+    block_table: torch.Tensor
+    cu_seq_lens: torch.Tensor
+    cu_seqlen_ks: torch.Tensor
+    cu_seqlen_ke: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_end - self.token_start
+
+
+@attrs.frozen(eq=False, kw_only=True)
+class DecodeMetadata:
+    """Decode requests of one step (SPEC 7, step 4).
+
+    Attributes:
+        num_reqs: ``B``.
+        next_n: decode slots per request.
+        uniform: every request has exactly ``next_n`` new tokens: queries reshape to ``[B, next_n, H, D]``.
+        width: ``W``, columns of the decode logits view (static: ``max_model_len``).
+        context_lens: ``[B]`` int32 (uniform) or ``[B, next_n]`` int32 (packed; padded slots hold 0).
+        block_table: ``[B, max_blocks]`` int32.
+        row_starts, row_ends: ``[B * next_n]`` int32 — top-k windows ``[0, limit)`` of every slot.
+        pack_src: ``[B * next_n]`` int64 or ``None`` — token row feeding each packed slot (padding repeats a
+            real row, its window is empty).
+        unpack_src: ``[num_decode_tokens]`` int64 or ``None`` — packed slot of each real decode token.
+    """
+
+    num_reqs: int
+    next_n: int
+    uniform: bool
+    width: int
+    context_lens: torch.Tensor
+    block_table: torch.Tensor
+    row_starts: torch.Tensor
+    row_ends: torch.Tensor
+    pack_src: torch.Tensor | None
+    unpack_src: torch.Tensor | None
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_reqs * self.next_n
+
+
+@attrs.frozen(eq=False, kw_only=True)
+class IndexerMetadata:
+    """Everything one step needs besides the tensors of the layer (built by :func:`build_metadata`).
+
+    Tokens are ordered decode first: rows ``[0, num_decode_tokens)`` are decode tokens, the next
+    ``num_prefill_tokens`` rows prefill tokens.
+    """
+
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    num_prefill_tokens: int
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    decode: DecodeMetadata | None
+    prefill_chunks: tuple[PrefillChunk, ...]
+    limits: IndexerLimits
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_decode_tokens + self.num_prefill_tokens
+
+    @property
+    def max_chunk_k_tokens(self) -> int:
+        return max((c.num_k_tokens for c in self.prefill_chunks), default=0)
+
+
+def _i32(xs, device) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.int32, device=device)
+
+
+def build_metadata(seq_lens, query_lens, block_table: torch.Tensor, slot_mapping: torch.Tensor,
+                   limits: IndexerLimits, *, device: torch.device | str | None = None,
+                   num_blocks: int | None = None, decode_width: int | None = None) -> IndexerMetadata:
+    """Plan one step on the host.
+
+    Args:
+        seq_lens: per request, its context length including this step's new tokens (host ints or CPU tensor).
+        query_lens: per request, this step's new tokens. Requests with ``query_len <= next_n`` are decode
+            requests and must all come first (decode-first order, as the tokens).
+        block_table: ``[num_reqs, max_blocks]`` int32, the requests' K-cache blocks.
+        slot_mapping: ``[sum(query_lens)]`` int64 cache slots of the new tokens (-1 = do not write).
+        limits: the engine's :class:`IndexerLimits` (``next_n``, caps of the prefill chunks, ``max_model_len``).
+        device: where the metadata tensors live (default: ``block_table``'s device).
+        num_blocks: when given, every block id in use and every slot are checked against the cache size.
+        decode_width: columns of the decode logits (default ``limits.max_model_len``).
+
+    Raises ``ValueError`` on inconsistent input (naming the request) before producing anything.
+    """
+    seq = _ints("seq_lens", seq_lens)
+    qry = _ints("query_lens", query_lens)
+    n_req = len(seq)
+    if len(qry) != n_req:
+        raise ValueError(f"seq_lens has {n_req} entries but query_lens has {len(qry)}")
+    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.dtype != torch.int32:
+        raise ValueError(f"block_table must be a 2-D int32 tensor, got {getattr(block_table, 'dtype', None)} "
+                         f"{tuple(getattr(block_table, 'shape', ()))}")
+    if block_table.shape[0] < n_req:
+        raise ValueError(f"block_table has {block_table.shape[0]} rows but there are {n_req} requests")
+    device = torch.device(device) if device is not None else block_table.device
+    nn, bs = limits.next_n, limits.block_size
+    width = limits.max_model_len if decode_width is None else int(decode_width)
+    num_tokens = sum(qry)
+    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1:
+        raise ValueError("slot_mapping must be a 1-D tensor")
+    if slot_mapping.shape[0] != num_tokens:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries but sum(query_lens) = {num_tokens}")
+    if num_tokens > limits.max_num_batched_tokens:
+        raise ValueError(f"the step has {num_tokens} tokens > max_num_batched_tokens={limits.max_num_batched_tokens}")
+
+    num_decodes = 0
+    while num_decodes < n_req and qry[num_decodes] <= nn:
+        num_decodes += 1
+    for i in range(num_decodes, n_req):
+        if qry[i] <= nn:
+            raise ValueError(
+                f"request {i} (query_len {qry[i]} <= next_n {nn}) is a decode request after a prefill request: "
+                "order requests (and tokens) decode first"
+            )
+        if seq[i] < qry[i]:
+            raise ValueError(f"prefill request {i}: seq_len {seq[i]} < query_len {qry[i]}")
+    if num_decodes > limits.max_num_seqs:
+        raise ValueError(f"{num_decodes} decode requests > max_num_seqs={limits.max_num_seqs}")
+    for i, s in enumerate(seq):
+        if s > limits.max_model_len:
+            raise ValueError(f"request {i}: seq_len {s} > max_model_len={limits.max_model_len}")
+        if s > block_table.shape[1] * bs:
+            raise ValueError(f"request {i}: seq_len {s} needs more than the {block_table.shape[1]} blocks of "
+                             f"block_table (block_size {bs})")
+    if num_decodes and width < max(seq[:num_decodes]):
+        raise ValueError(f"decode_width {width} < longest decode context {max(seq[:num_decodes])}")
+
+    if num_blocks is not None:
+        bt_host = block_table[:n_req].cpu()
+        used = torch.arange(bt_host.shape[1])[None, :] < torch.tensor(
+            [(s + bs - 1) // bs for s in seq], dtype=torch.long)[:, None]
+        bad = used & ((bt_host < 0) | (bt_host >= num_blocks))
+        if bool(bad.any()):
+            r, c = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(f"block_table[{r}, {c}] = {int(bt_host[r, c])} is outside [0, num_blocks={num_blocks})")
+        sm = slot_mapping.cpu()
+        if num_tokens and int(sm.max()) >= num_blocks * bs:
+            raise ValueError(f"slot_mapping holds slot {int(sm.max())} >= num_blocks * block_size = {num_blocks * bs}")
+
+    num_decode_tokens = sum(qry[:num_decodes])
+    bt = block_table.to(device)
+    decode = None
+    if num_decode_tokens:
+        d_lens = qry[:num_decodes]
+        uniform = all(d == nn for d in d_lens)
+        lim = [[max(0, seq[b] - d_lens[b] + j + 1) if j < d_lens[b] else 0 for j in range(nn)]
+               for b in range(num_decodes)]
+        flat = [x for row in lim for x in row]
+        pack_src = unpack_src = None
+        if uniform:
+            ctx = _i32(seq[:num_decodes], device)
+        else:
+            ctx = _i32(lim, device)
+            starts = [sum(d_lens[:b]) for b in range(num_decodes)]
+            src = []
+            for b in range(num_decodes):
+                last = starts[b] + d_lens[b] - 1 if d_lens[b] else 0
+                src += [starts[b] + j if j < d_lens[b] else max(0, last) for j in range(nn)]
+            pack_src = torch.tensor(src, dtype=torch.int64, device=device)
+            unpack_src = torch.tensor([b * nn + j for b in range(num_decodes) for j in range(d_lens[b])],
+                                      dtype=torch.int64, device=device)
+        decode = DecodeMetadata(
+            num_reqs=num_decodes, next_n=nn, uniform=uniform, width=width, context_lens=ctx,
+            block_table=bt[:num_decodes], row_starts=torch.zeros(len(flat), dtype=torch.int32, device=device),
+            row_ends=_i32(flat, device), pack_src=pack_src, unpack_src=unpack_src,
+        )
+
+    chunks = []
+    p_seq, p_qry = seq[num_decodes:], qry[num_decodes:]
+    plans = plan_prefill_chunks(p_seq, p_qry, limits.prefill_k_tokens, limits.prefill_logits_elems)
+    q_offsets = [num_decode_tokens]
+    for q in p_qry:
+        q_offsets.append(q_offsets[-1] + q)
+    prev = None
+    for cp in plans:
+        reqs = range(cp.req_start, cp.req_end)
+        cu = [0]
+        ks, ke = [], []
+        for r in reqs:
+            for j in range(p_qry[r]):
+                ks.append(cu[-1])
+                ke.append(cu[-1] + p_seq[r] - p_qry[r] + j + 1)
+            cu.append(cu[-1] + p_seq[r])
+        ks, ke = ks[cp.query_start : cp.query_end], ke[cp.query_start : cp.query_end]
+        t0 = q_offsets[cp.req_start] + cp.query_start
+        gather = not (prev is not None and prev.req_start == cp.req_start and prev.req_end == cp.req_end)
+        a, b = num_decodes + cp.req_start, num_decodes + cp.req_end
+        chunks.append(PrefillChunk(
+            token_start=t0, token_end=t0 + len(ks), num_k_tokens=cu[-1], gather=gather, block_table=bt[a:b],
+            cu_seq_lens=_i32(cu, device), cu_seqlen_ks=_i32(ks, device), cu_seqlen_ke=_i32(ke, device),
+        ))
+        prev = cp
+    return IndexerMetadata(
+        num_decodes=num_decodes, num_decode_tokens=num_decode_tokens, num_prefills=n_req - num_decodes,
+        num_prefill_tokens=num_tokens - num_decode_tokens, slot_mapping=slot_mapping.to(device, torch.int64),
+        decode=decode, prefill_chunks=tuple(chunks), limits=limits,
+    )
