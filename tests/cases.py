@@ -1,0 +1,229 @@
+"""Shared case generators, backend-dependent settings and assertion helpers (imports no library code)."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+from tests import oracle
+
+BACKENDS = tuple(b for b in os.environ.get("SPARSE_INDEXER_TEST_BACKENDS", "reference").split(",") if b)
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+SLOW_BACKEND = INTERPRET or "triton" in BACKENDS
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e4m3fnuz]
+FP8_IDS = ["e4m3fn", "e4m3fnuz"]
+SCALE_FMTS = ["ue8m0", None]
+LOGITS_RTOL_L2 = 1e-5
+
+
+def hyp_settings(**kw):
+    """Hypothesis settings for op tests: 10 examples under the Triton interpreter, 40 otherwise."""
+    base = dict(max_examples=10 if SLOW_BACKEND else 40, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                       HealthCheck.data_too_large, HealthCheck.filter_too_much])
+    base.update(kw)
+    return settings(**base)
+
+
+def skip_unsupported(backend: str, fp8_dtype: torch.dtype) -> None:
+    """The Triton interpreter has no float8_e4m3fnuz."""
+    if backend == "triton" and fp8_dtype == torch.float8_e4m3fnuz:
+        pytest.skip("the Triton interpreter does not support float8_e4m3fnuz")
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ------------------------------------------------------------------------------------------------ tensors
+def random_fp8(shape, fp8_dtype, g: torch.Generator, amp: float = 8.0) -> torch.Tensor:
+    """Finite FP8 values, roughly normal with std ``amp`` (|x| <= 200, inside both formats)."""
+    x = (torch.randn(shape, generator=g, dtype=torch.float64) * amp).clamp(-200, 200)
+    _, codes = oracle.round_to_fp8(x, oracle.fmt(fp8_dtype))
+    return codes.view(fp8_dtype)
+
+
+def random_scales(n: int, g: torch.Generator, pow2: bool = False) -> torch.Tensor:
+    """Positive float32 key scales in ``[2**-10, 2**-2]`` (powers of two when ``pow2``)."""
+    e = torch.rand(n, generator=g, dtype=torch.float64) * 8 - 10
+    s = torch.exp2(e.floor() if pow2 else e)
+    return s.float()
+
+
+def random_weights(rows: int, h: int, g: torch.Generator) -> torch.Tensor:
+    """Signed float32 head weights."""
+    return (torch.randn(rows, h, generator=g) * 0.25).float()
+
+
+def int32(x) -> torch.Tensor:
+    return torch.as_tensor(x, dtype=torch.int32)
+
+
+def empty_cache(num_blocks: int, block_size: int, d: int, pad: int = 0, four_d: bool = False) -> torch.Tensor:
+    """A zeroed uint8 cache ``[nb, bs, D + 4]`` (or 4-D) with ``pad`` extra bytes between blocks."""
+    width = d + 4
+    per_block = block_size * width + pad
+    flat = torch.zeros(max(1, num_blocks) * per_block, dtype=torch.uint8)
+    kv = flat.as_strided((num_blocks, block_size, width), (per_block, width, 1))
+    return kv.unsqueeze(2) if four_d else kv
+
+
+def storage_snapshot(t: torch.Tensor) -> torch.Tensor:
+    """A copy of every byte of ``t``'s storage (padding included)."""
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).clone()
+
+
+@dataclass
+class PagedCase:
+    kv: torch.Tensor
+    block_table: torch.Tensor  # [R, max_blocks] int32
+    lens: list[int]
+    block_size: int
+    head_dim: int
+    fp8_dtype: torch.dtype
+
+    @property
+    def cu_seq_lens(self) -> torch.Tensor:
+        return int32([0] + list(torch.tensor(self.lens, dtype=torch.long).cumsum(0).tolist()))
+
+    def slots(self, r: int) -> torch.Tensor:
+        return oracle.slots_of(self.block_table[r], torch.arange(self.lens[r]), self.block_size)
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All requests' keys concatenated, read from the bytes by the oracle: (fp8 ``[N, D]``, float32 ``[N]``)."""
+        slots = torch.cat([self.slots(r) for r in range(len(self.lens))]) if self.lens else torch.zeros(
+            0, dtype=torch.long)
+        vbytes, sbytes = oracle.read_slot_bytes(self.kv, slots)
+        return vbytes.contiguous().view(self.fp8_dtype), sbytes.contiguous().view(torch.float32).view(-1)
+
+
+def paged_case(g: torch.Generator, lens, block_size: int, d: int, fp8_dtype, *, pad: int = 0,
+               four_d: bool = False, spare_blocks: int = 3, spare_cols: int = 1, junk_unused: bool = False,
+               pow2_scales: bool = True) -> PagedCase:
+    """A cache filled with random keys (every slot, unused ones too) and a block table whose blocks are a random
+    permutation; each request gets ``ceil(len / bs)`` blocks and the table ``spare_cols`` extra columns, whose
+    entries are random valid ids or, with ``junk_unused``, ids outside the cache."""
+    lens = [int(x) for x in lens]
+    need = [math.ceil(n / block_size) for n in lens]
+    nb = max(1, sum(need) + spare_blocks)
+    kv = empty_cache(nb, block_size, d, pad=pad, four_d=four_d)
+    all_slots = torch.arange(nb * block_size)
+    oracle.write_slots(kv, all_slots, random_fp8((nb * block_size, d), fp8_dtype, g).view(torch.uint8),
+                       random_scales(nb * block_size, g, pow2=pow2_scales))
+    if pad:  # fill the padding with junk bytes so that reading it shows up
+        flat = torch.empty(0, dtype=torch.uint8).set_(kv.untyped_storage())
+        width = block_size * (d + 4)
+        for b in range(nb):
+            flat[b * (width + pad) + width : (b + 1) * (width + pad)] = 0x7F
+    perm = torch.randperm(nb, generator=g)
+    max_blocks = max(need, default=0) + spare_cols
+    bt = torch.randint(0, nb, (len(lens), max_blocks), generator=g, dtype=torch.int32)
+    if junk_unused:
+        bt = torch.where(torch.rand(bt.shape, generator=g) < 0.5, nb + 7, -1).to(torch.int32)
+    used = 0
+    for r, k in enumerate(need):
+        bt[r, :k] = perm[used : used + k].to(torch.int32)
+        used += k
+    return PagedCase(kv=kv, block_table=bt, lens=lens, block_size=block_size, head_dim=d, fp8_dtype=fp8_dtype)
+
+
+# ------------------------------------------------------------------------------------------------ assertions
+def _worst(diff: torch.Tensor, actual, expected, n: int = 8) -> str:
+    flat = diff.reshape(-1)
+    k = min(n, flat.numel())
+    idx = torch.topk(flat.nan_to_num(float("inf")), k).indices
+    lines = []
+    for i in idx.tolist():
+        pos = tuple(int(v) for v in torch.unravel_index(torch.tensor(i), diff.shape))
+        lines.append(f"  at {list(pos)}: actual={float(actual[pos])!r} expected={float(expected[pos])!r}")
+    return "\n".join(lines)
+
+
+def assert_logits(actual: torch.Tensor, expected: torch.Tensor, *, clean: bool = True,
+                  rtol_l2: float = LOGITS_RTOL_L2, name: str = "logits") -> None:
+    """``expected`` is the oracle's float64 (``-inf`` outside windows). Inside the windows the relative L2 error
+    must be below ``rtol_l2``; with ``clean`` the ``-inf`` masks must match exactly."""
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a = actual.double()
+    outside = expected == float("-inf")
+    if clean:
+        got = a == float("-inf")
+        bad = got != outside
+        if bool(bad.any()):
+            raise AssertionError(
+                f"{name}: -inf mask differs in {int(bad.sum())} cells (worst shown):\n"
+                + _worst(bad.double(), a, expected)
+            )
+    inside = ~outside
+    if not bool(inside.any()):
+        return
+    ai = torch.where(inside, a, 0.0)
+    ei = torch.where(inside, expected, 0.0)
+    finite = torch.isfinite(ai)
+    if not bool(finite.all()):
+        raise AssertionError(f"{name}: non-finite values inside windows:\n" + _worst((~finite).double(), a, expected))
+    diff = (ai - ei).abs()
+    err = float(diff.norm()) / max(float(ei.norm()), 1e-300)
+    if err >= rtol_l2 and float(diff.max()) > 0:
+        raise AssertionError(f"{name}: relative L2 error {err:.3e} >= {rtol_l2:.0e}; worst cells:\n"
+                             + _worst(diff, a, expected))
+
+
+def assert_topk(out: torch.Tensor, logits: torch.Tensor, starts, ends, *, rtol: float = 0.0) -> None:
+    """SPEC 6 checker. ``logits`` (any float dtype) gives the values the selection is judged by; with ``rtol``
+    the sorted selected values may differ from the true top values by ``rtol * max|finite window value|``."""
+    starts = [int(x) for x in torch.as_tensor(starts).tolist()]
+    ends = [int(x) for x in torch.as_tensor(ends).tolist()]
+    r, topk = out.shape
+    assert out.dtype == torch.int32
+    for i in range(r):
+        n = max(0, ends[i] - starts[i])
+        row = out[i].tolist()
+        if n <= topk:
+            want = list(range(n)) + [-1] * (topk - n)
+            assert row == want, f"row {i} (len {n} <= topk {topk}): got {row[:20]}..., want {want[:20]}..."
+            continue
+        pos = torch.tensor(row, dtype=torch.long)
+        assert bool(((pos >= 0) & (pos < n)).all()), f"row {i}: positions outside [0, {n}): {sorted(row)[:10]}..."
+        assert len(set(row)) == topk, f"row {i}: {topk - len(set(row))} repeated positions"
+        window = logits[i, starts[i] : ends[i]]
+        got = torch.sort(oracle.rank_key(window[pos]), descending=True).values
+        want = oracle.top_values(window, topk)
+        fin = torch.isfinite(want)
+        assert bool((torch.isfinite(got) == fin).all()), (
+            f"row {i}: selected {int((~torch.isfinite(got)).sum())} -inf/NaN cells, the top-{topk} have "
+            f"{int((~fin).sum())}")
+        wf = oracle.rank_key(window)
+        scale = float(wf[torch.isfinite(wf)].abs().max()) if bool(torch.isfinite(wf).any()) else 0.0
+        diff = (got[fin] - want[fin]).abs()
+        if diff.numel() and float(diff.max()) > rtol * scale:
+            j = int(diff.argmax())
+            raise AssertionError(f"row {i}: sorted selected values differ from the top-{topk} values: "
+                                 f"{int((diff > rtol * scale).sum())} mismatches, worst at rank {j}: "
+                                 f"got {float(got[fin][j])!r}, want {float(want[fin][j])!r}")
+
+
+def snapshots(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [storage_snapshot(t) for t in tensors]
+
+
+def assert_unchanged(tensors, before) -> None:
+    for i, (t, b) in enumerate(zip(tensors, before)):
+        now = storage_snapshot(t)
+        assert torch.equal(now, b), f"watched tensor #{i} was written ({int((now != b).sum())} bytes changed)"
+
+
+def expect_error(exc, name: str, fn, watch=()) -> BaseException:
+    """``fn()`` must raise ``exc`` whose message names ``name``, and leave every tensor in ``watch`` unchanged."""
+    before = snapshots(*watch)
+    with pytest.raises(exc) as info:
+        fn()
+    assert name in str(info.value), f"message does not name {name!r}: {info.value}"
+    assert_unchanged(watch, before)
+    return info.value
