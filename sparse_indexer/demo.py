@@ -1,0 +1,198 @@
+"""``python -m sparse_indexer demo``: a small simulated serving loop, checked step by step in float64.
+
+Requests arrive with prompts; each engine step schedules the decode tokens of prefilled requests first
+(``next_n = 2``: one token plus one speculative token, some steps accept only one) and fills the rest of the
+token budget with prompt pieces (chunked prefill). One ``Buffers`` record is allocated once from the limits
+and threaded through every step; the indexer's top-k of every token is compared with a float64 model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from buffers import IndexerLimits, allocate, plan
+
+from . import _dispatch
+from .fp8 import quantize_k, quantize_q
+from .indexer import sparse_attn_indexer
+from .kcache import new_kv_cache, slots_from_block_table
+from .metadata import build_metadata
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default="reference", help="reference | triton | aiter | auto (default reference)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--requests", type=int, default=3, help="number of requests (default 3)")
+    p.add_argument("--context", type=int, default=2400, help="prompt length of the longest request (default 2400)")
+    p.add_argument("--decode-steps", type=int, default=4, help="decode steps after the last prefill (default 4)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-check", action="store_true", help="skip the float64 check")
+
+
+class _Request:
+    def __init__(self, rid: int, prompt: int, keys: torch.Tensor, q: torch.Tensor, w: torch.Tensor):
+        self.rid, self.prompt = rid, prompt
+        self.keys, self.q, self.w = keys, q, w  # full histories: [L, D] bf16, [L, H, D] fp8, [L, H] f32
+        self.done = 0  # tokens whose keys are in the cache
+
+
+def _progress(i: int, n: int, msg: str) -> None:
+    width = 24
+    fill = int(width * i / max(1, n))
+    sys.stderr.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {i}/{n} {msg:<60}")
+    sys.stderr.flush()
+
+
+def _model_rows(req: _Request, positions: range, fp8_dtype) -> list[torch.Tensor]:
+    """float64 scores of the windows of ``req``'s tokens at ``positions`` (causal: keys ``[0, p + 1)``)."""
+    end = positions.stop
+    k8, ks = quantize_k(req.keys[:end], fp8_dtype=fp8_dtype)
+    kd = k8.double() * ks.double()[:, None]
+    out = []
+    for p in positions:
+        s = (req.q[p].double() @ kd[: p + 1].T).clamp(min=0)  # [H, p + 1]
+        out.append(req.w[p].double() @ s)
+    return out
+
+
+def _check(sel: torch.Tensor, rows: list[torch.Tensor], topk: int) -> str | None:
+    for i, s in enumerate(rows):
+        n = s.shape[0]
+        row = sel[i].cpu()
+        if n <= topk:
+            want = torch.cat([torch.arange(n), torch.full((topk - n,), -1)]).int()
+            if not torch.equal(row, want):
+                return f"row {i} (window {n} <= topk): got {row[:6].tolist()}..."
+            continue
+        if bool((row < 0).any()) or bool((row >= n).any()) or row.unique().numel() != topk:
+            return f"row {i}: indices outside [0, {n}) or repeated"
+        kth = s.topk(topk).values[-1]
+        tol = 1e-5 * float(s.abs().max())
+        if bool((s[row.long()] < kth - tol).any()):
+            return f"row {i}: a selected score is below the {topk}-th best"
+    return None
+
+
+def run(args) -> int:
+    dev = torch.device(args.device)
+    backend = None if args.backend == "auto" else args.backend
+    print(f"sparse-indexer demo: backend={args.backend} ({'/'.join(_dispatch.available(dev))} available on "
+          f"{dev}), {args.requests} requests, context up to {args.context}, seed {args.seed}")
+    g = torch.Generator().manual_seed(args.seed)
+    h, d, topk, bs, nn = 64, 128, 2048, 64, 2
+    budget = 1024
+    max_len = args.context + nn * (args.decode_steps + 2)
+    lim = IndexerLimits(
+        max_model_len=max_len, max_num_batched_tokens=budget, max_num_seqs=max(1, args.requests), next_n=nn,
+        n_heads=h, head_dim=d, topk=topk, block_size=bs, prefill_k_tokens=2 * max_len,
+        max_logits_bytes=4 * 1024 * 1024,  # 4 MiB of prefill logits: long prompts split along queries
+    )
+    p = plan(lim)
+    print("\nbuffer plan (allocated once, threaded through every step):")
+    print(p)
+    buf = allocate(p, dev)
+    fp8 = lim.fp8_dtype
+    blocks_per_req = (max_len + bs - 1) // bs
+    nb = blocks_per_req * args.requests + 1
+    kv = new_kv_cache(nb, bs, d, device=dev)
+    block_table = torch.randperm(nb - 1, generator=g)[: blocks_per_req * args.requests].view(
+        args.requests, blocks_per_req).int()
+    reqs = []
+    for r in range(args.requests):
+        prompt = max(1, args.context - r * args.context // (2 * max(1, args.requests)))
+        total = prompt + nn * (args.decode_steps + 2)
+        x = torch.randn(total, d, generator=g)
+        q32 = torch.randn(total, h, d, generator=g) + x[:, None, :] * 0.5  # queries correlated with keys
+        q8, qs = quantize_q(q32, fp8_dtype=fp8)
+        w = torch.randn(total, h, generator=g) * (h ** -0.5) * (d ** -0.5) * qs
+        reqs.append(_Request(r, prompt, x.to(torch.bfloat16), q8, w.float()))
+    topk_out = torch.empty(budget, topk, dtype=torch.int32, device=dev)
+
+    steps = []
+    decode_left = args.decode_steps
+    while True:
+        active = [r for r in reqs if r.done >= r.prompt]
+        pending = [r for r in reqs if r.done < r.prompt]
+        if not pending and decode_left <= 0:
+            break
+        if not pending:
+            decode_left -= 1
+        sched = []  # (request, number of new tokens)
+        for r in active:
+            sched.append((r, 1 + int(torch.randint(0, nn, (1,), generator=g)) if nn > 1 else 1))
+        room = budget - sum(n for _, n in sched)
+        for r in pending:
+            if room <= nn:
+                break
+            n = min(r.prompt - r.done, room)
+            if n <= nn:  # a prompt tail this short would be taken for a decode: leave it for the next step
+                n = min(r.prompt - r.done, nn + 1)
+                if n <= nn or n > room:
+                    continue
+            sched.append((r, n))
+            room -= n
+        steps.append(sched)
+        for r, n in sched:
+            r.done += n
+    for r in reqs:
+        r.done = 0
+    print(f"\n{len(steps)} steps scheduled (token budget {budget}, next_n {nn}); running:")
+
+    failures = 0
+    times = []
+    for i, sched in enumerate(steps):
+        seq = [r.done + n for r, n in sched]
+        qry = [n for _, n in sched]
+        bt = block_table[[r.rid for r, _ in sched]]
+        pos = [torch.arange(r.done, r.done + n) for r, n in sched]
+        slots = torch.cat([slots_from_block_table(bt[j : j + 1], pos[j][None, :], bs)[0] for j in range(len(pos))])
+        md = build_metadata(seq, qry, bt, slots, lim, device=dev, num_blocks=nb)
+        q = torch.cat([r.q[r.done : r.done + n] for r, n in sched]).to(dev)
+        k = torch.cat([r.keys[r.done : r.done + n] for r, n in sched]).to(dev)
+        w = torch.cat([r.w[r.done : r.done + n] for r, n in sched]).to(dev)
+        kind = f"{md.num_decodes} decode ({md.num_decode_tokens} tok) + {md.num_prefills} prefill " \
+               f"({md.num_prefill_tokens} tok, {len(md.prefill_chunks)} chunks)"
+        _progress(i, len(steps), kind)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        sparse_attn_indexer(q, k, w, kv, md, buf, topk_out, backend=backend)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        times.append(dt)
+        verdict = "unchecked"
+        if not args.no_check:
+            rows = []
+            for r, n in sched:
+                rows += _model_rows(r, range(r.done, r.done + n), fp8)
+            err = _check(topk_out[: md.num_tokens], rows, topk)
+            verdict = "ok" if err is None else f"MISMATCH: {err}"
+            failures += err is not None
+        for r, n in sched:
+            r.done += n
+        sys.stderr.write("\r" + " " * 100 + "\r")
+        print(f"  step {i + 1:2d}/{len(steps)}: {kind:<48} {dt * 1e3:8.1f} ms  {verdict}")
+    _progress(len(steps), len(steps), "done")
+    sys.stderr.write("\n")
+    total = sum(times)
+    print(f"\n{len(steps)} steps, {sum(len(s) for s in steps)} request-steps, indexer time {total * 1e3:.1f} ms "
+          f"(mean {total / max(1, len(steps)) * 1e3:.1f} ms/step); "
+          + ("float64 check skipped" if args.no_check else
+             f"float64 check: {len(steps) - failures}/{len(steps)} steps ok"))
+    return 1 if failures else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sparse_indexer demo")
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
