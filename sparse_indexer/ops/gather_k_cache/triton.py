@@ -1,0 +1,71 @@
+"""Triton ``gather_k_cache``: copy each request's paged keys and scales into the dense workspace (SPEC 4).
+
+The grid is ``(token tiles, requests)``: program ``(j, r)`` copies request-local tokens
+``[j * BLOCK_T, (j + 1) * BLOCK_T)`` of request ``r`` (when they exist; otherwise it exits at once), so the
+host never reads ``cu_seq_lens``. Values move as 32-bit words (``D / 4`` per token, 16-byte vectors), scales
+as float32; byte offsets are int64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["gather_k_cache"]
+
+_BLOCK_T = 64
+_MAX_GRID_Y = 65535
+
+
+@triton.jit
+def _gather_k_cache_kernel(
+    out_k_ptr,  # [N, D / 4] int32 (word view of the fp8 out_k)
+    out_scale_ptr,  # [N] float32
+    cache_ptr,  # [num_blocks * block_stride] uint8 (byte view of the 3-D cache)
+    bt_ptr,  # [R, max_blocks] int32, row stride bt_stride
+    cu_ptr,  # [R + 1] int32
+    bt_stride,
+    block_stride,  # bytes between blocks, a multiple of 4
+    BS: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    j = tl.program_id(0)
+    r = tl.program_id(1)
+    beg = tl.load(cu_ptr + r).to(tl.int64)
+    n = tl.load(cu_ptr + r + 1).to(tl.int64) - beg
+    if j * BLOCK_T < n:
+        DW: tl.constexpr = D // 4
+        p = j * BLOCK_T + tl.arange(0, BLOCK_T)
+        pm = p < n
+        blk = tl.load(bt_ptr + r.to(tl.int64) * bt_stride + p // BS, mask=pm, other=0).to(tl.int64)
+        off = p % BS
+        base = blk * block_stride  # bytes
+        words = cache_ptr.to(tl.pointer_type(tl.int32))
+        w = tl.arange(0, DW)
+        src = (base // 4 + off * DW)[:, None] + w[None, :]
+        vals = tl.load(words + src, mask=pm[:, None])
+        row = beg + p
+        tl.store(out_k_ptr + row[:, None] * DW + w[None, :], vals, mask=pm[:, None])
+        sptr = (cache_ptr + base + BS * D + off * 4).to(tl.pointer_type(tl.float32))
+        tl.store(out_scale_ptr + row, tl.load(sptr, mask=pm), mask=pm)
+
+
+def gather_k_cache(kv_cache, block_table, cu_seq_lens, *, out_k, out_scale) -> None:
+    """See :func:`sparse_indexer.gather_k_cache`; ``kv_cache`` is the 3-D view, arguments are checked."""
+    r, max_blocks = block_table.shape
+    nb, bs, width = kv_cache.shape
+    d = width - 4
+    if d & (d - 1):
+        raise NotImplementedError(f"the Triton gather_k_cache needs a power-of-two head dim, got D={d}")
+    if r > _MAX_GRID_Y:
+        raise NotImplementedError(f"the Triton gather_k_cache handles at most {_MAX_GRID_Y} requests, got {r}")
+    if r == 0 or max_blocks == 0:
+        return
+    block_stride = kv_cache.stride(0) if nb > 1 else bs * width
+    tiles = triton.cdiv(max_blocks * bs, _BLOCK_T)
+    _gather_k_cache_kernel[(tiles, r)](
+        out_k.view(torch.uint8).view(torch.int32), out_scale, kv_cache, block_table, cu_seq_lens,
+        block_table.stride(0), block_stride, BS=bs, D=d, BLOCK_T=_BLOCK_T, num_warps=4,
+    )

@@ -1,0 +1,113 @@
+"""Triton ``write_k_cache``: quantize each key row (SPEC 3) and scatter it into the paged cache (SPEC 4).
+
+One program quantizes ``BLOCK_T`` rows of ``k`` (a ``[BLOCK_T, D]`` tile in registers): ``amax`` per row,
+``scale = max(amax, 1e-4) / qmax`` with IEEE division, ``ue8m0`` rounding done on the float32 bits
+(``(bits + 0x7FFFFF) & 0xFF800000`` rounds a positive normal up to a power of two, exactly), values
+``clamp(k / scale)`` cast round-to-nearest-even. e4m3fnuz bytes are produced through the e4m3fn cast of
+``2 * v`` (the same byte decodes to half the value in fnuz; ``-0`` becomes ``+0``, as fnuz has no negative zero),
+which is exact and keeps the kernel free of fnuz support in the compiler. Bit-exact with the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..._dispatch import _interpret
+from ...fp8 import K_SCALE_FLOOR, QUANT_MAX
+
+__all__ = ["write_k_cache"]
+
+_BLOCK_T = 16
+
+
+@triton.jit
+def _e4m3fn_bits(q):
+    """Round-to-nearest-even e4m3fn byte of float32 ``q`` (``|q| <= 448``), in integer arithmetic.
+
+    Only used under the interpreter, whose float32 -> fp8 cast mis-rounds when rounding carries into the
+    exponent; compiled kernels use the hardware cast (``cvt.rn.satfinite``), which is exact.
+    """
+    u = q.to(tl.uint32, bitcast=True)
+    sign = (u >> 31) << 7
+    a = u & 0x7FFFFFFF
+    e = a >> 23
+    # normal e4m3fn (|q| >= 2**-6): round the float32 mantissa to 3 bits, rebias the exponent 127 -> 7
+    r = (a + 0x7FFFF + ((a >> 20) & 1)) & 0xFFF00000
+    normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)
+    # subnormal e4m3fn: m = rne(|q| * 2**9), 0..8 (8 is the smallest normal, byte 0x08)
+    mant = (a & 0x7FFFFF) | 0x800000
+    sh = tl.minimum(141 - tl.minimum(e, 141), 31)
+    sh = tl.maximum(sh, 1)
+    sub = (mant + (1 << (sh - 1)) - 1 + ((mant >> sh) & 1)) >> sh
+    sub = tl.where(e == 0, 0, sub)
+    byte = tl.where(e >= 121, normal, sub) | sign
+    return byte.to(tl.uint8)
+
+
+@triton.jit
+def _write_k_cache_kernel(
+    cache_ptr,  # [num_blocks * block_stride] uint8 (byte view of the 3-D cache)
+    k_ptr,  # [T, D] bf16/fp16/fp32, row stride stride_k
+    slot_ptr,  # [S] int64/int32
+    S,
+    stride_k,
+    block_stride,  # bytes between blocks
+    BS: tl.constexpr,  # block_size
+    D: tl.constexpr,
+    QMAX: tl.constexpr,
+    FLOOR: tl.constexpr,
+    UE8M0: tl.constexpr,
+    FNUZ: tl.constexpr,
+    SOFT_FP8: tl.constexpr,  # integer rounding instead of the cast (interpreter only, see _e4m3fn_bits)
+    BLOCK_T: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < S
+    slot = tl.load(slot_ptr + t, mask=tmask, other=-1).to(tl.int64)
+    ok = tmask & (slot >= 0)
+    d = tl.arange(0, D)
+    x = tl.load(k_ptr + t.to(tl.int64)[:, None] * stride_k + d[None, :], mask=ok[:, None], other=0.0)
+    x = x.to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.math.div_rn(tl.maximum(amax, FLOOR), tl.full(amax.shape, QMAX, tl.float32))
+    if UE8M0:
+        bits = scale.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFFFF) & 0xFF800000
+        scale = bits.to(tl.float32, bitcast=True)
+    q = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
+    if FNUZ:
+        q = q * 2.0  # the fnuz byte of v is the fn byte of 2v (except -0, which fnuz lacks)
+    if SOFT_FP8:
+        qb = _e4m3fn_bits(q)
+    else:
+        qb = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    if FNUZ:
+        qb = tl.where(qb == 0x80, tl.zeros_like(qb), qb)
+    blk = slot // BS
+    off = slot - blk * BS
+    base = blk * block_stride
+    tl.store(cache_ptr + (base + off * D)[:, None] + d[None, :], qb, mask=ok[:, None])
+    sptr = (cache_ptr + base + BS * D + off * 4).to(tl.pointer_type(tl.float32))
+    tl.store(sptr, scale, mask=ok)
+
+
+def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *, scale_fmt,
+                  fp8_dtype) -> None:
+    """See :func:`sparse_indexer.write_k_cache`; ``kv_cache`` is the 3-D view, arguments are checked."""
+    s = slot_mapping.shape[0]
+    nb, bs, width = kv_cache.shape
+    d = width - 4
+    if d & (d - 1):
+        raise NotImplementedError(f"the Triton write_k_cache needs a power-of-two head dim, got D={d}")
+    if s == 0:
+        return
+    block_stride = kv_cache.stride(0) if nb > 1 else bs * width
+    grid = (triton.cdiv(s, _BLOCK_T),)
+    _write_k_cache_kernel[grid](
+        kv_cache, k, slot_mapping, s, k.stride(0), block_stride,
+        BS=bs, D=d, QMAX=QUANT_MAX[fp8_dtype], FLOOR=K_SCALE_FLOOR, UE8M0=scale_fmt == "ue8m0",
+        FNUZ=fp8_dtype == torch.float8_e4m3fnuz, SOFT_FP8=_interpret(), BLOCK_T=_BLOCK_T, num_warps=4,
+    )
