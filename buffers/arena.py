@@ -35,7 +35,8 @@ def carve(plan_: BufferPlan, arena: torch.Tensor) -> Buffers:
 
 
 def allocate(limits_or_plan: IndexerLimits | BufferPlan, device: torch.device | str = "cpu") -> Buffers:
-    """Allocate one arena of ``plan.total_bytes`` bytes (plus at most 256 for alignment) on ``device`` and carve it into a :class:`Buffers`.
+    """Allocate one arena of ``plan.total_bytes`` bytes (plus at most 256 for alignment) on ``device`` and
+    carve it into a :class:`Buffers`.
 
     This is the only allocation the indexer needs; do it once, at start-up (or at profiling time).
     Contents are uninitialised.

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The test command of the README: the whole suite on the reference backend, then every op test and the
+# end-to-end step again with the Triton kernels executed by Triton's CPU interpreter (its own process, since
+# TRITON_INTERPRET must be set before triton is imported). GPU tests (marker `gpu`) skip without a GPU.
+# pytest's exit code 5 ("no tests collected") counts as a failure.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+fail=0
+run() {
+  echo "+ $*"
+  "$@"
+  rc=$?
+  if [ "$rc" -ne 0 ]; then
+    [ "$rc" -eq 5 ] && echo "pytest collected no tests (exit 5): failing"
+    fail=1
+  fi
+}
+run "$PY" -m pytest -q -p no:cacheprovider tests
+run env TRITON_INTERPRET=1 SPARSE_INDEXER_TEST_BACKENDS=triton "$PY" -m pytest -q -p no:cacheprovider \
+  tests/sparse_indexer/ops tests/sparse_indexer/test_indexer.py
+exit $fail
