@@ -1,0 +1,176 @@
+"""GPU check + timing of the Triton top_k_per_row / write_k_cache / gather_k_cache (one device call).
+
+PYTHONPATH=. python3 scripts/gpu_topk_bench.py  -> prints a table, writes $OUT/gpu_topk_bench.json
+Correctness on fresh random inputs at DeepSeek shapes (top-k value multisets vs torch.topk, cache bytes
+bit-exact vs the reference backend), then triton.testing.do_bench medians (L2 flushed) against a device copy.
+"""
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import triton
+
+import sparse_indexer as si
+from sparse_indexer.kcache import new_kv_cache
+from sparse_indexer.ops.top_k_per_row import triton as tkt
+
+dev = "cuda"
+OUT = os.environ.get("OUT", ".")
+rows = []
+res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+VARIANTS = [tuple(int(v) for v in s.split(",")) for s in
+            os.environ.get("TOPK_VARIANTS", "8,4096,16;5,4096,16;6,4096,16;8,4096,8;8,2048,8").split(";")]
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3  # us
+
+
+def copy_us(nbytes):
+    a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    return bench(lambda: b.copy_(a))
+
+
+def section(name):
+    def deco(f):
+        t0 = time.time()
+        try:
+            f()
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            rows.append((name, "FAILED", "", ""))
+        print(f"[{name}] {time.time() - t0:.1f}s", flush=True)
+        return f
+    return deco
+
+
+def topk_check(logits, starts, ends, out, check_rows):
+    """Value multisets of out vs torch.topk on the masked window, for check_rows."""
+    topk = out.shape[1]
+    w = logits.shape[1]
+    cols = torch.arange(w, device=dev)
+    bad = 0
+    for c0 in range(0, len(check_rows), 256):
+        rr = check_rows[c0:c0 + 256]
+        x = logits[rr]
+        s, e = starts[rr].long()[:, None], ends[rr].long()[:, None]
+        xm = torch.where((cols >= s) & (cols < e), x, float("-inf"))
+        want = torch.topk(xm, topk, dim=1).values.sort(dim=1).values
+        o = out[rr].long()
+        if ((o < 0) | (o >= (e - s))).any():
+            return False
+        got = x.gather(1, o + s).sort(dim=1).values
+        uniq = o.sort(dim=1).values
+        bad += int((got != want).any()) + int((uniq[:, 1:] == uniq[:, :-1]).any())
+    return bad == 0
+
+
+def run_topk(name, logits, starts, ends, topk, check_rows, floor_bytes):
+    r = logits.shape[0]
+    out = torch.empty(r, topk, dtype=torch.int32, device=dev)
+    fl = copy_us(floor_bytes // 2)  # a copy that reads + writes floor_bytes in total
+    t_torch = bench(lambda: torch.topk(logits, topk, dim=1))
+    rows.append((name, "torch.topk (full rows, no windows)", f"{t_torch:.1f}", ""))
+    for rb, blk, nw in VARIANTS:
+        out.fill_(-7)
+        tkt._launch(logits, starts, ends, out, radix_bits=rb, block=blk, num_warps=nw)
+        ok = topk_check(logits, starts, ends, out, check_rows)
+        t = bench(lambda: tkt._launch(logits, starts, ends, out, radix_bits=rb, block=blk, num_warps=nw))
+        rows.append((name, f"triton rb={rb} block={blk} warps={nw} ok={ok}", f"{t:.1f}", f"{t / fl:.2f}"))
+        res[f"{name}/rb{rb}_b{blk}_w{nw}"] = {"us": t, "ok": ok, "floor_us": fl}
+    rows.append((name, f"floor: copy of {floor_bytes / 2**20:.0f} MiB traffic", f"{fl:.1f}", "1.00"))
+
+
+@section("topk decode 64x65536")
+def _():
+    r, w, topk = 64, 65536, 2048
+    logits = torch.randn(r, w, device=dev)
+    starts = torch.zeros(r, dtype=torch.int32, device=dev)
+    ends = torch.full((r,), w, dtype=torch.int32, device=dev)
+    ends[::4] = torch.randint(w // 2, w, (r // 4,), device=dev, dtype=torch.int32)
+    run_topk("decode", logits, starts, ends, topk, torch.arange(r, device=dev), r * w * 4)
+
+
+@section("topk prefill 8192x65536")
+def _():
+    r, w, topk = 8192, 65536, 2048
+    logits = torch.randn(r, w, device=dev)
+    starts = torch.zeros(r, dtype=torch.int32, device=dev)
+    ends = (w - r + 1 + torch.arange(r, device=dev)).int()  # one request, L=64K, q=8K (SPEC 5)
+    chk = torch.randperm(r, device=dev)[:512]
+    run_topk("prefill_tail", logits, starts, ends, topk, chk, int((ends - starts).sum()) * 4)
+    ends2 = (8 * (1 + torch.arange(r, device=dev))).int()  # causal 8..64K
+    run_topk("prefill_causal", logits, starts, ends2, topk, chk, int((ends2 - starts).sum()) * 4)
+
+
+@section("write_k_cache 65536 tokens")
+def _():
+    t, d, bs = 65536, 128, 64
+    nb = t // bs + 16
+    slots = torch.randperm(nb * bs, device=dev)[:t]
+    for fmt in ("ue8m0", None):
+        for dt in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+            k = (torch.randn(t, d, device=dev) * torch.rand(t, 1, device=dev) * 8).to(torch.bfloat16)
+            caches = []
+            for be in ("reference", "triton"):
+                kv = new_kv_cache(nb, bs, d, device=dev, block_pad=64)
+                si.write_k_cache(k, kv, slots, scale_fmt=fmt, fp8_dtype=dt, backend=be)
+                caches.append(kv)
+            ok = torch.equal(caches[0], caches[1])
+            nbad = int((caches[0] != caches[1]).sum())
+            kv = caches[1]
+            tt = bench(lambda: si.write_k_cache(k, kv, slots, scale_fmt=fmt, fp8_dtype=dt, backend="triton",
+                                                check_values=False))
+            nbytes = t * d * 2 + t * (d + 4) + t * 8
+            fl = copy_us(nbytes // 2)
+            rows.append(("write", f"{fmt} {str(dt)[-8:]} exact={ok} nbad={nbad}", f"{tt:.1f}", f"{tt / fl:.2f}"))
+            res[f"write/{fmt}/{dt}"] = {"us": tt, "exact": ok, "floor_us": fl}
+    rows.append(("write", f"floor copy of {nbytes / 2**20:.1f} MiB traffic", f"{fl:.1f}", "1.00"))
+
+
+@section("gather_k_cache 65536 tokens")
+def _():
+    d, bs = 128, 64
+    lens = [16384, 20000, 9000, 20152]
+    total = sum(lens)
+    nb = sum((x + bs - 1) // bs for x in lens) + 32
+    kv = new_kv_cache(nb, bs, d, device=dev, block_pad=64)
+    kv.copy_(torch.randint(0, 256, kv.shape, dtype=torch.uint8, device=dev))
+    mb = max((x + bs - 1) // bs for x in lens)
+    perm = torch.randperm(nb, device=dev).int()
+    bt = torch.zeros(len(lens), mb, dtype=torch.int32, device=dev)
+    c = 0
+    for i, x in enumerate(lens):
+        kk = (x + bs - 1) // bs
+        bt[i, :kk] = perm[c:c + kk]
+        c += kk
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=dev)
+    outs = []
+    for be in ("reference", "triton"):
+        ok_ = torch.full((total + 100, d), 7, dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn)
+        os_ = torch.full((total + 100,), 3.0, device=dev)
+        si.gather_k_cache(kv, bt, cu, out_k=ok_, out_scale=os_, backend=be)
+        outs.append((ok_.view(torch.uint8), os_.view(torch.int32)))
+    exact = torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    ok_, os_ = outs[1]
+    ok_ = ok_.view(torch.float8_e4m3fn)
+    os_ = os_.view(torch.float32)
+    tt = bench(lambda: si.gather_k_cache(kv, bt, cu, out_k=ok_, out_scale=os_, backend="triton",
+                                         check_values=False))
+    fl = copy_us(total * (d + 4))
+    rows.append(("gather", f"{total} tokens exact={exact}", f"{tt:.1f}", f"{tt / fl:.2f}"))
+    rows.append(("gather", f"floor copy of {total * (d + 4) / 2**20:.1f} MiB", f"{fl:.1f}", "1.00"))
+    res["gather"] = {"us": tt, "exact": exact, "floor_us": fl}
+
+
+print(f"{'case':16s} {'variant':52s} {'us':>9s} {'x floor':>8s}")
+for r in rows:
+    print(f"{r[0]:16s} {r[1]:52s} {r[2]:>9s} {r[3]:>8s}")
+res["rows"] = rows
+with open(os.path.join(OUT, "gpu_topk_bench.json"), "w") as f:
+    json.dump(res, f, indent=1, default=str)
+sys.exit(0)

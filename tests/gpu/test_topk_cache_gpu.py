@@ -1,0 +1,87 @@
+"""GPU checks of the Triton top_k_per_row, write_k_cache and gather_k_cache against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sparse_indexer as si
+from sparse_indexer.kcache import new_kv_cache
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def _values(logits, starts, idx):
+    v = logits.gather(1, idx.long() + starts.long()[:, None]).double()
+    return torch.where(torch.isnan(v) | (v == float("-inf")), -1e300, v).sort(dim=1).values
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,width,topk", [(64, 65536, 2048), (37, 5000, 512), (9, 3000, 1024)])
+def test_top_k_per_row_gpu(rows, width, topk):
+    logits = torch.randn(rows, width + 3, device=DEV)[:, :width]
+    logits[1, : width // 2] = float("-inf")
+    logits[2, ::3] = float("nan")
+    logits[3] = 1.0
+    starts = torch.randint(0, width // 4, (rows,), device=DEV, dtype=torch.int32)
+    ends = torch.randint(width // 2, width + 1, (rows,), device=DEV, dtype=torch.int32)
+    ends[4] = starts[4] + topk  # exactly topk
+    ends[5] = starts[5]  # empty
+    out = torch.full((rows, topk), -7, dtype=torch.int32, device=DEV)
+    ref = torch.full_like(out, -7)
+    si.top_k_per_row(logits, starts, ends, out=out, backend="triton")
+    si.top_k_per_row(logits, starts, ends, out=ref, backend="reference")
+    n = (ends - starts).clamp(min=0)
+    long_rows = n > topk
+    assert torch.equal(out[~long_rows], ref[~long_rows])
+    o = out[long_rows]
+    assert ((o >= 0) & (o < n[long_rows, None])).all()
+    assert (o.sort(dim=1).values.diff(dim=1) > 0).all()
+    s = starts[long_rows]
+    assert torch.equal(_values(logits[long_rows], s, o), _values(logits[long_rows], s, ref[long_rows]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", None])
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])
+@pytest.mark.parametrize("block_size,head_dim", [(64, 128), (1, 128), (16, 64)])
+def test_write_k_cache_gpu(scale_fmt, fp8_dtype, block_size, head_dim):
+    t, nb = 3000, 3000 // block_size + 8
+    k = (torch.randn(t, head_dim, device=DEV) * torch.rand(t, 1, device=DEV) * 8).to(torch.bfloat16)
+    k[0] = 0
+    slots = torch.randperm(nb * block_size, device=DEV)[: t - 10]
+    slots[::7] = -1
+    caches = []
+    for backend in ("reference", "triton"):
+        kv = new_kv_cache(nb, block_size, head_dim, device=DEV, block_pad=12)
+        si.write_k_cache(k, kv, slots, scale_fmt=scale_fmt, fp8_dtype=fp8_dtype, backend=backend)
+        caches.append(kv)
+    assert torch.equal(caches[0], caches[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size,head_dim", [(64, 128), (1, 128), (16, 64), (32, 128)])
+def test_gather_k_cache_gpu(block_size, head_dim):
+    lens = [1000, 0, 1, 2049, 333]
+    nb = sum((x + block_size - 1) // block_size for x in lens) + 5
+    kv = new_kv_cache(nb, block_size, head_dim, device=DEV, block_pad=8)
+    kv.copy_(torch.randint(0, 256, kv.shape, dtype=torch.uint8, device=DEV))
+    mb = max((x + block_size - 1) // block_size for x in lens) + 1
+    perm = torch.randperm(nb, device=DEV).int()
+    bt = torch.zeros(len(lens), mb, dtype=torch.int32, device=DEV)
+    c = 0
+    for i, x in enumerate(lens):
+        kk = (x + block_size - 1) // block_size
+        bt[i, :kk] = perm[c : c + kk]
+        c += kk
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    n = int(cu[-1]) + 50
+    outs = []
+    for backend in ("reference", "triton"):
+        out_k = torch.full((n, head_dim), 7, dtype=torch.uint8, device=DEV).view(torch.float8_e4m3fn)
+        out_s = torch.full((n,), 3.0, device=DEV)
+        si.gather_k_cache(kv, bt, cu, out_k=out_k, out_scale=out_s, backend=backend)
+        outs.append((out_k.view(torch.uint8), out_s.view(torch.int32)))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.equal(outs[0][1], outs[1][1])
