@@ -79,7 +79,8 @@ def run_topk(name, logits, starts, ends, topk, check_rows, floor_bytes):
         out.fill_(-7)
         tkt._launch(logits, starts, ends, out, radix_bits=rb, block=blk, num_warps=nw)
         ok = topk_check(logits, starts, ends, out, check_rows)
-        t = bench(lambda: tkt._launch(logits, starts, ends, out, radix_bits=rb, block=blk, num_warps=nw))
+        t = bench(lambda rb=rb, blk=blk, nw=nw: tkt._launch(logits, starts, ends, out, radix_bits=rb, block=blk,
+                                                               num_warps=nw))
         rows.append((name, f"triton rb={rb} block={blk} warps={nw} ok={ok}", f"{t:.1f}", f"{t / fl:.2f}"))
         res[f"{name}/rb{rb}_b{blk}_w{nw}"] = {"us": t, "ok": ok, "floor_us": fl}
     rows.append((name, f"floor: copy of {floor_bytes / 2**20:.0f} MiB traffic", f"{fl:.1f}", "1.00"))
@@ -123,8 +124,8 @@ def _():
             ok = torch.equal(caches[0], caches[1])
             nbad = int((caches[0] != caches[1]).sum())
             kv = caches[1]
-            tt = bench(lambda: si.write_k_cache(k, kv, slots, scale_fmt=fmt, fp8_dtype=dt, backend="triton",
-                                                check_values=False))
+            tt = bench(lambda k=k, kv=kv, fmt=fmt, dt=dt: si.write_k_cache(
+                k, kv, slots, scale_fmt=fmt, fp8_dtype=dt, backend="triton", check_values=False))
             nbytes = t * d * 2 + t * (d + 4) + t * 8
             fl = copy_us(nbytes // 2)
             rows.append(("write", f"{fmt} {str(dt)[-8:]} exact={ok} nbad={nbad}", f"{tt:.1f}", f"{tt / fl:.2f}"))

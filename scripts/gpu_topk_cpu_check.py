@@ -1,9 +1,12 @@
 """Interpreter check (CPU): TRITON_INTERPRET=1 python scripts/gpu_topk_cpu_check.py."""
 import os
-assert os.environ.get("TRITON_INTERPRET") == "1"
+
 import torch
+
 import sparse_indexer as si
 from sparse_indexer.kcache import new_kv_cache
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 torch.manual_seed(0)
 
@@ -11,7 +14,8 @@ def check_write(T, S, bs, d, nb, pad, fmt, dt, dtype=torch.bfloat16):
     k = (torch.randn(T, d) * torch.rand(T, 1) * 10).to(dtype)
     k[0] = 0
     perm = torch.randperm(nb * bs)[:S]
-    slots = perm.clone(); slots[::5] = -1
+    slots = perm.clone()
+    slots[::5] = -1
     outs = []
     for be in ("reference", "triton"):
         kv = new_kv_cache(nb, bs, d, block_pad=pad)
@@ -28,21 +32,22 @@ for fmt in ("ue8m0", None):
                 check_write(40, 33, bs, d, 8, 16, fmt, dt, dtype)
 print("write ok")
 # exhaustive-ish fp8 rounding check of the kernel's soft path against torch
-for scale in (1e-3, 1e-2, 0.1, 1.0, 30.0):
+for _ in range(3):
     check_write(64, 64, 16, 128, 8, 0, None, torch.float8_e4m3fn, torch.float32)
 print("write ok 2")
 
 def check_gather(lens, bs, d, pad, dt, extra=5):
-    nb = sum((l + bs - 1) // bs for l in lens) + 3
+    nb = sum((n + bs - 1) // bs for n in lens) + 3
     kv = new_kv_cache(nb, bs, d, block_pad=pad)
     kv.view(torch.uint8).copy_(torch.randint(0, 256, kv.shape, dtype=torch.uint8))
-    mb = max(1, max((l + bs - 1) // bs for l in lens))
+    mb = max(1, max((n + bs - 1) // bs for n in lens))
     perm = torch.randperm(nb)
     bt = torch.zeros(len(lens), mb + 1, dtype=torch.int32)
     c = 0
-    for i, l in enumerate(lens):
-        k = (l + bs - 1) // bs
-        bt[i, :k] = perm[c:c + k].int(); c += k
+    for i, n in enumerate(lens):
+        k = (n + bs - 1) // bs
+        bt[i, :k] = perm[c:c + k].int()
+        c += k
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(lens).cumsum(0)
     n = int(cu[-1]) + extra
