@@ -1,0 +1,149 @@
+"""top_k_per_row (SPEC 6): multiset semantics, short rows, ties, -inf/NaN, cells outside never read."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sparse_indexer import top_k_per_row
+from tests.cases import assert_topk, expect_error, gen, hyp_settings, int32
+
+NINF, NAN, INF = float("-inf"), float("nan"), float("inf")
+
+
+def test_hand_computed(backend):
+    logits = torch.tensor([
+        [5.0, 1.0, 3.0, 2.0, 4.0],  # window [1, 5) = 1, 3, 2, 4 -> positions of 4 and 3: {3, 1}
+        [9.0, 9.0, 0.0, 0.0, 0.0],  # window [2, 4): len 2 <= topk -> [0, 1]
+        [1.0, 2.0, 3.0, 4.0, 5.0],  # empty window (end < start) -> [-1, -1]
+        [NAN, -1.0, NINF, -7.0, 8.0],  # window [0, 4): NaN and -inf rank last -> -1 and -7: {1, 3}
+    ])
+    out = torch.full((4, 2), 99, dtype=torch.int32)
+    res = top_k_per_row(logits, int32([1, 2, 4, 0]), int32([5, 4, 3, 4]), out=out, backend=backend)
+    assert res is out
+    assert sorted(out[0].tolist()) == [1, 3]
+    assert out[1].tolist() == [0, 1]
+    assert out[2].tolist() == [-1, -1]
+    assert sorted(out[3].tolist()) == [1, 3]
+
+
+def _fill(g, n, kind):
+    if kind == "distinct":
+        return torch.randn(n, generator=g)
+    if kind == "ties":
+        return torch.randint(-3, 3, (n,), generator=g).float()
+    x = torch.randn(n, generator=g)  # mixed: ties, -inf and NaN sprinkled in
+    u = torch.rand(n, generator=g)
+    x = torch.where(u < 0.2, torch.round(x), x)
+    x = torch.where(u > 0.9, torch.full_like(x, NINF), x)
+    return torch.where((u > 0.8) & (u <= 0.9), torch.full_like(x, NAN), x)
+
+
+@hyp_settings()
+@given(
+    r=st.integers(1, 5),
+    w=st.integers(0, 300),
+    topk=st.sampled_from([1, 16, 64]),
+    kind=st.sampled_from(["distinct", "ties", "mixed"]),
+    outside=st.sampled_from([INF, NAN, 1e30, 0.0]),
+    data=st.data(),
+    seed=st.integers(0, 2**16),
+)
+def test_matches_multiset(backend, r, w, topk, kind, outside, data, seed):
+    g = gen(seed)
+    starts, ends = [], []
+    logits = torch.full((r, w), outside)
+    for i in range(r):
+        s = data.draw(st.integers(0, w))
+        e = data.draw(st.integers(max(0, s - 2), w) | st.just(min(w, s + topk)) | st.just(min(w, s + topk + 1)))
+        starts.append(s)
+        ends.append(e)
+        if e > s:
+            logits[i, s:e] = _fill(g, e - s, kind)
+    out = torch.full((r, topk), 12345, dtype=torch.int32)
+    top_k_per_row(logits, int32(starts), int32(ends), out=out, backend=backend)
+    assert_topk(out, logits, starts, ends)
+
+
+def test_all_ties_and_all_masked(backend):
+    logits = torch.stack([torch.full((100,), 2.5), torch.full((100,), NINF), torch.full((100,), NAN),
+                          torch.cat([torch.full((50,), NAN), torch.full((50,), NINF)])])
+    out = torch.empty(4, 16, dtype=torch.int32)
+    top_k_per_row(logits, int32([0, 3, 0, 10]), int32([100, 90, 100, 95]), out=out, backend=backend)
+    assert_topk(out, logits, [0, 3, 0, 10], [100, 90, 100, 95])
+
+
+def test_fewer_finite_than_topk(backend):
+    g = gen(3)
+    x = torch.full((2, 200), NINF)
+    x[0, torch.randperm(200, generator=g)[:10]] = torch.randn(10, generator=g)
+    x[1, ::7] = NAN
+    x[1, 3:40:9] = torch.arange(5.0)
+    out = torch.empty(2, 64, dtype=torch.int32)
+    top_k_per_row(x, int32([0, 0]), int32([200, 200]), out=out, backend=backend)
+    assert_topk(out, x, [0, 0], [200, 200])
+
+
+def test_topk_2048(backend):
+    g = gen(4)
+    w = 4100
+    x = torch.randn(4, w, generator=g)
+    x[1] = torch.randint(0, 50, (w,), generator=g).float()  # heavy ties
+    x[2, ::3] = NINF
+    starts, ends = [0, 4, 1000, 7], [4096, 4100, 3048, 107]  # len 4096, 4096, 2048 (== topk), 100
+    out = torch.empty(4, 2048, dtype=torch.int32)
+    top_k_per_row(x, int32(starts), int32(ends), out=out, backend=backend)
+    assert_topk(out, x, starts, ends)
+
+
+def test_row_strided_logits(backend):
+    g = gen(5)
+    big = torch.randn(3, 500, generator=g)
+    logits = big[:, 100:400]
+    out = torch.empty(3, 32, dtype=torch.int32)
+    top_k_per_row(logits, int32([0, 50, 299]), int32([300, 120, 300]), out=out, backend=backend)
+    assert_topk(out, logits, [0, 50, 299], [300, 120, 300])
+
+
+def test_zero_rows(backend):
+    out = torch.empty(0, 16, dtype=torch.int32)
+    top_k_per_row(torch.empty(0, 10), int32([]), int32([]), out=out, backend=backend)
+
+
+def _base():
+    return dict(logits=torch.randn(3, 40, generator=gen(6)), row_starts=int32([0, 5, 39]),
+                row_ends=int32([40, 10, 40]), out=torch.zeros(3, 8, dtype=torch.int32))
+
+
+def _meta(t):
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+BAD = [
+    ("logits dtype", lambda a: {"logits": a["logits"].double()}, TypeError, "logits"),
+    ("logits 1-D", lambda a: {"logits": a["logits"][0]}, ValueError, "logits"),
+    ("logits strided", lambda a: {"logits": torch.zeros(40, 3).T}, ValueError, "logits"),
+    ("starts int64", lambda a: {"row_starts": a["row_starts"].long()}, TypeError, "row_starts"),
+    ("starts shape", lambda a: {"row_starts": int32([0, 0])}, ValueError, "row_starts"),
+    ("starts meta", lambda a: {"row_starts": _meta(a["row_starts"])}, ValueError, "row_starts"),
+    ("starts negative", lambda a: {"row_starts": int32([0, -1, 39])}, ValueError, "row_starts"),
+    ("ends int64", lambda a: {"row_ends": a["row_ends"].long()}, TypeError, "row_ends"),
+    ("ends shape", lambda a: {"row_ends": int32([[40, 10, 40]])}, ValueError, "row_ends"),
+    ("ends meta", lambda a: {"row_ends": _meta(a["row_ends"])}, ValueError, "row_ends"),
+    ("ends beyond W", lambda a: {"row_ends": int32([41, 10, 40])}, ValueError, "row_ends"),
+    ("out int64", lambda a: {"out": torch.zeros(3, 8, dtype=torch.int64)}, TypeError, "out"),
+    ("out rows", lambda a: {"out": torch.zeros(2, 8, dtype=torch.int32)}, ValueError, "out"),
+    ("out topk 0", lambda a: {"out": torch.zeros(3, 0, dtype=torch.int32)}, ValueError, "out"),
+    ("out 1-D", lambda a: {"out": torch.zeros(3, dtype=torch.int32)}, ValueError, "out"),
+    ("out strided", lambda a: {"out": torch.zeros(8, 3, dtype=torch.int32).T}, ValueError, "out"),
+    ("out meta", lambda a: {"out": _meta(a["out"])}, ValueError, "out"),
+    ("out aliases logits", lambda a: {"out": a["logits"].view(torch.int32)[:, :8]}, ValueError, "out"),
+]
+
+
+@pytest.mark.parametrize("what, change, exc, name", BAD, ids=[b[0] for b in BAD])
+def test_validation(backend, what, change, exc, name):
+    a = _base()
+    a.update(change(a))
+    watch = [t for t in a.values() if t.device.type != "meta"]
+    expect_error(exc, name, lambda: top_k_per_row(**a, backend=backend), watch=watch)
