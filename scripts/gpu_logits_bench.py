@@ -145,12 +145,12 @@ def check_paged(name, b, L, next_n, **kw):
     return ok
 
 
-def time_paged(b, L, next_n, configs, floor_tbs, clean=False):
-    q, kv, wts, cl, bt = make_paged(b, L, next_n)
+def time_paged(b, L, next_n, configs, floor_tbs, clean=False, ragged=False):
+    q, kv, wts, cl, bt = make_paged(b, L, next_n, ragged=ragged)
     W = bt.shape[1] * kv.shape[1]
     out = torch.empty(b * next_n, W, device=dev)
     kv3 = kv
-    bytes_ = b * L * 132
+    bytes_ = cl.long().clamp(min=0).sum().item() * 132 if ragged else b * L * 132
     best = None
     for cfg in configs:
         try:
@@ -162,9 +162,9 @@ def time_paged(b, L, next_n, configs, floor_tbs, clean=False):
             continue
         tbs = bytes_ / ms / 1e9
         frac = tbs / floor_tbs
-        log(f"  paged B={b} L={L} next_n={next_n} clean={clean} {cfg}: {ms*1e3:.1f} us  {tbs:.2f} TB/s  "
+        log(f"  paged B={b} L={L} next_n={next_n} clean={clean} ragged={ragged} {cfg}: {ms*1e3:.1f} us  {tbs:.2f} TB/s  "
             f"{frac*100:.1f}% of copy floor")
-        RESULTS[f"paged_b{b}_L{L}_nn{next_n}_clean{clean}_{json.dumps(cfg, sort_keys=True)}"] = ms
+        RESULTS[f"paged_b{b}_L{L}_nn{next_n}_clean{clean}_ragged{ragged}_{json.dumps(cfg, sort_keys=True)}"] = ms
         if best is None or ms < best[0]:
             best = (ms, cfg)
     return best
@@ -275,31 +275,32 @@ def main():
     floor_us = DB * DL * 132 / bw / 1e6
     log(f"copy bandwidth {bw:.2f} TB/s -> decode floor {floor_us:.1f} us; fp8 8192^3 scaled_mm {rate:.0f} TFLOP/s")
 
-    pc = [dict(BLOCK_N=64, num_warps=4, num_stages=s, programs_per_sm=p) for s in (3, 4, 6) for p in (2, 4, 8)]
-    pc += [dict(BLOCK_N=128, num_warps=w, num_stages=s, programs_per_sm=p) for w in (4, 8) for s in (3, 4)
-           for p in (2, 4)]
+    pc = [dict(BLOCK_N=64, num_warps=4, num_stages=st, programs_per_sm=p, SPLIT=sp) for sp in (True, False)
+          for st in (6, 8) for p in (2, 3, 4)]
+    pc += [dict(BLOCK_N=128, num_warps=8, num_stages=4, programs_per_sm=2, SPLIT=True)]
     if quick:
         pc = pc[:2]
     best1 = time_paged(DB, DL, 1, pc, bw)
     log("BEST paged nn=1", best1)
-    top = sorted(((v, k) for k, v in RESULTS.items() if k.startswith(f"paged_b{DB}_L{DL}_nn1")))[:4]
-    pc2 = [json.loads(k.split("_", 5)[-1]) for _, k in top]
-    best2 = time_paged(DB, DL, 2, pc2, bw)
+    best2 = time_paged(DB, DL, 2, pc, bw)
     log("BEST paged nn=2", best2)
     time_paged(DB, DL, 1, [best1[1]], bw, clean=True)
     time_paged(DB, DL, 2, [best2[1]], bw, clean=True)
+    time_paged(DB, DL, 1, [best1[1]], bw, ragged=True)
 
-    rc = [dict(BLOCK_Q=bq, BLOCK_N=bn, num_warps=w, num_stages=s) for bq in (2, 4) for bn in (64, 128)
-          for w in (4, 8) for s in (2, 3)]
+    rc = [dict(BLOCK_Q=bq, BLOCK_N=bn, num_warps=w, num_stages=s) for bq, bn, w, s in [
+        (4, 64, 8, 3), (4, 64, 8, 4), (4, 64, 8, 5), (4, 128, 8, 3), (4, 128, 8, 4), (2, 64, 4, 4), (4, 64, 4, 4),
+        (8, 64, 8, 3), (2, 128, 8, 4), (2, 64, 8, 4)]]
     if quick:
         rc = rc[:2]
     bestr = time_ragged(S(8192), S(8192), rc, rate)
     log("BEST ragged 8Kx8K", bestr)
-    top = sorted(((v, k) for k, v in RESULTS.items() if k.startswith(f"ragged_{S(8192)}x{S(8192)}")))[:4]
+    top = sorted(((v, k) for k, v in RESULTS.items() if k.startswith(f"ragged_{S(8192)}x{S(8192)}")))[:3]
     rc2 = [json.loads(k.split("_", 3)[-1]) for _, k in top]
     bestr64 = time_ragged(S(8192), S(65536), rc2, rate)
     log("BEST ragged 8Kx64K", bestr64)
     time_ragged(S(8192), S(65536), [bestr64[1]], rate, clean=True)
+    time_ragged(S(8192), S(8192), [bestr64[1]], rate, clean=True)
     json.dump(RESULTS, open(os.path.join(OUT, "bench.json"), "w"), indent=1)
     log(f"done in {time.time()-t0:.0f}s")
 

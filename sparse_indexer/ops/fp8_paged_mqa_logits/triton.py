@@ -23,6 +23,34 @@ __all__ = ["fp8_paged_mqa_logits"]
 
 
 @triton.jit
+def _token_row(k, q, wts, ksc, pos, lim, row_ptr):
+    """One query token's logits over one key tile, stored where ``pos < lim``."""
+    s = tl.dot(k, tl.trans(q))  # [BLOCK_N, HP] float32
+    logit = tl.sum(tl.maximum(s, 0.0) * wts[None, :], axis=1) * ksc
+    tl.store(row_ptr + pos, logit, mask=pos < lim)
+
+
+@triton.jit
+def _load_token(q_ptr, w_ptr, cl_ptr, b64, j: tl.constexpr, stride_qn, stride_qh, stride_w, stride_clb, stride_cln,
+                offs_h, offs_d, NEXT_N: tl.constexpr, CL_2D: tl.constexpr, H: tl.constexpr,
+                HP: tl.constexpr):
+    """Queries ``[HP, D]``, weights ``[HP]`` (zero past ``H``) and row limit of token ``j`` of request ``b``."""
+    if H == HP:
+        q = tl.load(q_ptr + j * stride_qn + offs_h[:, None] * stride_qh + offs_d[None, :])
+        wts = tl.load(w_ptr + (b64 * NEXT_N + j) * stride_w + offs_h)
+    else:
+        hmask = offs_h < H
+        q = tl.load(q_ptr + j * stride_qn + offs_h[:, None] * stride_qh + offs_d[None, :], mask=hmask[:, None],
+                    other=0.0)
+        wts = tl.load(w_ptr + (b64 * NEXT_N + j) * stride_w + offs_h, mask=hmask, other=0.0)
+    if CL_2D:
+        lim = tl.load(cl_ptr + b64 * stride_clb + j * stride_cln).to(tl.int32)
+    else:
+        lim = tl.load(cl_ptr + b64 * stride_clb).to(tl.int32) - NEXT_N + j + 1
+    return q, wts, tl.maximum(lim, 0)
+
+
+@triton.jit
 def _paged_logits_kernel(
     out_ptr,  # [B * next_n, W] float32, row stride stride_out
     q_ptr,  # [B, next_n, H, D] fp8
@@ -33,9 +61,10 @@ def _paged_logits_kernel(
     B, W, CAP,  # CAP = min(W, max_blocks * BS): no key position reaches it
     stride_out, stride_qb, stride_qn, stride_qh, stride_w, stride_clb, stride_cln, stride_bt, stride_blk,
     NUM_PROGRAMS,
-    NEXT_N: tl.constexpr, NN_PAD: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    NEXT_N: tl.constexpr, NN_PAD: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
+    BS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, CL_2D: tl.constexpr, CLEAN: tl.constexpr,
-    FILL_N: tl.constexpr,
+    FILL_N: tl.constexpr, SPLIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_b = tl.arange(0, BLOCK_B)
@@ -57,9 +86,10 @@ def _paged_logits_kernel(
 
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
-    offs_r = tl.arange(0, NN_PAD * H)  # query row (token j = r // H, head r % H)
+    offs_r = tl.arange(0, NN_PAD * HP)  # query row (token j = r // HP, head r % HP)
     offs_j = tl.arange(0, NN_PAD)
-    rmask = offs_r < NEXT_N * H
+    offs_h = tl.arange(0, HP)
+    rmask = (offs_r < NEXT_N * HP) & (offs_r % HP < H)
     jmask = offs_j < NEXT_N
 
     b = tl.sum((cum_end <= start).to(tl.int32), axis=0)
@@ -80,11 +110,27 @@ def _paged_logits_kernel(
             lim = c - NEXT_N + offs_j + 1
         lim = tl.where(jmask, tl.maximum(lim, 0), 0)
         b_lim = tl.sum(tl.where(sel, maxlim, 0), axis=0).to(tl.int32)
-        q = tl.load(q_ptr + b64 * stride_qb + (offs_r // H)[:, None] * stride_qn + (offs_r % H)[:, None] * stride_qh
-                    + offs_d[None, :], mask=rmask[:, None], other=0.0)  # [NN_PAD * H, D]
-        wts = tl.load(w_ptr + (b64 * NEXT_N + offs_r // H) * stride_w + offs_r % H, mask=rmask, other=0.0)
         bt_row = bt_ptr + b64 * stride_bt
         out_rows = out_ptr + (b64 * NEXT_N + offs_j).to(tl.int64) * stride_out  # [NN_PAD] pointers
+        if SPLIT:
+            # One [BLOCK_N, H] dot per query token (no reshape of the accumulator).
+            qb = q_ptr + b64 * stride_qb
+            row0 = out_ptr + (b64 * NEXT_N).to(tl.int64) * stride_out
+            q0, w0, l0 = _load_token(qb, w_ptr, cl_ptr, b64, 0, stride_qn, stride_qh, stride_w, stride_clb,
+                                     stride_cln, offs_h, offs_d, NEXT_N, CL_2D, H, HP)
+            if NEXT_N > 1:
+                q1, w1, l1 = _load_token(qb, w_ptr, cl_ptr, b64, 1, stride_qn, stride_qh, stride_w, stride_clb,
+                                         stride_cln, offs_h, offs_d, NEXT_N, CL_2D, H, HP)
+            if NEXT_N > 2:
+                q2, w2, l2 = _load_token(qb, w_ptr, cl_ptr, b64, 2, stride_qn, stride_qh, stride_w, stride_clb,
+                                         stride_cln, offs_h, offs_d, NEXT_N, CL_2D, H, HP)
+            if NEXT_N > 3:
+                q3, w3, l3 = _load_token(qb, w_ptr, cl_ptr, b64, 3, stride_qn, stride_qh, stride_w, stride_clb,
+                                         stride_cln, offs_h, offs_d, NEXT_N, CL_2D, H, HP)
+        else:
+            q = tl.load(q_ptr + b64 * stride_qb + (offs_r // HP)[:, None] * stride_qn
+                        + (offs_r % HP)[:, None] * stride_qh + offs_d[None, :], mask=rmask[:, None], other=0.0)
+            wts = tl.load(w_ptr + (b64 * NEXT_N + offs_r // HP) * stride_w + offs_r % HP, mask=rmask, other=0.0)
         for tt in range(t_lo, t_hi):
             p0 = tt * BLOCK_N
             pos = p0 + offs_n
@@ -102,42 +148,44 @@ def _paged_logits_kernel(
                 off = pos % BS
                 k = tl.load((base + off * D)[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
                 ksc = tl.load((base + BS * D).to(tl.pointer_type(tl.float32)) + off, mask=valid, other=0.0)
-            s = tl.dot(k, tl.trans(q))  # [BLOCK_N, NN_PAD * H] float32
-            s = tl.maximum(s, 0.0) * wts[None, :]
-            if NN_PAD == 1:
-                logit = tl.sum(s, axis=1)[:, None]  # [BLOCK_N, 1]
+            if SPLIT:
+                _token_row(k, q0, w0, ksc, pos, l0, row0)
+                if NEXT_N > 1:
+                    _token_row(k, q1, w1, ksc, pos, l1, row0 + stride_out)
+                if NEXT_N > 2:
+                    _token_row(k, q2, w2, ksc, pos, l2, row0 + 2 * stride_out)
+                if NEXT_N > 3:
+                    _token_row(k, q3, w3, ksc, pos, l3, row0 + 3 * stride_out)
             else:
-                logit = tl.sum(tl.reshape(s, (BLOCK_N, NN_PAD, H)), axis=2)  # [BLOCK_N, NN_PAD]
-            logit = logit * ksc[:, None]
-            inside = pos[:, None] < lim[None, :]
-            ptrs = out_rows[None, :] + pos[:, None]
-            if CLEAN:
-                tl.store(ptrs, tl.where(inside, logit, float("-inf")), mask=jmask[None, :] & (pos[:, None] < W))
-            else:
-                tl.store(ptrs, logit, mask=inside)
+                s = tl.dot(k, tl.trans(q))  # [BLOCK_N, NN_PAD * H] float32
+                s = tl.maximum(s, 0.0) * wts[None, :]
+                if NN_PAD == 1:
+                    logit = tl.sum(s, axis=1)[:, None]  # [BLOCK_N, 1]
+                else:
+                    logit = tl.sum(tl.reshape(s, (BLOCK_N, NN_PAD, HP)), axis=2)  # [BLOCK_N, NN_PAD]
+                logit = logit * ksc[:, None]
+                tl.store(out_rows[None, :] + pos[:, None], logit, mask=pos[:, None] < lim[None, :])
         t = b_start + t_hi
         b += 1
 
     if CLEAN:
-        # Columns past each request's computed tiles: -inf, chunks of FILL_N shared round-robin.
         offs_f = tl.arange(0, FILL_N)
         chunks = tl.cdiv(W, FILL_N)
+        # Cells at or past each row's limit: -inf, chunks of FILL_N shared round-robin.
         for c in range(pid, B * chunks, NUM_PROGRAMS):
             fb = c // chunks
             col0 = (c % chunks) * FILL_N
             fb64 = fb.to(tl.int64)
             if CL_2D:
-                m = tl.max(tl.load(cl_ptr + fb64 * stride_clb + offs_j * stride_cln, mask=jmask, other=0), axis=0)
+                flim = tl.load(cl_ptr + fb64 * stride_clb + offs_j * stride_cln, mask=jmask, other=0).to(tl.int32)
             else:
-                m = tl.load(cl_ptr + fb64 * stride_clb)
-            m = tl.minimum(tl.maximum(m.to(tl.int64), 0), CAP)
-            first = ((m + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
-            if col0 + FILL_N > first:
+                flim = tl.load(cl_ptr + fb64 * stride_clb).to(tl.int32) - NEXT_N + offs_j + 1
+            flim = tl.minimum(tl.maximum(flim, 0), CAP)
+            if col0 + FILL_N > tl.min(tl.where(jmask, flim, CAP), axis=0):
                 cols = col0 + offs_f
-                cmask = (cols >= first) & (cols < W)
                 rows = out_ptr + (fb64 * NEXT_N + offs_j).to(tl.int64) * stride_out
                 tl.store(rows[:, None] + cols[None, :], tl.full([NN_PAD, FILL_N], float("-inf"), tl.float32),
-                         mask=jmask[:, None] & cmask[None, :])
+                         mask=jmask[:, None] & (cols[None, :] >= flim[:, None]) & (cols < W)[None, :])
 
 
 @functools.cache
@@ -146,7 +194,7 @@ def _num_sms(index: int) -> int:
 
 
 # Tuned on an H200 (see scripts/gpu_logits_bench.py); overridable for benchmarking.
-CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "programs_per_sm": 4}
+CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 6, "programs_per_sm": 3, "SPLIT": True}
 
 
 def _pow2(x: int) -> bool:
@@ -159,9 +207,9 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
     b, next_n, h, d = q.shape
     nb, bs, _ = kv_cache.shape
     w = out.shape[1]
-    if not (_pow2(h) and _pow2(d) and _pow2(bs)) or d < 32 or h < 16:
-        raise NotImplementedError(f"triton fp8_paged_mqa_logits needs power-of-two H >= 16, D >= 32 and block_size, "
-                                  f"got {h=}, {d=}, {bs=}")
+    if not (_pow2(d) and _pow2(bs)) or d < 32:
+        raise NotImplementedError(f"triton fp8_paged_mqa_logits needs power-of-two D >= 32 and block_size, "
+                                  f"got {d=}, {bs=}")
     if next_n > 4:
         raise NotImplementedError(f"triton fp8_paged_mqa_logits handles next_n <= 4, got {next_n=}")
     if b == 0 or w == 0:
@@ -185,7 +233,8 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
         out.stride(0), q.stride(0), q.stride(1), q.stride(2), weights.stride(0), context_lens.stride(0), stride_cln,
         block_table.stride(0), stride_blk,
         num_programs,
-        NEXT_N=next_n, NN_PAD=nn_pad, H=h, D=d, BS=bs, BLOCK_N=block_n,
+        NEXT_N=next_n, NN_PAD=nn_pad, H=h, HP=max(16, triton.next_power_of_2(h)), D=d, BS=bs, BLOCK_N=block_n,
         BLOCK_B=max(16, triton.next_power_of_2(b)), CL_2D=cl_2d, CLEAN=bool(clean), FILL_N=cfg.get("FILL_N", 1024),
+        SPLIT=bool(cfg.get("SPLIT", True)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
