@@ -1,0 +1,357 @@
+"""vLLM integration: the indexer's buffers carved from vLLM's workspace manager, and a drop-in for vLLM's
+``rocm_aiter_sparse_attn_indexer`` custom op.
+
+vLLM (``vllm.v1.worker.workspace``, 0.14 and later) owns one flat ``uint8`` scratch buffer per (micro-batch,
+lane) slot. ``WorkspaceManager.get_simultaneous(*(shape, dtype))`` returns views of that buffer at 256-byte
+aligned offsets, growing it to exactly the sum of the aligned sizes when it is too small; after
+``lock_workspace()`` growth is an ``AssertionError``. Our plan (:func:`buffers.plan`) lays its fields out the
+same way, so asking for the plan's fields, in plan order, in **one** call yields views at exactly the plan's
+offsets and a buffer of exactly ``plan.total_bytes``:
+
+* :func:`reserve` at profiling time (before ``lock_workspace()``) grows the workspace to the plan's total;
+* :func:`buffers_from_workspace` at run time makes the same call and wraps the views into a
+  :class:`buffers.Buffers`. **The views alias the workspace**: they stay valid until the next
+  ``get_simultaneous`` on the same manager slot (any other user of the workspace, e.g. the MoE or attention
+  layers, reuses the same bytes). Take the record right before the indexer step and drop it after.
+
+A locked workspace that is too small raises :class:`WorkspaceTooSmall` (a :class:`buffers.BufferTooSmall`,
+hence a ``ValueError``) naming the missing bytes, before vLLM's own assertion.
+
+:class:`VllmIndexer` is callable with the argument list of vLLM's ``rocm_aiter_sparse_attn_indexer`` op: it
+converts vLLM's ``DeepseekV32IndexerMetadata`` (decode and prefill-chunk fields) to our
+:class:`~sparse_indexer.IndexerMetadata` (:func:`metadata_from_vllm`) and runs
+:func:`sparse_indexer.sparse_attn_indexer` on buffers from the workspace. Its ``fake`` returns the top-k buffer
+and touches no workspace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+
+from buffers import Buffers, BufferTooSmall, IndexerLimits, plan
+from buffers.limits import MiB
+from buffers.plan import BufferPlan
+
+from ..indexer import check_step, indexer_decode, indexer_prefill, sparse_attn_indexer
+from ..metadata import DecodeMetadata, IndexerMetadata, PrefillChunk
+from ..ops.fp8_paged_mqa_logits import row_limits
+
+__all__ = [
+    "VllmIndexer", "WorkspaceTooSmall", "buffers_from_workspace", "held_bytes", "metadata_from_vllm", "reserve",
+    "workspace_specs",
+]
+
+
+class WorkspaceTooSmall(BufferTooSmall):
+    """vLLM's workspace is locked and holds fewer bytes than the indexer's plan.
+
+    Attributes (besides :class:`BufferTooSmall`'s, in bytes): ``missing`` bytes, ``workspace_id`` (the
+    manager's (ubatch, lane) slot).
+    """
+
+    def __init__(self, needed: int, available: int, workspace_id: int):
+        super().__init__("workspace", needed, available)
+        self.missing = self.needed - self.available
+        self.workspace_id = workspace_id
+        msg = (
+            f"vLLM's workspace is locked and its slot {workspace_id} holds {self.available} bytes, but the indexer "
+            f"plan needs {self.needed}: {self.missing} bytes missing. Call "
+            f"sparse_indexer.compat.vllm.reserve(limits) at profiling time, before lock_workspace(), with the "
+            f"same IndexerLimits (in every ubatch and lane that runs the indexer)"
+        )
+        self.args = (msg,)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+# ------------------------------------------------------------------------------------------------ workspace
+def _manager(manager):
+    if manager is not None:
+        return manager
+    from vllm.v1.worker.workspace import current_workspace_manager
+
+    return current_workspace_manager()
+
+
+def _as_plan(limits: IndexerLimits | BufferPlan) -> BufferPlan:
+    if isinstance(limits, BufferPlan):
+        return limits
+    if not isinstance(limits, IndexerLimits):
+        raise TypeError(f"limits must be an IndexerLimits or BufferPlan, got {type(limits).__name__}")
+    return plan(limits)
+
+
+def workspace_specs(limits: IndexerLimits | BufferPlan) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+    """The plan's fields as ``get_simultaneous`` arguments ``((shape, dtype), ...)``, in plan order."""
+    return tuple((f.shape, f.dtype) for f in _as_plan(limits).fields)
+
+
+def held_bytes(manager=None) -> int | None:
+    """Bytes the manager's workspace holds for the current (ubatch, lane) slot; ``None`` if this vLLM
+    version does not expose them (``_current_workspaces`` / ``_get_workspace_id``)."""
+    m = _manager(manager)
+    slots = getattr(m, "_current_workspaces", None)
+    get_id = getattr(m, "_get_workspace_id", None)
+    if slots is None or get_id is None:
+        return None
+    ws = slots[get_id()]
+    return 0 if ws is None else ws.numel() * ws.element_size()
+
+
+def _check_fits(m, p: BufferPlan) -> None:
+    if not m.is_locked():
+        return
+    held = held_bytes(m)
+    if held is not None and held < p.total_bytes:
+        raise WorkspaceTooSmall(p.total_bytes, held, m._get_workspace_id())
+
+
+def reserve(limits: IndexerLimits | BufferPlan, manager=None) -> BufferPlan:
+    """Grow vLLM's workspace to hold the indexer's buffers; call at profiling time, before locking.
+
+    One ``get_simultaneous`` call with the plan's fields: the workspace grows to exactly
+    ``plan.total_bytes`` (when smaller) and no more. ``manager`` defaults to vLLM's
+    ``current_workspace_manager()``. Returns the plan.
+
+    Raises:
+        WorkspaceTooSmall: the workspace is locked and smaller than the plan.
+    """
+    p = _as_plan(limits)
+    m = _manager(manager)
+    _check_fits(m, p)
+    m.get_simultaneous(*workspace_specs(p))
+    return p
+
+
+def buffers_from_workspace(limits: IndexerLimits | BufferPlan, manager=None) -> Buffers:
+    """A :class:`Buffers` record of views of vLLM's workspace, laid out as ``plan(limits)``.
+
+    Valid until the manager's next ``get_simultaneous`` on the same (ubatch, lane) slot, which hands out the
+    same bytes again: take the record right before the indexer step. On the same slot, consecutive steps get
+    the same storage (nothing is allocated once :func:`reserve` ran).
+
+    Raises:
+        WorkspaceTooSmall: the workspace is locked and smaller than the plan.
+    """
+    p = _as_plan(limits)
+    m = _manager(manager)
+    _check_fits(m, p)
+    views = m.get_simultaneous(*workspace_specs(p))
+    base = views[0].data_ptr()
+    for f, v in zip(p.fields, views):
+        if v.data_ptr() - base != f.offset or tuple(v.shape) != f.shape or v.dtype != f.dtype:
+            raise RuntimeError(
+                f"vLLM's get_simultaneous placed {f.name} at offset {v.data_ptr() - base} "
+                f"{tuple(v.shape)} {v.dtype}; the plan says {f.offset} {f.shape} {f.dtype} (layout changed?)"
+            )
+    return Buffers(**{f.name: v for f, v in zip(p.fields, views)})
+
+
+# ------------------------------------------------------------------------------------------------ metadata
+def _decode_from_vllm(d, num_decode_tokens: int, width: int) -> DecodeMetadata:
+    """vLLM's ``DeepSeekV32IndexerDecodeMetadata`` -> ours (device tensors only; no host sync except a 1-D
+    ``seq_lens`` with ``requires_padding``, where the padded width is ``decode_lens.max()``, as in vLLM).
+
+    vLLM's conventions: ``seq_lens`` is ``[B]`` (full context length; with ``next_n`` queries per request row
+    ``j`` sees ``L - next_n + j + 1`` keys; the "flattened" form has one row per token, next_n = 1) or
+    ``[B, next_n]`` (per-row limits ``clamp(L - next_n + j + 1, 0)``). With ``requires_padding`` the decode
+    lengths ``d_b`` differ and queries are packed left-aligned into ``[B, max d_b]`` slots; we then use
+    ``L_b = seq_lens[b, -1]`` and SPEC 7's window ``L_b - d_b + j + 1`` for the real slots.
+    """
+    seq_lens, bt = d.seq_lens, d.block_table
+    if getattr(d, "indices", None) is not None:
+        raise NotImplementedError("vLLM varlen decode metadata (decode.indices) is not supported")
+    b = seq_lens.shape[0]
+    dev = seq_lens.device
+    if b == 0:
+        raise ValueError("decode metadata with 0 requests but num_decode_tokens > 0")
+    if not d.requires_padding:
+        nn = seq_lens.shape[1] if seq_lens.dim() == 2 else num_decode_tokens // b
+        if b * nn != num_decode_tokens:
+            raise ValueError(f"uniform decode: {b} requests x next_n {nn} != num_decode_tokens {num_decode_tokens}")
+        ctx = seq_lens.to(torch.int32)
+        return DecodeMetadata(
+            num_reqs=b, next_n=nn, uniform=True, width=width, context_lens=ctx, block_table=bt,
+            row_starts=torch.zeros(b * nn, dtype=torch.int32, device=dev),
+            row_ends=row_limits(ctx, nn).to(torch.int32), pack_src=None, unpack_src=None,
+        )
+    dl = d.decode_lens.to(dev).long()
+    if seq_lens.dim() == 2:
+        nn, full = seq_lens.shape[1], seq_lens[:, -1].long()
+    else:
+        nn, full = int(dl.max()), seq_lens.long()
+    j = torch.arange(nn, device=dev)[None, :]
+    real = j < dl[:, None]
+    lim = torch.where(real, (full - dl)[:, None] + j + 1, 0).clamp(min=0)
+    ends = torch.cumsum(dl, 0)
+    starts = ends - dl
+    pack_src = torch.where(dl[:, None] > 0, starts[:, None] + torch.minimum(j, (dl - 1).clamp(min=0)[:, None]), 0)
+    t = torch.arange(num_decode_tokens, device=dev)
+    req = torch.searchsorted(ends, t, right=True)
+    unpack_src = req * nn + t - starts[req]
+    return DecodeMetadata(
+        num_reqs=b, next_n=nn, uniform=False, width=width, context_lens=lim.to(torch.int32), block_table=bt,
+        row_starts=torch.zeros(b * nn, dtype=torch.int32, device=dev),
+        row_ends=lim.reshape(-1).to(torch.int32), pack_src=pack_src.reshape(-1), unpack_src=unpack_src,
+    )
+
+
+def _chunk_from_vllm(c) -> PrefillChunk:
+    """vLLM's ``DeepseekV32IndexerPrefillChunkMetadata`` -> our :class:`PrefillChunk` (same conventions:
+    ``token_start/token_end`` are absolute rows of the step, ``cu_seqlen_ks/ke`` index the chunk's gathered
+    keys, ``cu_seq_lens`` the gather offsets, ``skip_kv_gather`` a later query piece of a split request)."""
+    local = getattr(c, "local_cu_seq_lens", None)
+    if local is not None and local is not c.cu_seq_lens:
+        raise NotImplementedError("vLLM context-parallel prefill chunks (local_cu_seq_lens) are not supported")
+    if getattr(c, "pcp_deinterleave_idx", None) is not None:
+        raise NotImplementedError("vLLM prefill context parallelism (pcp_deinterleave_idx) is not supported")
+    t0, t1 = int(c.token_start), int(c.token_end)
+    if c.cu_seqlen_ks.shape[0] != t1 - t0 or c.cu_seqlen_ke.shape[0] != t1 - t0:
+        raise ValueError(f"prefill chunk [{t0}, {t1}) has {c.cu_seqlen_ks.shape[0]} key windows")
+    return PrefillChunk(
+        token_start=t0, token_end=t1, num_k_tokens=int(c.total_seq_lens),
+        gather=not bool(getattr(c, "skip_kv_gather", False)), block_table=c.block_table,
+        cu_seq_lens=c.cu_seq_lens, cu_seqlen_ks=c.cu_seqlen_ks, cu_seqlen_ke=c.cu_seqlen_ke,
+    )
+
+
+def metadata_from_vllm(md, limits: IndexerLimits) -> IndexerMetadata:
+    """Our :class:`IndexerMetadata` from one layer's vLLM ``DeepseekV32IndexerMetadata`` (any object with its
+    field names: ``slot_mapping``, ``num_decodes``, ``num_decode_tokens``, ``num_prefills``,
+    ``num_prefill_tokens``, ``decode``, ``prefill.chunks``). Decode logits use ``W = limits.max_model_len``."""
+    nd, npf = int(md.num_decode_tokens), int(md.num_prefill_tokens)
+    decode = None
+    if int(md.num_decodes) > 0 and nd > 0:
+        if md.decode is None:
+            raise ValueError("num_decodes > 0 but the metadata has no decode part")
+        decode = _decode_from_vllm(md.decode, nd, limits.max_model_len)
+    chunks: tuple[PrefillChunk, ...] = ()
+    if int(md.num_prefills) > 0:
+        if md.prefill is None:
+            raise ValueError("num_prefills > 0 but the metadata has no prefill part")
+        chunks = tuple(_chunk_from_vllm(c) for c in md.prefill.chunks)
+    return IndexerMetadata(
+        num_decodes=int(md.num_decodes), num_decode_tokens=nd, num_prefills=int(md.num_prefills),
+        num_prefill_tokens=npf, slot_mapping=md.slot_mapping.to(torch.int64), decode=decode,
+        prefill_chunks=chunks, limits=limits,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ the op
+def _forward_context_metadata():
+    from vllm.forward_context import get_forward_context
+
+    return get_forward_context().attn_metadata
+
+
+def _layer_name(prefix) -> str:
+    if isinstance(prefix, str):
+        return prefix
+    from vllm.utils.torch_utils import _resolve_layer_name
+
+    return _resolve_layer_name(prefix)
+
+
+@attrs.frozen(kw_only=True)
+class VllmIndexer:
+    """Drop-in for vLLM's ``rocm_aiter_sparse_attn_indexer`` (same argument list; register ``__call__`` as the
+    op and ``fake`` as its fake, ``mutates_args=["topk_indices_buffer"]``).
+
+    The op's arguments fix most :class:`IndexerLimits` (``max_model_len``, ``total_seq_lens`` ->
+    ``prefill_k_tokens``, ``topk_tokens``, ``head_dim``, heads and fp8 format of ``q_fp8``, the cache's
+    block size, ``topk_indices_buffer.shape[0]`` -> ``max_num_batched_tokens``); the rest are engine limits
+    given here.
+
+    Attributes:
+        max_num_seqs, next_n, max_logits_bytes, with_qk: the remaining :class:`IndexerLimits`.
+        backend: passed to every op (``None`` = auto).
+        attn_metadata: returns the forward context's ``attn_metadata`` (default: vLLM's
+            ``get_forward_context().attn_metadata``); not a dict means a profiling run.
+        manager: the workspace manager (``None`` = vLLM's ``current_workspace_manager()``).
+    """
+
+    max_num_seqs: int
+    next_n: int = 1
+    max_logits_bytes: int = 512 * MiB
+    with_qk: bool = False
+    backend: str | None = None
+    attn_metadata: Callable[[], Any] = _forward_context_metadata
+    manager: Any = None
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config, **kw) -> VllmIndexer:
+        """Limits from a ``VllmConfig``: ``scheduler_config.max_num_seqs``, 1 + speculative tokens, and
+        ``VLLM_SPARSE_INDEXER_MAX_LOGITS_MB``."""
+        import os
+
+        spec = getattr(vllm_config, "speculative_config", None)
+        n_spec = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+        mb = int(os.environ.get("VLLM_SPARSE_INDEXER_MAX_LOGITS_MB", "512"))
+        return cls(max_num_seqs=int(vllm_config.scheduler_config.max_num_seqs), next_n=1 + n_spec,
+                   max_logits_bytes=mb * MiB, **kw)
+
+    def limits(self, kv_cache: torch.Tensor, q_fp8: torch.Tensor, topk_tokens: int, head_dim: int,
+               max_model_len: int, total_seq_lens: int, topk_indices_buffer: torch.Tensor) -> IndexerLimits:
+        """The :class:`IndexerLimits` of one op call."""
+        return IndexerLimits(
+            max_model_len=int(max_model_len), max_num_batched_tokens=int(topk_indices_buffer.shape[0]),
+            max_num_seqs=self.max_num_seqs, next_n=self.next_n, n_heads=int(q_fp8.shape[1]),
+            head_dim=int(head_dim), topk=int(topk_tokens), block_size=int(kv_cache.shape[1]),
+            prefill_k_tokens=max(int(total_seq_lens), int(max_model_len)), max_logits_bytes=self.max_logits_bytes,
+            fp8_dtype=q_fp8.dtype, with_qk=self.with_qk,
+        )
+
+    def __call__(self, hidden_states: torch.Tensor, k_cache_prefix, kv_cache: torch.Tensor, q_fp8: torch.Tensor,
+                 k: torch.Tensor | None, weights: torch.Tensor, quant_block_size: int, scale_fmt: str | None,
+                 topk_tokens: int, head_dim: int, max_model_len: int, total_seq_lens: int,
+                 topk_indices_buffer: torch.Tensor | None, skip_k_cache_insert: bool = False,
+                 compress_ratio: int = 1, candidate_blocks: torch.Tensor | None = None,
+                 candidate_block_size: int = 0, candidate_write: bool = False) -> torch.Tensor:
+        """One indexer step of one layer, as vLLM's op: returns ``topk_indices_buffer`` with rows
+        ``[0, hidden_states.shape[0])`` written (request-local positions, -1 = none)."""
+        if compress_ratio != 1:
+            raise NotImplementedError(f"compress_ratio={compress_ratio} (compressed indexer caches) is not supported")
+        if candidate_blocks is not None:
+            raise NotImplementedError("candidate_blocks (block candidate selection) is not supported")
+        if quant_block_size != head_dim:
+            raise NotImplementedError(f"{quant_block_size=} must equal {head_dim=} (one key scale per token)")
+        if topk_indices_buffer is None:
+            raise ValueError("topk_indices_buffer must be given")
+        if topk_indices_buffer.shape[1] != topk_tokens:
+            raise ValueError(f"topk_indices_buffer has {topk_indices_buffer.shape[1]} columns, {topk_tokens=}")
+        limits = self.limits(kv_cache, q_fp8, topk_tokens, head_dim, max_model_len, total_seq_lens,
+                             topk_indices_buffer)
+        attn_metadata = self.attn_metadata()
+        if not isinstance(attn_metadata, dict):
+            # Profiling run: reserve here, in the real implementation (the fake runs under FakeTensor mode).
+            reserve(limits, self.manager)
+            return self.fake(hidden_states, k_cache_prefix, kv_cache, q_fp8, k, weights, quant_block_size,
+                             scale_fmt, topk_tokens, head_dim, max_model_len, total_seq_lens, topk_indices_buffer)
+        md = metadata_from_vllm(attn_metadata[_layer_name(k_cache_prefix)], limits)
+        bufs = buffers_from_workspace(limits, self.manager)
+        n, rows = md.num_tokens, hidden_states.shape[0]
+        out = topk_indices_buffer
+        if skip_k_cache_insert:
+            check_step(q_fp8, weights, kv_cache, md, bufs, out)
+            out[:n].fill_(-1)
+            indexer_prefill(q_fp8, weights, kv_cache, md, bufs, out, backend=self.backend)
+            indexer_decode(q_fp8, weights, kv_cache, md, bufs, out, backend=self.backend)
+        else:
+            if k is None:
+                raise ValueError("k must be provided when skip_k_cache_insert is False")
+            sparse_attn_indexer(q_fp8, k, weights, kv_cache, md, bufs, out, backend=self.backend,
+                                scale_fmt=scale_fmt)
+        if rows > n:  # cudagraph padding rows, as vLLM does
+            out[n:rows].fill_(-1)
+        return out
+
+    def fake(self, hidden_states, k_cache_prefix, kv_cache, q_fp8, k, weights, quant_block_size, scale_fmt,
+             topk_tokens, head_dim, max_model_len, total_seq_lens, topk_indices_buffer, skip_k_cache_insert=False,
+             compress_ratio=1, candidate_blocks=None, candidate_block_size=0, candidate_write=False):
+        """The op's fake (FakeTensor mode): returns ``topk_indices_buffer``; touches no workspace."""
+        return topk_indices_buffer
