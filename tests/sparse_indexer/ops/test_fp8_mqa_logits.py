@@ -26,8 +26,9 @@ NINF = float("-inf")
 
 
 def test_hand_computed(backend):
-    d = 64
-    q = torch.zeros(2, 1, d)
+    # one live head (head 0) of H = 32: the others have q = 0 and weight 0, so they add relu(0) * 0 = 0
+    d, h = 64, 32
+    q = torch.zeros(2, h, d)
     q[0, 0, :2] = torch.tensor([1.0, 2.0])
     q[1, 0, 0] = 1.0
     k = torch.zeros(4, d)
@@ -36,7 +37,8 @@ def test_hand_computed(backend):
     k[2, :2] = torch.tensor([2.0, -1.0])  # q0.k2 = 0, q1.k2 = 2
     k[3, 1] = 3.0  # q0.k3 = 6, q1.k3 = 0
     k_scale = torch.tensor([1.0, 2.0, 0.5, 0.25])
-    w = torch.tensor([[0.5], [-2.0]])
+    w = torch.zeros(2, h)
+    w[:, 0] = torch.tensor([0.5, -2.0])
     out = torch.full((2, 4), 123.0)
     fp8_mqa_logits(q.to(torch.float8_e4m3fn), k.to(torch.float8_e4m3fn), k_scale, w, int32([1, 0]), int32([4, 3]),
                    out=out, backend=backend)

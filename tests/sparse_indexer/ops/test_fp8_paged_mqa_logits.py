@@ -27,8 +27,9 @@ NINF = float("-inf")
 
 
 def test_hand_computed(backend):
-    # 1 head, D = 64, block_size 2; request 0 owns blocks [2, 0], context 3, next_n 1.
-    d = 64
+    # one live head of H = 32 (the others: q = 0, weight 0), D = 64, block_size 2; request 0 owns blocks
+    # [2, 0], context 3, next_n 1.
+    d, h = 64, 32
     kv = empty_cache(3, 2, d)
     keys = torch.zeros(6, d)
     keys[4, :2] = torch.tensor([1.0, 1.0])  # position 0 (block 2, offset 0): q.k = 3
@@ -37,9 +38,10 @@ def test_hand_computed(backend):
     keys[1, 0] = 100.0  # position 3 (block 0, offset 1): outside the window
     scales = torch.tensor([0.25, 8.0, 1.0, 1.0, 1.0, 2.0])
     oracle.write_slots(kv, torch.arange(6), keys.to(torch.float8_e4m3fn).view(torch.uint8), scales)
-    q = torch.zeros(1, 1, 1, d)
+    q = torch.zeros(1, 1, h, d)
     q[0, 0, 0, :2] = torch.tensor([1.0, 2.0])
-    w = torch.tensor([[-0.5]])
+    w = torch.zeros(1, h)
+    w[0, 0] = -0.5
     out = torch.full((1, 4), 7.0)
     fp8_paged_mqa_logits(q.to(torch.float8_e4m3fn), kv, w, int32([3]), int32([[2, 0]]), out=out, backend=backend)
     assert torch.equal(out, torch.tensor([[-0.5 * 3 * 1.0, 0.0, -0.5 * 6 * 0.25, NINF]])), out
