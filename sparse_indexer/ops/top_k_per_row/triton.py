@@ -14,6 +14,11 @@ Row ``r`` with window ``[start, end)`` of length ``n``:
 
 Nothing is allocated and nothing leaves the program besides ``out``: the histogram lives in registers/shared
 memory, the counters are scalars. The cost is ``passes + 1`` reads of the window per row; rows never cooperate.
+
+Measured on an H200 (scripts/gpu_topk_bench.py, triton 3.6, randn logits, topk 2048): decode 64 x 64K 161 us,
+prefill 8K rows with windows [0, 56K + j] 7.4 ms, causal windows [0, 8(j + 1)) 4.0 ms (torch.topk on the full
+rows: 139 us / 6.5 ms). The kernel is issue-bound, not memory-bound: about 0.7 SM cycles per element per pass
+(ballot histogram + key), 5-7 passes; one program per row also leaves half the SMs idle in decode.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import triton.language as tl
 
 __all__ = ["top_k_per_row"]
 
-RADIX_BITS = 8
+RADIX_BITS = 5  # 32-bin ballot histograms were fastest on the H200 (5: 161 us, 6: 192, 8: 246 decode)
 BLOCK = 4096
 NUM_WARPS = 16
 
