@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from sparse_indexer import fp8_mqa_logits, top_k_per_row
@@ -20,6 +20,7 @@ from tests.cases import (
     random_scales,
     random_weights,
     skip_unsupported,
+    supported,
 )
 
 NINF = float("-inf")
@@ -64,7 +65,7 @@ def _inputs(g, m, n, h, d, dt):
     seed=st.integers(0, 2**16),
 )
 def test_matches_oracle(backend, m, n, h, d, dt, clean, data, seed):
-    skip_unsupported(backend, dt)
+    assume(supported(backend, dt))
     g = gen(seed)
     q, k, ks_, w = _inputs(g, m, n, h, d, dt)
     starts, ends = [], []

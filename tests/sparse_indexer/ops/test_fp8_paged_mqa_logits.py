@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from sparse_indexer import fp8_mqa_logits, fp8_paged_mqa_logits, row_limits, top_k_per_row
@@ -21,6 +21,7 @@ from tests.cases import (
     random_fp8,
     random_weights,
     skip_unsupported,
+    supported,
 )
 
 NINF = float("-inf")
@@ -78,7 +79,7 @@ def _run(backend, case, q, w, context_lens, width, clean, fill=float("nan")):
     seed=st.integers(0, 2**16),
 )
 def test_matches_oracle(backend, b, next_n, h, d, bs, dt, two_d, clean, pad, four_d, data, seed):
-    skip_unsupported(backend, dt)
+    assume(supported(backend, dt))
     g = gen(seed)
     lens = st.integers(0, 150) | st.integers(0, 5)
     if two_d:
