@@ -55,7 +55,9 @@ def _quantize_rows(x: torch.Tensor, floor: float, fp8_dtype, scale_fmt):
     qmax = QUANT_MAX[fp8_dtype]
     xf = x.float()
     amax = xf.abs().amax(dim=-1)
-    scale = amax.clamp(min=floor) / qmax
+    # divide by a tensor, not a Python number: CUDA turns `x / scalar` into `x * (1 / scalar)`, which is off by
+    # one ulp for non-power-of-two divisors (qmax = 448 or 224) and would break plain (non-ue8m0) scales
+    scale = amax.clamp(min=floor) / torch.full_like(amax, qmax)
     if scale_fmt == "ue8m0":
         scale = ue8m0(scale)
     values = (xf / scale.unsqueeze(-1)).clamp(-qmax, qmax).to(fp8_dtype)
