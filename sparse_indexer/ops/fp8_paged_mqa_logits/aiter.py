@@ -1,0 +1,110 @@
+"""aiter backend of ``fp8_paged_mqa_logits`` (ROCm; aiter is imported lazily, inside the call).
+
+* gfx942 / gfx950: ``deepgemm_fp8_paged_mqa_logits`` writes ``out`` directly, reading the preshuffled cache
+  when the block size is a multiple of 16 (``Preshuffle=True``, see ``write_k_cache/aiter.py``) and the plain
+  one for block size 1. The FP8 format must be the architecture's own (gfx942: e4m3fnuz, gfx950: e4m3fn):
+  converting a whole paged cache per step is not an option, so another format raises ``NotImplementedError``
+  (the cache is then in the plain layout and auto falls back to Triton).
+* other AMD GPUs: ``deepgemm_fp8_paged_mqa_logits_stage1`` writes per-head scores into the caller's ``qk``
+  scratch (``Buffers.qk``, planned with ``IndexerLimits(with_qk=True)``), summed over heads into ``out``.
+  Block size 1 only; without ``qk`` it raises ``NotImplementedError``.
+
+aiter takes one context length per request; :func:`per_sequence_context_lens` derives it from our 1-D or 2-D
+``context_lens``. aiter does not fill cells outside the windows; ``clean=True`` fills them afterwards.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from ..write_k_cache.aiter import NATIVE_FP8, gcn_arch, preshuffled
+from . import row_limits
+
+__all__ = ["fp8_paged_mqa_logits", "mask_outside", "per_sequence_context_lens"]
+
+MASK_TILE_ELEMS = 1 << 24
+
+
+def _module():
+    for name in ("aiter.ops.triton.attention.pa_mqa_logits", "aiter.ops.triton.pa_mqa_logits"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise NotImplementedError("aiter has no pa_mqa_logits module (aiter.ops.triton[.attention].pa_mqa_logits)")
+
+
+def per_sequence_context_lens(context_lens: torch.Tensor, next_n: int) -> torch.Tensor:
+    """``[B]`` int32 lengths ``L`` for aiter's causal rule ``limit[b, j] = L[b] - next_n + j + 1``.
+
+    1-D input is already that. For 2-D ``[B, next_n]`` limits, ``L[b] = max_j (limit[b, j] - j) + next_n - 1``
+    over the rows with ``limit > 0`` (0 when none): exact for causal rows (uniform decode, vLLM's
+    ``clamp(L - next_n + j + 1, 0)``), and for packed decode (real slots first, padded slots 0) exact on the
+    real slots while the padded slots get a longer window that top-k never reads (their keys lie within the
+    request's block-table row, which must hold valid block ids, as vLLM's zero-padded tables do).
+    """
+    if context_lens.dim() == 1:
+        return context_lens.to(torch.int32)
+    j = torch.arange(context_lens.shape[1], device=context_lens.device)
+    lim = context_lens.long()
+    shifted = torch.where(lim > 0, lim - j, torch.iinfo(torch.int64).min)
+    length = shifted.amax(1) + next_n - 1
+    return torch.where((lim > 0).any(1), length, 0).to(torch.int32)
+
+
+def mask_outside(out: torch.Tensor, limits: torch.Tensor) -> None:
+    """``out[r, p] = -inf`` for ``p >= limits[r]``, in row tiles (bounded temporaries)."""
+    r, w = out.shape
+    cols = torch.arange(w, device=out.device)
+    rt = max(1, min(r, MASK_TILE_ELEMS // max(1, w)))
+    for r0 in range(0, r, rt):
+        r1 = min(r, r0 + rt)
+        out[r0:r1].masked_fill_(cols[None, :] >= limits[r0:r1, None], float("-inf"))
+
+
+def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean, qk=None) -> None:
+    """See :func:`sparse_indexer.fp8_paged_mqa_logits`; ``kv_cache`` is the 3-D view, arguments checked.
+
+    ``qk``: ``[H, B * next_n, W]`` float32 scratch (``Buffers.qk_view``), needed off gfx942/gfx950 only.
+    """
+    b, nn, h, _ = q.shape
+    w = out.shape[1]
+    if b == 0 or w == 0:
+        return
+    arch = gcn_arch(q.device)
+    bs = kv_cache.shape[1]
+    kv4 = kv_cache.unsqueeze(2)  # [num_blocks, block_size, 1, D + 4], as aiter expects
+    if arch in NATIVE_FP8:
+        if q.dtype != NATIVE_FP8[arch]:
+            raise NotImplementedError(
+                f"aiter's paged logits on {arch} read {NATIVE_FP8[arch]}, got {q.dtype}; plan the engine with "
+                f"IndexerLimits(fp8_dtype={NATIVE_FP8[arch]})"
+            )
+        shuffle = preshuffled(bs, q.dtype, arch)
+        if not shuffle and bs != 1:
+            raise NotImplementedError(f"aiter's paged logits read block_size 1 or a multiple of 16, got {bs}")
+        mod = _module()
+        if clean:
+            out.fill_(float("-inf"))
+        mod.deepgemm_fp8_paged_mqa_logits(q, kv4, weights, out, per_sequence_context_lens(context_lens, nn),
+                                          block_table, w, Preshuffle=shuffle, KVBlockSize=bs, ChunkK=256,
+                                          WavePerEU=2)
+    else:
+        if bs != 1:
+            raise NotImplementedError(f"aiter's stage1 paged logits ({arch}) read block_size 1, got {bs}")
+        if qk is None:
+            raise NotImplementedError(
+                f"aiter's stage1 paged logits ({arch}) need the qk scratch: plan IndexerLimits(with_qk=True) and "
+                f"pass Buffers.qk_view(rows, W)"
+            )
+        if tuple(qk.shape) != (h, b * nn, w):
+            raise ValueError(f"qk must be [{h}, {b * nn}, {w}], got {tuple(qk.shape)}")
+        mod = _module()
+        qk.fill_(float("-inf"))
+        mod.deepgemm_fp8_paged_mqa_logits_stage1(q, kv4, weights, qk, per_sequence_context_lens(context_lens, nn),
+                                                 block_table, w, ChunkQ=h)
+        torch.sum(qk, dim=0, out=out)
+    if clean:
+        mask_outside(out, row_limits(context_lens, nn))

@@ -1,0 +1,62 @@
+"""aiter backend of ``top_k_per_row`` (ROCm gfx950, topk 2048, as vLLM uses it; aiter imported lazily).
+
+aiter's ``top_k_per_row_prefill`` returns *absolute* column indices; :func:`localize_topk` makes them relative
+to each row's start (SPEC 6) and :func:`short_rows` writes the exact ``0..len-1, -1...`` rows SPEC 6 requires
+for windows no longer than ``topk``. ``top_k_per_row_decode`` (windows starting at 0, where absolute equals
+local) is used through :func:`top_k_decode` by callers that know their rows start at 0; the op itself takes
+arbitrary ``row_starts`` and so always uses the prefill kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..write_k_cache.aiter import gcn_arch
+
+__all__ = ["AITER_TOPK", "localize_topk", "short_rows", "top_k_decode", "top_k_per_row"]
+
+AITER_TOPK = 2048
+
+
+def localize_topk(indices: torch.Tensor, row_starts: torch.Tensor) -> None:
+    """In place: ``indices[r, i] -= row_starts[r]`` where ``indices[r, i] >= 0`` (-1 stays -1)."""
+    torch.where(indices >= 0, indices - row_starts[:, None].to(indices.dtype), indices, out=indices)
+
+
+def short_rows(indices: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Tensor) -> None:
+    """In place: rows whose window has ``len <= topk`` become ``0, 1, ..., len - 1, -1, ...`` (SPEC 6)."""
+    topk = indices.shape[1]
+    n = (row_ends.long() - row_starts.long()).clamp(min=0)[:, None]
+    ar = torch.arange(topk, device=indices.device)[None, :]
+    pattern = torch.where(ar < n, ar, -1).to(indices.dtype)
+    torch.where(n <= topk, pattern, indices, out=indices)
+
+
+def _check(logits, out):
+    arch = gcn_arch(logits.device)
+    if arch != "gfx950" or out.shape[1] != AITER_TOPK:
+        raise NotImplementedError(f"aiter's top-k runs on gfx950 with topk {AITER_TOPK}; got {arch}, "
+                                  f"topk {out.shape[1]}")
+
+
+def top_k_decode(logits, row_ends, *, out) -> None:
+    """Rows whose windows are ``[0, row_ends[r])``: aiter's ``top_k_per_row_decode`` (one row per query)."""
+    _check(logits, out)
+    from aiter.ops.topk import top_k_per_row_decode
+
+    top_k_per_row_decode(logits, 1, row_ends, out, logits.shape[0], logits.stride(0), logits.stride(1),
+                         k=out.shape[1])
+    short_rows(out, torch.zeros_like(row_ends), row_ends)
+
+
+def top_k_per_row(logits, row_starts, row_ends, *, out) -> None:
+    """See :func:`sparse_indexer.top_k_per_row`; arguments are checked."""
+    if logits.shape[0] == 0:
+        return
+    _check(logits, out)
+    from aiter.ops.topk import top_k_per_row_prefill
+
+    top_k_per_row_prefill(logits, row_starts, row_ends, out, None, logits.shape[0], logits.stride(0),
+                          logits.stride(1), k=out.shape[1])
+    localize_topk(out, row_starts)
+    short_rows(out, row_starts, row_ends)
