@@ -160,3 +160,57 @@ class Buffers:
         from .arena import carve
 
         return carve(plan, arena)
+
+    def split_storages(self) -> Buffers:
+        """The same record over the same bytes, each field in a storage object of its own (for ``torch.compile``).
+
+        The fields of a carved arena are views of different dtypes of one storage. ``torch.compile``
+        (AOTAutograd) refuses to mutate graph inputs that alias each other with different dtypes, although the
+        fields never share a byte. This re-exports each field through DLPack: no copy and no allocation (every
+        new field has the old one's ``data_ptr()``, the arena stays alive as long as they do), but each field is
+        now its own storage, so a compiled step mutates every field in place as a separate input. Eager code
+        does not need it. Requires contiguous fields (true for every record built from a plan).
+        """
+
+        def own(t):
+            if t is None:
+                return None
+            raw = torch.from_dlpack(t.view(-1).view(torch.uint8).__dlpack__())  # new storage, same memory
+            return raw.view(t.dtype).view(t.shape)
+
+        return Buffers(**{n: own(getattr(self, n)) for n in _FIELDS})
+
+
+_FIELDS = ("k_fp8", "k_scale", "logits", "qk", "q_pack", "w_pack", "topk_pack")
+
+
+# ---------------------------------------------------------------- pytree
+def _flatten(b: Buffers):
+    return [getattr(b, n) for n in _FIELDS], None
+
+
+def _unflatten(children, context) -> Buffers:
+    # Leaves may be stacks ([L, ...] for vmap over layers) or transformed tensors; the validators check
+    # per-layer shapes, so they are off while the record is rebuilt.
+    with attrs.validators.disabled():
+        return Buffers(**dict(zip(_FIELDS, children)))
+
+
+def _flatten_with_keys(b: Buffers):
+    from torch.utils._pytree import GetAttrKey
+
+    return [(GetAttrKey(n), getattr(b, n)) for n in _FIELDS], None
+
+
+def _register_pytree() -> None:
+    """Register :class:`Buffers` as a pytree node (children: the seven fields, ``None`` when absent), so
+    ``torch.func.vmap``/``functionalize``, ``make_fx`` and ``torch.utils._pytree`` flatten it to its tensors."""
+    from torch.utils import _pytree
+
+    if Buffers in _pytree.SUPPORTED_NODES:
+        return
+    _pytree.register_pytree_node(Buffers, _flatten, _unflatten, serialized_type_name="buffers.Buffers",
+                                 flatten_with_keys_fn=_flatten_with_keys)
+
+
+_register_pytree()

@@ -7,15 +7,15 @@ Inside block ``b`` (starting at byte ``b * stride0``) the bytes are block-major:
 
 from __future__ import annotations
 
-import attrs
+from typing import NamedTuple
+
 import torch
 
 __all__ = ["CacheLayout", "cache_layout", "cache_views", "new_kv_cache", "slots_from_block_table"]
 
 
-@attrs.frozen
-class CacheLayout:
-    """Static facts about one K cache tensor."""
+class CacheLayout(NamedTuple):
+    """Static facts about one K cache tensor (a NamedTuple, so ``torch.compile`` can build one while tracing)."""
 
     num_blocks: int
     block_size: int
@@ -64,7 +64,8 @@ def cache_layout(kv_cache: torch.Tensor, name: str = "kv_cache") -> CacheLayout:
         raise ValueError(
             f"{name} block stride must be a multiple of 4 and >= block_size * (D + 4) = {bs * width}, got {stride0}"
         )
-    if kv.storage_offset() % 4:
+    # Dynamo cannot trace storage_offset(); eager calls (and the op bodies, which run eagerly) check it.
+    if not torch.compiler.is_compiling() and kv.storage_offset() % 4:
         raise ValueError(f"{name} must start at a 4-byte aligned storage offset, got {kv.storage_offset()}")
     return CacheLayout(num_blocks=nb, block_size=bs, head_dim=d, block_stride=stride0)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ... import _checks as C
-from ... import _dispatch
+from ... import library
 
 __all__ = ["fp8_mqa_logits"]
 
@@ -48,6 +48,6 @@ def fp8_mqa_logits(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, 
         nonempty = cu_seqlen_ke > cu_seqlen_ks
         C.values_in("cu_seqlen_ks", cu_seqlen_ks, 0, None, "window starts must be >= 0", mask=nonempty)
         C.values_in("cu_seqlen_ke", cu_seqlen_ke, None, n + 1, f"window ends must be <= N = {n}", mask=nonempty)
-    _dispatch.call("fp8_mqa_logits", backend, dev, q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke,
+    library.call("fp8_mqa_logits", backend, dev, q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke,
                    out=out, clean=bool(clean))
     return out

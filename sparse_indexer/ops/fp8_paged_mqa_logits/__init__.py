@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ... import _checks as C
-from ... import _dispatch
+from ... import library
 from ...kcache import as_3d, cache_layout
 
 __all__ = ["fp8_paged_mqa_logits", "row_limits"]
@@ -77,6 +77,6 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
             (need + lay.block_size - 1) // lay.block_size)[:, None]
         C.values_in("block_table", block_table, 0, lay.num_blocks,
                     f"block ids must be in [0, num_blocks={lay.num_blocks})", mask=used)
-    _dispatch.call("fp8_paged_mqa_logits", backend, dev, q, as_3d(kv_cache), weights, context_lens, block_table,
+    library.call("fp8_paged_mqa_logits", backend, dev, q, as_3d(kv_cache), weights, context_lens, block_table,
                    out=out, clean=bool(clean))
     return out

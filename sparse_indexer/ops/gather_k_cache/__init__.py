@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ... import _checks as C
-from ... import _dispatch
+from ... import library
 from ...kcache import as_3d, cache_layout
 
 __all__ = ["gather_k_cache"]
@@ -48,5 +48,5 @@ def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_len
             (lens + lay.block_size - 1) // lay.block_size)[:, None]
         C.values_in("block_table", block_table, 0, lay.num_blocks,
                     f"block ids must be in [0, num_blocks={lay.num_blocks})", mask=used)
-    _dispatch.call("gather_k_cache", backend, dev, as_3d(kv_cache), block_table, cu_seq_lens,
+    library.call("gather_k_cache", backend, dev, as_3d(kv_cache), block_table, cu_seq_lens,
                    out_k=out_k, out_scale=out_scale)

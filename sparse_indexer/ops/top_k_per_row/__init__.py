@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ... import _checks as C
-from ... import _dispatch
+from ... import library
 
 __all__ = ["top_k_per_row"]
 
@@ -41,5 +41,5 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
         nonempty = row_ends > row_starts
         C.values_in("row_starts", row_starts, 0, None, "window starts must be >= 0", mask=nonempty)
         C.values_in("row_ends", row_ends, None, w + 1, f"window ends must be <= W = {w}", mask=nonempty)
-    _dispatch.call("top_k_per_row", backend, dev, logits, row_starts, row_ends, out=out)
+    library.call("top_k_per_row", backend, dev, logits, row_starts, row_ends, out=out)
     return out

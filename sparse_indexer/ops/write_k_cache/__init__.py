@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ... import _checks as C
-from ... import _dispatch
+from ... import library
 from ...fp8 import FP8_DTYPES, SCALE_FMTS
 from ...kcache import as_3d, cache_layout
 
@@ -45,5 +45,5 @@ def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.T
     if C.want_value_checks(check_values, k, slot_mapping) and slot_mapping.numel():
         C.values_in("slot_mapping", slot_mapping, None, lay.num_slots,
                     f"slots must be < num_blocks * block_size = {lay.num_slots} (negative = skip)")
-    _dispatch.call("write_k_cache", backend, dev, k, as_3d(kv_cache), slot_mapping,
+    library.call("write_k_cache", backend, dev, k, as_3d(kv_cache), slot_mapping,
                    scale_fmt=scale_fmt, fp8_dtype=fp8_dtype)

@@ -1,0 +1,131 @@
+"""The library's PyTorch custom ops: every op registered once, at import, under the ``sparse_indexer`` namespace.
+
+Each op is a *mutating* op that returns ``None`` and lists exactly the tensors it writes in ``mutates_args``:
+
+=========================  ==================================================================  =================
+op                         schema (after ``sparse_indexer::``)                                 writes
+=========================  ==================================================================  =================
+``write_k_cache``          ``(k, kv_cache!, slot_mapping, str? scale_fmt, ScalarType fp8_dtype,  ``kv_cache``
+                           str backend)``
+``gather_k_cache``         ``(kv_cache, block_table, cu_seq_lens, out_k!, out_scale!,         ``out_k``,
+                           str backend)``                                                      ``out_scale``
+``fp8_mqa_logits``         ``(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out!,   ``out``
+                           bool clean, str backend)``
+``fp8_paged_mqa_logits``   ``(q, kv_cache, weights, context_lens, block_table, out!,          ``out``
+                           bool clean, str backend)``
+``top_k_per_row``          ``(logits, row_starts, row_ends, out!, str backend)``              ``out``
+=========================  ==================================================================  =================
+
+Arguments are plain tensors and scalars: a :class:`buffers.Buffers` record never crosses the op boundary (the
+callers pass its views). ``kv_cache`` is always the 3-D ``[num_blocks, block_size, D + 4]`` view. ``backend``
+is the name the caller asked for (``"auto"`` for ``None``); the op body resolves it with
+:func:`sparse_indexer._dispatch.call`, which keeps the auto fallback between backends. The fake (meta)
+implementation of every op does nothing: an op that returns ``None`` has no output to describe, and it never
+touches real memory.
+
+The public functions (``sparse_indexer.write_k_cache`` and the others) check their arguments and then call
+:func:`call`, which goes through ``torch.ops.sparse_indexer.<op>`` -- so ``torch.compile`` sees one opaque
+node per op -- except under ``torch.func`` transforms (``functionalize``, ``vmap``), which do not accept
+mutating custom ops: there the pure-torch reference implementation runs directly.
+
+Eager overhead of this registration (``torch.library.custom_op``) is measured by
+``tests/sparse_indexer/test_library.py::test_eager_overhead`` and recorded in ``docs/memory.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _dispatch
+
+__all__ = ["NAMESPACE", "OPS", "call", "functorch_active", "op"]
+
+NAMESPACE = "sparse_indexer"
+OPS = _dispatch.OPS
+Tensor = torch.Tensor
+
+
+def _run(name: str, backend: str, device: torch.device, *args, **kwargs) -> None:
+    _dispatch.call(name, None if backend == "auto" else backend, device, *args, **kwargs)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::write_k_cache", mutates_args=("kv_cache",))
+def _write_k_cache(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor, scale_fmt: Optional[str],
+                   fp8_dtype: torch.dtype, backend: str) -> None:
+    _run("write_k_cache", backend, k.device, k, kv_cache, slot_mapping, scale_fmt=scale_fmt, fp8_dtype=fp8_dtype)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::gather_k_cache", mutates_args=("out_k", "out_scale"))
+def _gather_k_cache(kv_cache: Tensor, block_table: Tensor, cu_seq_lens: Tensor, out_k: Tensor, out_scale: Tensor,
+                    backend: str) -> None:
+    _run("gather_k_cache", backend, kv_cache.device, kv_cache, block_table, cu_seq_lens, out_k=out_k,
+         out_scale=out_scale)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fp8_mqa_logits", mutates_args=("out",))
+def _fp8_mqa_logits(q: Tensor, k_fp8: Tensor, k_scale: Tensor, weights: Tensor, cu_seqlen_ks: Tensor,
+                    cu_seqlen_ke: Tensor, out: Tensor, clean: bool, backend: str) -> None:
+    _run("fp8_mqa_logits", backend, q.device, q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out=out,
+         clean=clean)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fp8_paged_mqa_logits", mutates_args=("out",))
+def _fp8_paged_mqa_logits(q: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor, block_table: Tensor,
+                          out: Tensor, clean: bool, backend: str) -> None:
+    _run("fp8_paged_mqa_logits", backend, q.device, q, kv_cache, weights, context_lens, block_table, out=out,
+         clean=clean)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::top_k_per_row", mutates_args=("out",))
+def _top_k_per_row(logits: Tensor, row_starts: Tensor, row_ends: Tensor, out: Tensor, backend: str) -> None:
+    _run("top_k_per_row", backend, logits.device, logits, row_starts, row_ends, out=out)
+
+
+_DEFS = {
+    "write_k_cache": _write_k_cache,
+    "gather_k_cache": _gather_k_cache,
+    "fp8_mqa_logits": _fp8_mqa_logits,
+    "fp8_paged_mqa_logits": _fp8_paged_mqa_logits,
+    "top_k_per_row": _top_k_per_row,
+}
+
+
+def _no_op_fake(*args, **kwargs) -> None:
+    """Fake/meta implementation: the op only writes its ``mutates_args``; there is no output to describe."""
+    return None
+
+
+for _d in _DEFS.values():
+    _d.register_fake(_no_op_fake)
+del _d
+
+
+def op(name: str):
+    """The registered ``torch.ops.sparse_indexer.<name>.default`` overload."""
+    return getattr(getattr(torch.ops, NAMESPACE), name).default
+
+
+def functorch_active(*tensors) -> bool:
+    """True when any tensor is wrapped by a ``torch.func`` transform (functionalize, vmap, grad)."""
+    if torch.compiler.is_compiling():
+        return False
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t):
+            return True
+    return False
+
+
+def call(name: str, backend: str | None, device: torch.device, *args, **kwargs) -> None:
+    """Run op ``name`` on checked arguments: the custom op, or the reference under ``torch.func`` transforms.
+
+    ``args``/``kwargs`` follow the implementation signature of ``sparse_indexer/ops/<name>/reference.py``.
+    """
+    if functorch_active(*args, *kwargs.values()):
+        if backend not in (None, "auto", "reference"):
+            raise _dispatch.BackendUnavailable(
+                f"backend {backend!r} cannot run {name} under torch.func transforms; only 'reference' can")
+        _dispatch.call(name, "reference", device, *args, **kwargs)
+        return
+    getattr(getattr(torch.ops, NAMESPACE), name)(*args, **kwargs, backend="auto" if backend is None else backend)
