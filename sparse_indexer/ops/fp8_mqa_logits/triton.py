@@ -94,7 +94,7 @@ def _mqa_logits_kernel(
 
 
 # Tuned on an H200 (see scripts/gpu_logits_bench.py); overridable for benchmarking.
-CONFIG = {"BLOCK_Q": 4, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+CONFIG = {"BLOCK_Q": 4, "BLOCK_N": 64, "num_warps": 8, "num_stages": 4}
 
 
 def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, out, clean, config=None) -> None:
@@ -116,6 +116,6 @@ def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, ou
         m, n,
         out.stride(0), q.stride(0), q.stride(1), k_fp8.stride(0), k_scale.stride(0), weights.stride(0),
         cu_seqlen_ks.stride(0), cu_seqlen_ke.stride(0),
-        H=h, HP=hp, D=d, DP=dp, BLOCK_Q=block_q, BLOCK_N=cfg["BLOCK_N"], CLEAN=bool(clean), FILL_N=cfg.get("FILL_N", 1024),
+        H=h, HP=hp, D=d, DP=dp, BLOCK_Q=block_q, BLOCK_N=cfg["BLOCK_N"], CLEAN=bool(clean), FILL_N=cfg.get("FILL_N", max(64, 1024 // block_q)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -50,7 +50,7 @@ def _load_token(q_ptr, w_ptr, cl_ptr, b64, j: tl.constexpr, stride_qn, stride_qh
     return q, wts, tl.maximum(lim, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_PROGRAMS"])
 def _paged_logits_kernel(
     out_ptr,  # [B * next_n, W] float32, row stride stride_out
     q_ptr,  # [B, next_n, H, D] fp8
@@ -193,8 +193,34 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+_OCCUPANCY: dict = {}
+LAST_LAUNCH: dict = {}  # registers, shared memory, programs per SM of the last GPU launch (for benchmarks)
+
+
+def _occupancy(key, args, kwargs) -> int | None:
+    """Programs of this specialization that fit on one multiprocessor (registers, shared memory), cached."""
+    if key not in _OCCUPANCY:
+        occ = None
+        try:
+            ck = _paged_logits_kernel.warmup(*args, grid=(1,), **kwargs)
+            ck._init_handles()
+            warps = kwargs["num_warps"]
+            regs_per_warp = -(-ck.n_regs * 32 // 256) * 256
+            occ = 65536 // max(1, regs_per_warp * warps)
+            shared = ck.metadata.shared
+            if shared:
+                occ = min(occ, (228 * 1024) // (shared + 1024))
+            occ = max(1, min(occ, 64 // warps, 32))
+            LAST_LAUNCH.update(n_regs=ck.n_regs, shared=shared, occupancy=occ)
+        except Exception:  # noqa: BLE001 - fall back to the configured programs per SM
+            occ = None
+        _OCCUPANCY[key] = occ
+    return _OCCUPANCY[key]
+
+
 # Tuned on an H200 (see scripts/gpu_logits_bench.py); overridable for benchmarking.
-CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 6, "programs_per_sm": 3, "SPLIT": True}
+# programs_per_sm caps the persistent grid (the occupancy of the compiled kernel decides below it).
+CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 6, "programs_per_sm": 4, "SPLIT": False}
 
 
 def _pow2(x: int) -> bool:
@@ -217,24 +243,28 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
     max_blocks = block_table.shape[1]
     cap = min(w, max_blocks * bs)
     block_n = cfg["BLOCK_N"]
-    if q.device.type == "cuda":
-        num_programs = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
-        num_programs *= cfg["programs_per_sm"]
-    else:
-        num_programs = 3  # interpreter: small, but enough for pieces that span requests
     stride_blk = kv_cache.stride(0) if nb > 1 else bs * (d + 4)
     kv = kv_cache.view(q.dtype)
     cl_2d = context_lens.dim() == 2
     stride_cln = context_lens.stride(1) if cl_2d else 0
     nn_pad = triton.next_power_of_2(next_n)
-    _paged_logits_kernel[(num_programs,)](
-        out, q, kv, weights, context_lens, block_table,
-        b, w, cap,
-        out.stride(0), q.stride(0), q.stride(1), q.stride(2), weights.stride(0), context_lens.stride(0), stride_cln,
-        block_table.stride(0), stride_blk,
-        num_programs,
-        NEXT_N=next_n, NN_PAD=nn_pad, H=h, HP=max(16, triton.next_power_of_2(h)), D=d, BS=bs, BLOCK_N=block_n,
-        BLOCK_B=max(16, triton.next_power_of_2(b)), CL_2D=cl_2d, CLEAN=bool(clean), FILL_N=cfg.get("FILL_N", 1024),
-        SPLIT=bool(cfg.get("SPLIT", True)),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+    args = [out, q, kv, weights, context_lens, block_table, b, w, cap,
+            out.stride(0), q.stride(0), q.stride(1), q.stride(2), weights.stride(0), context_lens.stride(0), stride_cln,
+            block_table.stride(0), stride_blk, 1]
+    kwargs = dict(NEXT_N=next_n, NN_PAD=nn_pad, H=h, HP=max(16, triton.next_power_of_2(h)), D=d, BS=bs,
+                  BLOCK_N=block_n, BLOCK_B=max(16, triton.next_power_of_2(b)), CL_2D=cl_2d, CLEAN=bool(clean),
+                  FILL_N=cfg.get("FILL_N", max(128, 1024 // nn_pad)), SPLIT=bool(cfg.get("SPLIT", False)),
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if q.device.type == "cuda":
+        dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        key = (dev, q.dtype, kv.dtype, context_lens.dtype, block_table.dtype, tuple(sorted(kwargs.items())))
+        per_sm = cfg["programs_per_sm"]
+        occ = _occupancy(key, args, kwargs)
+        if occ is not None:
+            per_sm = min(per_sm, occ)
+        num_programs = _num_sms(dev) * per_sm
+        LAST_LAUNCH["programs_per_sm"] = per_sm
+    else:
+        num_programs = 3  # interpreter: small, but enough for pieces that span requests
+    args[-1] = num_programs
+    _paged_logits_kernel[(num_programs,)](*args, **kwargs)
