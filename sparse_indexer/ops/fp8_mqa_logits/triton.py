@@ -94,7 +94,7 @@ def _mqa_logits_kernel(
 
 
 # Tuned on an H200 (see scripts/gpu_logits_bench.py); overridable for benchmarking.
-CONFIG = {"BLOCK_Q": 4, "BLOCK_N": 64, "num_warps": 8, "num_stages": 4}
+CONFIG = {"BLOCK_Q": 8, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
 
 
 def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, out, clean, config=None) -> None:

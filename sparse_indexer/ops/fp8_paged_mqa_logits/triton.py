@@ -255,6 +255,8 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
                   BLOCK_N=block_n, BLOCK_B=max(16, triton.next_power_of_2(b)), CL_2D=cl_2d, CLEAN=bool(clean),
                   FILL_N=cfg.get("FILL_N", max(128, 1024 // nn_pad)), SPLIT=bool(cfg.get("SPLIT", False)),
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if cfg.get("maxnreg"):
+        kwargs["maxnreg"] = cfg["maxnreg"]  # register cap per thread: more programs per SM
     if q.device.type == "cuda":
         dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
         key = (dev, q.dtype, kv.dtype, context_lens.dtype, block_table.dtype, tuple(sorted(kwargs.items())))
