@@ -190,10 +190,13 @@ def _flatten(b: Buffers):
 
 
 def _unflatten(children, context) -> Buffers:
-    # Leaves may be stacks ([L, ...] for vmap over layers) or transformed tensors; the validators check
-    # per-layer shapes, so they are off while the record is rebuilt.
+    # Leaves may be stacks ([L, ...] for vmap over layers), transformed tensors or tracing placeholders; the
+    # validators and the post-init checks expect one layer's real tensors, so neither runs here.
     with attrs.validators.disabled():
-        return Buffers(**dict(zip(_FIELDS, children)))
+        b = object.__new__(Buffers)
+        for name, value in zip(_FIELDS, children):
+            object.__setattr__(b, name, value)
+        return b
 
 
 def _flatten_with_keys(b: Buffers):
