@@ -1,4 +1,7 @@
-"""GPU check + benchmark of the Triton logits kernels (H200). Usage: PYTHONPATH=. python3 scripts/gpu_logits_bench.py [quick]
+"""GPU check + benchmark of the Triton logits kernels (H200).
+
+Usage: ``PYTHONPATH=. python3 scripts/gpu_logits_bench.py [quick]`` (on the CPU under ``TRITON_INTERPRET=1`` it
+runs a smoke test of itself on tiny shapes).
 
 Prints: correctness (rel L2 vs float64 on sampled rows, exact -inf masks vs the float32 reference) at DeepSeek
 shapes, then median times (L2 flushed, triton.testing.do_bench) for config sweeps, with the fraction of the floor.
@@ -12,9 +15,9 @@ import torch
 import triton
 
 import sparse_indexer as si
-from sparse_indexer.kcache import new_kv_cache, cache_views
-from sparse_indexer.ops.fp8_paged_mqa_logits import triton as paged_tr
+from sparse_indexer.kcache import cache_views, new_kv_cache
 from sparse_indexer.ops.fp8_mqa_logits import triton as ragged_tr
+from sparse_indexer.ops.fp8_paged_mqa_logits import triton as paged_tr
 
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 SMOKE = dev == "cpu"  # interpreter smoke test of this script: tiny shapes, no timing
@@ -53,7 +56,6 @@ def copy_bw():
     y = torch.empty_like(x)
     ms = bench(lambda: y.copy_(x), rep=100)
     nbytes = 2 * x.numel()
-    del x, y
     return nbytes / ms / 1e9  # TB/s
 
 
@@ -154,7 +156,7 @@ def time_paged(b, L, next_n, configs, floor_tbs, clean=False, ragged=False):
     best = None
     for cfg in configs:
         try:
-            fn = lambda: paged_tr.fp8_paged_mqa_logits(q, kv3, wts, cl, bt, out=out, clean=clean, config=cfg)
+            fn = lambda cfg=cfg: paged_tr.fp8_paged_mqa_logits(q, kv3, wts, cl, bt, out=out, clean=clean, config=cfg)
             fn()
             ms = bench(fn)
         except Exception as e:  # noqa
@@ -163,8 +165,8 @@ def time_paged(b, L, next_n, configs, floor_tbs, clean=False, ragged=False):
         tbs = bytes_ / ms / 1e9
         cfg = dict(cfg, programs_per_sm=paged_tr.LAST_LAUNCH.get("programs_per_sm"))
         frac = tbs / floor_tbs
-        log(f"  paged B={b} L={L} next_n={next_n} clean={clean} ragged={ragged} {cfg}: {ms*1e3:.1f} us  {tbs:.2f} TB/s  "
-            f"{frac*100:.1f}% of copy floor")
+        log(f"  paged B={b} L={L} next_n={next_n} clean={clean} ragged={ragged} {cfg}: {ms*1e3:.1f} us  "
+            f"{tbs:.2f} TB/s  {frac*100:.1f}% of copy floor")
         RESULTS[f"paged_b{b}_L{L}_nn{next_n}_clean{clean}_ragged{ragged}_{json.dumps(cfg, sort_keys=True)}"] = ms
         if best is None or ms < best[0]:
             best = (ms, cfg)
@@ -234,7 +236,7 @@ def time_ragged(mq, nk, configs, fp8_rate, clean=False):
     best = None
     for cfg in configs:
         try:
-            fn = lambda: ragged_tr.fp8_mqa_logits(q, k, ksc, wts, ks, ke, out=out, clean=clean, config=cfg)
+            fn = lambda cfg=cfg: ragged_tr.fp8_mqa_logits(q, k, ksc, wts, ks, ke, out=out, clean=clean, config=cfg)
             fn()
             ms = bench(fn, rep=300)
         except Exception as e:  # noqa

@@ -1,12 +1,10 @@
 """Compare the Triton logits kernels with the reference (CPU interpreter or GPU). Small shapes by default."""
-import itertools
-import os
 import sys
 
 import torch
 
 import sparse_indexer as si
-from sparse_indexer.kcache import new_kv_cache, cache_views
+from sparse_indexer.kcache import cache_views, new_kv_cache
 
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn

@@ -1,17 +1,21 @@
 """Triton ``fp8_mqa_logits``: ragged (prefill) indexer scores.
 
-One program per ``BLOCK_Q`` consecutive query tokens (``BLOCK_Q * H`` MMA columns, e.g. 2 x 64 = 128), so each key
-tile it loads is reused by all of them. It iterates over the key tiles of the union of its rows' windows only:
+One program per ``BLOCK_Q`` consecutive query tokens (``BLOCK_Q * H`` MMA columns, 8 x 64 = 512 by default), so
+each key tile it loads is reused by all of them (H is padded to a power of two >= 16, D to one >= 32).
+It iterates over the key tiles of the union of its rows' windows only:
 per tile one fp8 ``tl.dot`` (keys as M, the ``BLOCK_Q * H`` query rows as N), ``relu``, times the head weights,
 sum over heads, times the key scale, masked store. Programs run the last query blocks first (the longest rows
-under causal prefill). With ``clean=True`` each program then fills its rows' cells outside their windows with ``-inf``.
+under causal prefill). With ``clean=True`` each program then fills its rows' cells outside their windows
+with ``-inf`` (outside the hot loop, so ``clean`` costs only the extra bytes).
+
+H200, DeepSeek shapes (scripts/gpu_logits_bench.py): 8K queries causal over 64K keys 9.10-9.17 ms (~900 TFLOP/s,
+73% of cuBLAS fp8 at 8192^3); 8K causal over 8K 0.60 ms.
 
 No host synchronisation and no allocation: the grid is ``cdiv(M, BLOCK_Q)``.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -29,7 +33,8 @@ def _mqa_logits_kernel(
     ke_ptr,  # [M] int32/int64
     M, N,
     stride_out, stride_qm, stride_qh, stride_k, stride_ksc, stride_w, stride_ks, stride_ke,
-    H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, CLEAN: tl.constexpr,
+    H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr, CLEAN: tl.constexpr,
     FILL_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -116,6 +121,7 @@ def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, ou
         m, n,
         out.stride(0), q.stride(0), q.stride(1), k_fp8.stride(0), k_scale.stride(0), weights.stride(0),
         cu_seqlen_ks.stride(0), cu_seqlen_ke.stride(0),
-        H=h, HP=hp, D=d, DP=dp, BLOCK_Q=block_q, BLOCK_N=cfg["BLOCK_N"], CLEAN=bool(clean), FILL_N=cfg.get("FILL_N", max(64, 1024 // block_q)),
+        H=h, HP=hp, D=d, DP=dp, BLOCK_Q=block_q, BLOCK_N=cfg["BLOCK_N"], CLEAN=bool(clean),
+        FILL_N=cfg.get("FILL_N", max(64, 1024 // block_q)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
