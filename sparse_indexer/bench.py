@@ -290,6 +290,13 @@ class TopKCase(Case):
         return bad == 0, f"{rows.numel() - bad}/{rows.numel()} rows equal (multiset)"
 
 
+def _same_bytes_copy(amount: float, device) -> Callable[[], object]:
+    half = max(1, int(amount) // 2)
+    src = torch.ones(half, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
 class WriteCase(Case):
     def __init__(self, ctx: Ctx, T: int):  # noqa: N803
         dev, bs, d = ctx.device, ctx.block_size, ctx.head_dim
@@ -307,6 +314,10 @@ class WriteCase(Case):
 
     def reset(self):
         self.cache.zero_()
+
+    def copy_baseline(self):
+        """A device copy of the bytes the op moves (read + written), for the 'within 2x of a copy' target."""
+        return _same_bytes_copy(self.amount, self.ctx.device)
 
     def check(self, backend):
         ref = new_kv_cache(self.nb, self.ctx.block_size, self.ctx.head_dim, device=self.cache.device)
@@ -329,6 +340,9 @@ class GatherCase(Case):
         self.out_k = torch.empty(total, d, dtype=ctx.fp8, device=dev)
         self.out_scale = torch.empty(total, dtype=torch.float32, device=dev)
         self.amount = float(2 * total * (d + 4) + R * per * 4 + (R + 1) * 4)
+
+    def copy_baseline(self):
+        return _same_bytes_copy(self.amount, self.cache.device)
 
     def fn(self, backend):
         return lambda: gather_k_cache(self.cache, self.block_table, self.cu, out_k=self.out_k,
@@ -362,6 +376,9 @@ def build_case(spec: CaseSpec, ctx: Ctx) -> Case:
 # --------------------------------------------------------------------------------------------- timing
 
 
+SLEEP_CYCLES = 1_000_000  # ~0.5 ms at 1.98 GHz: longer than the host's per-call overhead
+
+
 class Timer:
     """Median-of-N timing: CUDA events around the op only, L2 flushed before every iteration (GPU);
     ``time.perf_counter`` without a flush on the CPU."""
@@ -390,6 +407,9 @@ class Timer:
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
         for i in range(iters):
+            # a GPU-side wait first, so the host enqueues the op before the GPU reaches the start event:
+            # the time is the op's device time, not the host's launch overhead (as in triton's do_bench)
+            torch.cuda._sleep(SLEEP_CYCLES)
             self.flush.zero_()
             starts[i].record()
             fn()
@@ -637,6 +657,17 @@ def run(args: argparse.Namespace) -> int:
             frac = f", {row['floor_fraction']:.2f} of floor" if row["floor_fraction"] is not None else ""
             extra = f" ({row['check_detail']})" if row["check"] not in ("ok", "ref", "-") else ""
             print(f"{med:.1f} us  {achieved:.3g} {case.unit}{frac}  check {row['check']}{extra}", flush=True)
+        if case is not None and hasattr(case, "copy_baseline"):
+            times = timer.times_us(case.copy_baseline(), iters, warmup)
+            med = statistics.median(times)
+            achieved = case.amount / (med * 1e-6) / 1e12
+            floor = floors["bandwidth"]["value"]
+            rows.append(dict(case=spec.title, key=spec.key, group=spec.group, backend="copy (same bytes)",
+                             status="ok", median_us=med, iters=iters, times_us=times, amount=case.amount,
+                             achieved=achieved, unit=case.unit, floor_fraction=(achieved / floor) if floor else None,
+                             check="floor", check_detail="torch copy_ of the bytes the op reads + writes",
+                             note=case.note))
+            print(f"{tag} copy of the same bytes ... {med:.1f} us", flush=True)
         del case
         _free(device)
 
