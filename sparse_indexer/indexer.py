@@ -54,8 +54,8 @@ def check_step(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tenso
         if k.shape[0] < metadata.num_tokens:
             raise ValueError(f"k has {k.shape[0]} rows but the metadata describes {metadata.num_tokens} tokens")
     C.tensor("topk_out", topk_out, ndim=2, dtypes=torch.int32, device=dev, contiguous=True)
-    if topk_out.shape[0] < metadata.num_tokens:
-        raise ValueError(f"topk_out has {topk_out.shape[0]} rows < {metadata.num_tokens} tokens")
+    if topk_out.shape[0] < t:
+        raise ValueError(f"topk_out has {topk_out.shape[0]} rows, fewer than the {t} rows of q_fp8")
     lay = cache_layout(kv_cache)
     C.tensor("kv_cache", kv_cache, device=dev)
     if lay.head_dim != d or lay.block_size != lim.block_size:
@@ -149,7 +149,8 @@ def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor, weights: torch.Ten
         metadata: from :func:`sparse_indexer.build_metadata`, shared by every layer of the step.
         buffers: scratch views from :func:`buffers.allocate`; only its views are written.
         topk_out: ``[T_max, topk]`` int32, ``T_max >= T``; rows ``[0, num_tokens)`` receive request-local
-            token positions (-1 = none); rows beyond are untouched.
+            token positions (-1 = none), padding rows ``[num_tokens, T)`` are filled with -1, rows from ``T``
+            on are untouched.
         backend: ``None``/``"auto"``, ``"reference"``, ``"triton"`` or ``"aiter"`` for every op.
         scale_fmt: key scale format of the cache write (``"ue8m0"`` or ``None``).
 
@@ -159,9 +160,13 @@ def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor, weights: torch.Ten
     check_step(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k)
     write_k_cache(k, kv_cache, metadata.slot_mapping, scale_fmt=scale_fmt, fp8_dtype=q_fp8.dtype,
                   backend=backend, check_values=False)
-    # SPEC 7 step 2 (fill topk_out[:T] with -1) is implied: every row in [0, num_tokens) is written below, by
-    # top-k of its prefill chunk or decode slot (windows <= topk come out as 0..len-1, -1...). Skipping the
-    # separate fill saves a write of topk_out and, under torch.compile, a staged copy of its rows.
+    # SPEC 7 step 2 (fill topk_out[:T] with -1): rows [0, num_tokens) are all written below, by the top-k of
+    # their prefill chunk or decode slot (windows <= topk come out as 0..len-1, -1...), so only the padding
+    # tokens [num_tokens, T) of a padded batch (CUDA graphs) are filled here. Filling every row would cost a
+    # second write of topk_out and, under torch.compile, a staged copy of its rows.
+    n, t = metadata.num_tokens, q_fp8.shape[0]
+    if t > n:
+        topk_out[n:t].fill_(-1)
     indexer_prefill(q_fp8, weights, kv_cache, metadata, buffers, topk_out, backend=backend, _checked=True)
     indexer_decode(q_fp8, weights, kv_cache, metadata, buffers, topk_out, backend=backend, _checked=True)
     return topk_out

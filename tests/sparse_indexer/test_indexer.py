@@ -195,3 +195,20 @@ def test_metadata_rejects_decode_after_prefill():
     with pytest.raises(ValueError, match="decode first"):
         si.build_metadata([20, 5], [10, 1], torch.zeros(2, 4, dtype=torch.int32),
                           torch.zeros(11, dtype=torch.int64), lim)
+
+
+def test_padded_batch_rows_get_minus_one(backend):
+    """A CUDA-graph padded batch: q has rows beyond the step's tokens; their top-k rows become -1, rows past
+    q's length stay untouched."""
+    lim = limits(next_n=1)
+    sc = Scenario([40, 90], [1, 30], lim=lim, seed=12)
+    md = sc.metadata()
+    t, pad = md.num_tokens, 3
+    q = torch.cat([sc.q, sc.q[:pad]])
+    w = torch.cat([sc.w, sc.w[:pad]])
+    k = torch.cat([sc.k, sc.k[:pad]])
+    topk_out = torch.full((t + pad + 2, lim.topk), 7, dtype=torch.int32)
+    si.sparse_attn_indexer(q, k, w, sc.kv, md, allocate(lim), topk_out, backend=backend)
+    check_topk(topk_out[:t], sc.model_scores(), lim.topk)
+    assert bool((topk_out[t : t + pad] == -1).all())
+    assert bool((topk_out[t + pad :] == 7).all())
