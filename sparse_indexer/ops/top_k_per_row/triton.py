@@ -1,24 +1,31 @@
-"""Triton ``top_k_per_row``: radix select on order-preserving float32 keys, one program per row (SPEC 6).
+"""Triton ``top_k_per_row``: sample-guided threshold search with plain-compare counting passes (SPEC 6).
 
-Row ``r`` with window ``[start, end)`` of length ``n``:
+One program per row. Row ``r`` with window ``[start, end)`` of length ``n``:
 
 * ``n <= topk``: write ``0..n-1, -1, ...`` without reading the logits.
-* otherwise: map each in-window value to a ``uint32`` key that preserves the float order (sign flip for
-  positives, bit inversion for negatives; ``-inf`` and NaN map to 0, below every finite value), then refine the
-  threshold key ``RADIX_BITS`` bits at a time, most significant first. Each pass re-reads the row window
-  (from L2 after the first) and histograms, with ``tl.histogram`` (warp ballots plus shared-memory merge), the
-  next bit field of the keys that still match the threshold prefix; a reverse cumulative sum picks the bin
-  holding the ``k``-th largest. The loop stops as soon as the threshold bin holds exactly as many keys as are
-  still needed (or every bit is known). A last pass compacts with one packed cumulative sum per tile: keys
-  above the threshold prefix go to ``out[0:G]``, the first ``topk - G`` keys equal to it to ``out[G:topk]``.
+* otherwise: rank in-window values by an order-preserving ``uint32`` key ``key(x)`` (sign flip for positives, bit
+  inversion for negatives; ``-inf`` and NaN are 0, below every finite value; ``-0.0`` counts as ``+0.0``) and find
+  a bracket ``[lo, hi)`` of keys with ``count(key >= lo) >= topk > count(key >= hi)``:
 
-Nothing is allocated and nothing leaves the program besides ``out``: the histogram lives in registers/shared
-memory, the counters are scalars. The cost is ``passes + 1`` reads of the window per row; rows never cooperate.
+  1. **sample**: ``SAMPLE`` strided cells of the window; a vectorised bit-by-bit search gives their key quantiles
+     around the expected rank ``topk * SAMPLE / n`` (``+- SPREAD`` binomial sigmas), the first ``M - 1``
+     candidate thresholds.
+  2. **count passes**: one read of the window counts, for ``M`` thresholds at once, the cells at or above each
+     (one float compare and one add per cell and threshold: ``key(x) >= t`` is ``x >= g(t)`` for a float
+     ``g(t)``, so no key is computed). The bracket shrinks to the thresholds around ``topk``; one threshold is
+     always ``lo + 1`` (ties and ``-inf``/NaN-heavy rows end at once), the others are spread over a window
+     around the linear interpolation of the crossing (or uniformly over the bracket after a miss). The loop
+     stops when ``count(key >= lo) == topk`` or ``hi == lo + 1``.
+  3. **compaction**: one last read writes cells with ``key >= hi`` and the first ``topk - count(key >= hi)``
+     cells with ``lo <= key < hi`` (one packed cumulative sum per tile).
 
-Measured on an H200 (scripts/gpu_topk_bench.py, triton 3.6, randn logits, topk 2048): decode 64 x 64K 161 us,
-prefill 8K rows with windows [0, 56K + j] 7.4 ms, causal windows [0, 8(j + 1)) 4.0 ms (torch.topk on the full
-rows: 139 us / 6.5 ms). The kernel is issue-bound, not memory-bound: about 0.7 SM cycles per element per pass
-(ballot histogram + key), 5-7 passes; one program per row also leaves half the SMs idle in decode.
+Loads are 16-byte vectors over the 4-aligned middle of the window, the (at most 6) edge cells are loaded once.
+Nothing is allocated and nothing leaves the program besides ``out``; rows never cooperate.
+
+Measured on an H200 (triton 3.6, randn logits, topk 2048, do_bench median): decode 64 x 64K 123 us (radix-select
+kernel before: 162 us), prefill 8K rows with windows [0, 56K + j] 5.4 ms (7.4), causal windows [0, 8(j + 1))
+3.3 ms (4.0). block 4096 / 16 warps was best; 8 thresholds per pass 138 us, block 8192 spills (726 us), 8 warps
+177 us, 32 warps 144 us, a 2048-cell sample 143 us.
 """
 
 from __future__ import annotations
@@ -28,9 +35,13 @@ import triton.language as tl
 
 __all__ = ["top_k_per_row"]
 
-RADIX_BITS = 5  # 32-bin ballot histograms were fastest on the H200 (5: 161 us, 6: 192, 8: 246 decode)
 BLOCK = 4096
 NUM_WARPS = 16
+NUM_THR = 4  # thresholds per counting pass (4 or 8; 4 was faster on the H200: 123 vs 138 us decode)
+SAMPLE = 1024  # strided sample cells
+QBITS = 16  # key bits resolved for the sample quantiles
+SPREAD = 3.0  # half-width of the sample thresholds, in binomial sigmas
+WIN = 2.5  # half-width of refinement windows, in sqrt(cells in the bracket)
 
 
 @triton.jit
@@ -42,6 +53,59 @@ def _sort_key(x):
 
 
 @triton.jit
+def _thr_f32(t):
+    """Float ``g`` with ``(x >= g) == (key(x) >= t)`` for every float32 ``x``; ``t`` int64 in ``[1, 2**32)``.
+
+    ``t <= key(-FLT_MAX)`` counts every finite cell (``g = -FLT_MAX``); keys above ``key(+inf)`` give a NaN ``g``
+    (nothing counted); ``-0.0`` and ``+0.0`` compare equal, which is the key order with ``-0.0 == +0.0``.
+    """
+    t = tl.maximum(t, 0x00800000)
+    bits = tl.where(t >= 0x80000000, t ^ 0x80000000, t ^ 0xFFFFFFFF)
+    return bits.to(tl.uint32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pick(v, jm, j: tl.constexpr):
+    return tl.sum(tl.where(jm == j, v, 0), 0)
+
+
+@triton.jit
+def _count(base, s4, e4, ex, f0, f1, f2, f3, f4, f5, f6, f7, M: tl.constexpr, BLOCK: tl.constexpr):
+    """Cells of the window with ``x >= f_j`` (middle ``[s4, e4)`` by vector loads, edge cells ``ex``)."""
+    offs = tl.arange(0, BLOCK)
+    a0 = tl.zeros([BLOCK], tl.int32)
+    a1 = tl.zeros([BLOCK], tl.int32)
+    a2 = tl.zeros([BLOCK], tl.int32)
+    a3 = tl.zeros([BLOCK], tl.int32)
+    a4 = tl.zeros([BLOCK], tl.int32)
+    a5 = tl.zeros([BLOCK], tl.int32)
+    a6 = tl.zeros([BLOCK], tl.int32)
+    a7 = tl.zeros([BLOCK], tl.int32)
+    e4 = tl.multiple_of(e4, 4)
+    for i in range(s4, e4, BLOCK):
+        o = tl.multiple_of(i, 4) + offs
+        x = tl.load(base + o, mask=o < e4, other=float("-inf"))
+        a0 += (x >= f0).to(tl.int32)
+        a1 += (x >= f1).to(tl.int32)
+        a2 += (x >= f2).to(tl.int32)
+        a3 += (x >= f3).to(tl.int32)
+        if M > 4:
+            a4 += (x >= f4).to(tl.int32)
+            a5 += (x >= f5).to(tl.int32)
+            a6 += (x >= f6).to(tl.int32)
+            a7 += (x >= f7).to(tl.int32)
+    c0 = tl.sum(a0, 0) + tl.sum((ex >= f0).to(tl.int32), 0)
+    c1 = tl.sum(a1, 0) + tl.sum((ex >= f1).to(tl.int32), 0)
+    c2 = tl.sum(a2, 0) + tl.sum((ex >= f2).to(tl.int32), 0)
+    c3 = tl.sum(a3, 0) + tl.sum((ex >= f3).to(tl.int32), 0)
+    c4 = tl.sum(a4, 0) + tl.sum((ex >= f4).to(tl.int32), 0)
+    c5 = tl.sum(a5, 0) + tl.sum((ex >= f5).to(tl.int32), 0)
+    c6 = tl.sum(a6, 0) + tl.sum((ex >= f6).to(tl.int32), 0)
+    c7 = tl.sum(a7, 0) + tl.sum((ex >= f7).to(tl.int32), 0)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
 def _top_k_per_row_kernel(
     out_ptr,  # [R, topk] int32, row stride stride_o
     logits_ptr,  # [R, W] float32, row stride stride_l
@@ -50,8 +114,12 @@ def _top_k_per_row_kernel(
     stride_l,
     stride_o,
     topk,
-    RADIX_BITS: tl.constexpr,
     BLOCK: tl.constexpr,
+    M: tl.constexpr,
+    SAMPLE: tl.constexpr,
+    QBITS: tl.constexpr,
+    SPREAD: tl.constexpr,
+    WIN: tl.constexpr,
 ):
     row = tl.program_id(0)
     start = tl.load(starts_ptr + row)
@@ -63,55 +131,119 @@ def _top_k_per_row_kernel(
             o = i + offs
             tl.store(orow + o, tl.where(o < n, o, -1), mask=o < topk)
     else:
-        NB: tl.constexpr = 1 << RADIX_BITS
-        lrow = logits_ptr + row.to(tl.int64) * stride_l + start
-        bins = tl.arange(0, NB)
-        prefix = tl.full((), 0, tl.uint32)  # threshold bits found so far
-        known = tl.full((), 0, tl.uint32)  # which bits of the threshold are known
-        k_rem = topk  # how many keys matching the prefix are still to select
-        shift = 32 - RADIX_BITS
+        base = logits_ptr + row.to(tl.int64) * stride_l
+        end = start + n
+        s4 = (start + 3) // 4 * 4  # 4-aligned middle [s4, e4) (empty when s4 >= e4)
+        e4 = end // 4 * 4
+        s4c = tl.minimum(s4, end)
+        e4c = tl.maximum(e4, s4c)
+        eo = tl.arange(0, 8)  # edge cells: [start, s4c) and [e4c, end), at most 3 each
+        epos = tl.where(eo < 4, start + eo, e4c + eo - 4)
+        emask = ((eo < 4) & (epos < s4c)) | ((eo >= 4) & (epos < end))
+        ex = tl.load(base + epos, mask=emask, other=float("-inf"))
+
+        # 1. sample quantiles: t[j] = QBITS-bit prefix of the r[j]-th largest sample key
+        js = tl.arange(0, SAMPLE)
+        sk = _sort_key(tl.load(base + start + ((js.to(tl.int64) * n) // SAMPLE).to(tl.int32)))
+        jm = tl.arange(0, M)
+        jf = jm.to(tl.float32)
+        kk = (topk * 1.0) * SAMPLE / n.to(tl.float32)
+        sig = tl.sqrt(kk) + 1.0
+        r = kk + SPREAD * sig * (2.0 * jf / (M - 2) - 1.0)
+        r = tl.minimum(tl.maximum(tl.math.ceil(r), 1.0), SAMPLE * 1.0).to(tl.int32)
+        t = tl.zeros([M], tl.uint32)
+        for b in tl.static_range(QBITS):
+            c = t | tl.full((), 1 << (31 - b), tl.uint32)
+            cnt = tl.sum((sk[:, None] >= c[None, :]).to(tl.int32), 0)
+            t = tl.where(cnt >= r, c, t)
+
+        lo = tl.full((), 0, tl.int64)  # count(key >= lo) = c_lo >= topk
+        hi = tl.full((), 0xFFFFFFFF, tl.int64)  # count(key >= hi) = c_hi < topk; no key reaches 0xFFFFFFFF
+        c_lo = n
+        c_hi = n * 0
+        thr = tl.where(jm == M - 1, 1, tl.maximum(t.to(tl.int64), 1))
+        windowed = 1
         done = 0
         while done == 0:
-            hist = tl.zeros((NB,), tl.int32)
-            for i in range(0, n, BLOCK):
-                o = i + offs
-                m = o < n
-                key = _sort_key(tl.load(lrow + o, mask=m, other=float("-inf")))
-                match = m & ((key & known) == prefix)
-                b = ((key >> shift) & (NB - 1)).to(tl.int32)
-                hist += tl.histogram(b, NB, mask=match)
-            suffix = tl.cumsum(hist, 0, reverse=True)  # suffix[b] = matching keys in bins >= b
-            b_thr = tl.max(tl.where(suffix >= k_rem, bins, -1), 0)
-            h_thr = tl.sum(tl.where(bins == b_thr, hist, 0), 0)
-            s_thr = tl.sum(tl.where(bins == b_thr, suffix, 0), 0)
-            k_rem = k_rem - (s_thr - h_thr)
-            sh = shift.to(tl.uint32)
-            prefix = prefix | (b_thr.to(tl.uint32) << sh)
-            known = known | (tl.full((), NB - 1, tl.uint32) << sh)
-            done = ((h_thr == k_rem) | (shift == 0)).to(tl.int32)
-            shift = tl.maximum(shift - RADIX_BITS, 0)
-        # compaction: keys above the prefix (all selected) first, then the first k_rem keys equal to it
-        n_gt_total = topk - k_rem
-        n_gt = 0
-        n_eq = 0
-        for i in range(0, n, BLOCK):
-            o = i + offs
-            m = o < n
-            key = _sort_key(tl.load(lrow + o, mask=m, other=float("-inf"))) & known
-            gt = m & (key > prefix)
-            eq = m & (key == prefix)
-            packed = gt.to(tl.int32) + (eq.to(tl.int32) << 16)  # BLOCK < 2**16: counts never carry
-            c = tl.cumsum(packed, 0)
-            p_gt = n_gt + (c & 0xFFFF) - 1
-            p_eq = n_eq + (c >> 16) - 1
-            take = gt | (eq & (p_eq < k_rem))
-            tl.store(orow + tl.where(gt, p_gt, n_gt_total + p_eq), o, mask=take)
+            t0 = _pick(thr, jm, 0)
+            t1 = _pick(thr, jm, 1)
+            t2 = _pick(thr, jm, 2)
+            t3 = _pick(thr, jm, 3)
+            t4 = t0
+            t5 = t0
+            t6 = t0
+            t7 = t0
+            if M > 4:
+                t4 = _pick(thr, jm, 4)
+                t5 = _pick(thr, jm, 5)
+                t6 = _pick(thr, jm, 6)
+                t7 = _pick(thr, jm, 7)
+            c0, c1, c2, c3, c4, c5, c6, c7 = _count(
+                base, s4, e4, ex, _thr_f32(t0), _thr_f32(t1), _thr_f32(t2), _thr_f32(t3), _thr_f32(t4),
+                _thr_f32(t5), _thr_f32(t6), _thr_f32(t7), M, BLOCK)
+            cv = tl.where(jm == 0, c0, 0) + tl.where(jm == 1, c1, 0) + tl.where(jm == 2, c2, 0) + \
+                tl.where(jm == 3, c3, 0)
+            if M > 4:
+                cv += tl.where(jm == 4, c4, 0) + tl.where(jm == 5, c5, 0) + tl.where(jm == 6, c6, 0) + \
+                    tl.where(jm == 7, c7, 0)
+            ge = cv >= topk
+            lo = tl.maximum(lo, tl.max(tl.where(ge, thr, -1), 0))
+            c_lo = tl.minimum(c_lo, tl.min(tl.where(ge, cv, n), 0))
+            hi = tl.minimum(hi, tl.min(tl.where(ge, 0xFFFFFFFF, thr), 0))
+            c_hi = tl.maximum(c_hi, tl.max(tl.where(ge, 0, cv), 0))
+            done = ((c_lo == topk) | (hi - lo == 1)).to(tl.int32)
+            # did the crossing fall between the spread thresholds (all but the lo + 1 slot)?
+            inner = jm < M - 1
+            hit = (lo >= tl.min(tl.where(inner, thr, 0xFFFFFFFF), 0)) & (hi <= tl.max(tl.where(inner, thr, 0), 0))
+            missed = (windowed != 0) & (hit == 0)
+            # next thresholds: lo + 1, and M - 1 spread over a window around the interpolated crossing
+            mf = (c_lo - c_hi).to(tl.float32)
+            span = (hi - lo).to(tl.float32)
+            est = ((c_lo - topk).to(tl.float32) + 0.5) / mf
+            hw = WIN * tl.sqrt(mf) / mf
+            use_w = (missed == 0) & (hw < 0.4)
+            fa = tl.where(use_w, tl.maximum(est - hw, 0.0), 0.0)
+            fb = tl.where(use_w, tl.minimum(est + hw, 1.0), 1.0)
+            nt = lo + (span * (fa + (fb - fa) * (jf + 1.0) / M)).to(tl.int64)
+            nt = tl.minimum(tl.maximum(nt, lo + 1), hi - 1)
+            thr = tl.where(jm == M - 1, lo + 1, nt)
+            windowed = use_w.to(tl.int32)
+
+        # 3. compaction: keys >= hi (all selected) first, then the first topk - c_hi keys in [lo, hi)
+        g_hi = _thr_f32(hi)
+        g_lo = _thr_f32(tl.maximum(lo, 1))
+        lo0 = (lo == 0).to(tl.int32)  # keys >= 0: every in-window cell
+        k_eq = topk - c_hi
+        egt = (emask & (ex >= g_hi)).to(tl.int32)
+        eeq = emask.to(tl.int32) & ((ex >= g_lo).to(tl.int32) | lo0) & (1 - egt)
+        epk = egt + (eeq << 16)
+        ecs = tl.cumsum(epk, 0)
+        ep_eq = (ecs >> 16) - 1
+        etake = (egt | (eeq & (ep_eq < k_eq).to(tl.int32))) != 0
+        tl.store(orow + tl.where(egt != 0, (ecs & 0xFFFF) - 1, c_hi + ep_eq), epos - start, mask=etake)
+        tot = tl.sum(epk, 0)
+        n_gt = tot & 0xFFFF
+        n_eq = tot >> 16
+        e4h = tl.multiple_of(e4, 4)
+        for i in range(s4, e4, BLOCK):
+            o = tl.multiple_of(i, 4) + offs
+            m = o < e4h
+            x = tl.load(base + o, mask=m, other=float("-inf"))
+            gt = (m & (x >= g_hi)).to(tl.int32)
+            eq = m.to(tl.int32) & ((x >= g_lo).to(tl.int32) | lo0) & (1 - gt)
+            packed = gt + (eq << 16)  # BLOCK < 2**16: counts never carry
+            cs = tl.cumsum(packed, 0)
+            p_gt = n_gt + (cs & 0xFFFF) - 1
+            p_eq = n_eq + (cs >> 16) - 1
+            take = (gt | (eq & (p_eq < k_eq).to(tl.int32))) != 0
+            tl.store(orow + tl.where(gt != 0, p_gt, c_hi + p_eq), o - start, mask=take)
             tot = tl.sum(packed, 0)
             n_gt += tot & 0xFFFF
             n_eq += tot >> 16
 
 
-def _launch(logits, row_starts, row_ends, out, *, radix_bits=RADIX_BITS, block=BLOCK, num_warps=NUM_WARPS):
+def _launch(logits, row_starts, row_ends, out, *, block=BLOCK, num_warps=NUM_WARPS, num_thr=NUM_THR,
+            sample=SAMPLE, qbits=QBITS, spread=SPREAD, win=WIN):
     r = logits.shape[0]
     if r == 0:
         return
@@ -119,7 +251,7 @@ def _launch(logits, row_starts, row_ends, out, *, radix_bits=RADIX_BITS, block=B
         raise NotImplementedError(f"{block=} must be < 2**16 (packed counters)")
     _top_k_per_row_kernel[(r,)](
         out, logits, row_starts, row_ends, logits.stride(0), out.stride(0), out.shape[1],
-        RADIX_BITS=radix_bits, BLOCK=block, num_warps=num_warps,
+        BLOCK=block, M=num_thr, SAMPLE=sample, QBITS=qbits, SPREAD=spread, WIN=win, num_warps=num_warps,
     )
 
 
