@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import os
 from collections.abc import Callable
 
@@ -87,6 +88,20 @@ def implementation(op: str, backend: str) -> Callable:
     return getattr(module, op)
 
 
+OPTIONAL_SCRATCH = ("qk",)
+"""Keyword arguments that only some backends take (scratch views); the others never see them."""
+
+
+@functools.cache
+def _params(fn: Callable) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def _accepted(fn: Callable, kwargs: dict) -> dict:
+    drop = [k for k in OPTIONAL_SCRATCH if k in kwargs and k not in _params(fn)]
+    return {k: v for k, v in kwargs.items() if k not in drop} if drop else kwargs
+
+
 def call(op: str, backend: str | None, device: torch.device, *args, **kwargs):
     """Run ``op`` on the first candidate backend that accepts the case."""
     names = candidates(op, backend, device)
@@ -101,7 +116,7 @@ def call(op: str, backend: str | None, device: torch.device, *args, **kwargs):
             last = e
             continue
         try:
-            return fn(*args, **kwargs)
+            return fn(*args, **_accepted(fn, kwargs))
         except NotImplementedError as e:
             if explicit:
                 raise

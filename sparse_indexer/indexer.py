@@ -70,6 +70,8 @@ def check_step(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tenso
     dm = metadata.decode
     if decode and dm is not None:
         buffers.logits_view(dm.num_rows, dm.width)
+        if buffers.qk is not None:
+            buffers.qk_view(dm.num_rows, dm.width)
         if not dm.uniform:
             buffers.pack_views(dm.num_rows)
             if buffers.topk_pack.shape[1] != topk_out.shape[1]:
@@ -128,8 +130,9 @@ def indexer_decode(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.T
         torch.index_select(q_fp8.view(torch.uint8), 0, dm.pack_src, out=q_pack.view(torch.uint8))
         torch.index_select(weights, 0, dm.pack_src, out=w_pack)
         q, w = q_pack.view(b, nn, h, d), w_pack
+    qk = buffers.qk_view(dm.num_rows, dm.width) if buffers.qk is not None else None
     fp8_paged_mqa_logits(q, kv_cache, w, dm.context_lens, dm.block_table, out=logits, clean=False,
-                         backend=backend, check_values=False)
+                         backend=backend, check_values=False, qk=qk)
     top_k_per_row(logits, dm.row_starts, dm.row_ends, out=sel, backend=backend, check_values=False)
     if not dm.uniform:
         torch.index_select(sel, 0, dm.unpack_src, out=topk_out[:nd])

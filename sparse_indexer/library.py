@@ -11,8 +11,8 @@ op                         schema (after ``sparse_indexer::``)                  
                            str backend)``                                                      ``out_scale``
 ``fp8_mqa_logits``         ``(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out!,   ``out``
                            bool clean, str backend)``
-``fp8_paged_mqa_logits``   ``(q, kv_cache, weights, context_lens, block_table, out!,          ``out``
-                           bool clean, str backend)``
+``fp8_paged_mqa_logits``   ``(q, kv_cache, weights, context_lens, block_table, out!,          ``out``,
+                           bool clean, str backend, qk!?)``                                    ``qk``
 ``top_k_per_row``          ``(logits, row_starts, row_ends, out!, str backend)``              ``out``
 =========================  ==================================================================  =================
 
@@ -71,11 +71,12 @@ def _fp8_mqa_logits(q: Tensor, k_fp8: Tensor, k_scale: Tensor, weights: Tensor, 
          clean=clean)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::fp8_paged_mqa_logits", mutates_args=("out",))
+@torch.library.custom_op(f"{NAMESPACE}::fp8_paged_mqa_logits", mutates_args=("out", "qk"))
 def _fp8_paged_mqa_logits(q: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor, block_table: Tensor,
-                          out: Tensor, clean: bool, backend: str) -> None:
+                          out: Tensor, clean: bool, backend: str, qk: Optional[Tensor] = None) -> None:
+    extra = {} if qk is None else {"qk": qk}  # per-head scratch, only for backends that take it (aiter stage1)
     _run("fp8_paged_mqa_logits", backend, q.device, q, kv_cache, weights, context_lens, block_table, out=out,
-         clean=clean)
+         clean=clean, **extra)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::top_k_per_row", mutates_args=("out",))

@@ -212,3 +212,25 @@ def test_padded_batch_rows_get_minus_one(backend):
     check_topk(topk_out[:t], sc.model_scores(), lim.topk)
     assert bool((topk_out[t : t + pad] == -1).all())
     assert bool((topk_out[t + pad :] == 7).all())
+
+
+def test_step_with_qk_buffer(backend):
+    """A record planned with the per-head ``qk`` scratch (aiter stage1) runs the same step; backends that don't
+    need it ignore it, and a qk view of the wrong shape is refused by name."""
+    lim = limits(next_n=2, with_qk=True)
+    sc = Scenario([60, 33, 80], [2, 2, 40], lim=lim, seed=13)
+    md, sel = run_step(sc, backend)
+    check_topk(sel, sc.model_scores(), lim.topk)
+    b = md.decode.num_reqs
+    q = sc.q[: 2 * b].view(b, 2, lim.n_heads, lim.head_dim)
+    w = sc.w[: 2 * b]
+    out = torch.empty(2 * b, 128)
+    with pytest.raises(ValueError, match="qk"):
+        si.fp8_paged_mqa_logits(q, sc.kv, w, md.decode.context_lens, md.decode.block_table, out=out,
+                                qk=torch.empty(lim.n_heads, 2 * b, 127), backend=backend)
+    qk = torch.empty(lim.n_heads, 2 * b, 128)
+    want = si.fp8_paged_mqa_logits(q, sc.kv, w, md.decode.context_lens, md.decode.block_table,
+                                   out=torch.empty(2 * b, 128), backend=backend)
+    si.fp8_paged_mqa_logits(q, sc.kv, w, md.decode.context_lens, md.decode.block_table, out=out, qk=qk,
+                            backend=backend)
+    assert torch.equal(out, want)

@@ -24,7 +24,7 @@ def row_limits(context_lens: torch.Tensor, next_n: int) -> torch.Tensor:
 def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
                          context_lens: torch.Tensor, block_table: torch.Tensor, *,
                          out: torch.Tensor | None = None, clean: bool = True, backend: str | None = None,
-                         check_values: bool | None = None) -> torch.Tensor:
+                         check_values: bool | None = None, qk: torch.Tensor | None = None) -> torch.Tensor:
     """Score ``next_n`` query tokens of each of ``B`` requests against its cached keys.
 
     Row ``r = b * next_n + j`` holds key positions ``p < limit[r]`` (request-local, read through
@@ -40,6 +40,9 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
         out: ``[B * next_n, W]`` float32 (unit last stride), ``W >= max(limit)``; allocated with
             ``W = max_blocks * block_size`` when ``None``.
         clean: see above.
+        qk: optional ``[H, B * next_n, W]`` float32 scratch (a :meth:`Buffers.qk_view`) for backends that
+            materialise per-head scores (aiter's stage1 kernel on AMD GPUs other than gfx942/gfx950); the other
+            backends ignore it. Its contents afterwards are undefined.
 
     Returns:
         ``out``.
@@ -77,6 +80,12 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
             (need + lay.block_size - 1) // lay.block_size)[:, None]
         C.values_in("block_table", block_table, 0, lay.num_blocks,
                     f"block ids must be in [0, num_blocks={lay.num_blocks})", mask=used)
+    extra = {}
+    if qk is not None:
+        C.tensor("qk", qk, dtypes=torch.float32, device=dev, shape=(h, b * next_n, w), last_contiguous=True)
+        C.no_alias("qk", qk, q=q, kv_cache=kv_cache, weights=weights, context_lens=context_lens,
+                   block_table=block_table, logits_out=out)
+        extra["qk"] = qk
     library.call("fp8_paged_mqa_logits", backend, dev, q, as_3d(kv_cache), weights, context_lens, block_table,
-                   out=out, clean=bool(clean))
+                 out=out, clean=bool(clean), **extra)
     return out
