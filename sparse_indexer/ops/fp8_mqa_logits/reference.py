@@ -11,8 +11,10 @@ import torch
 TILE_ELEMS = 1 << 24  # 64 MiB of float32 scores per tile
 
 
-def tile_sizes(rows: int, heads: int, cols: int, budget: int = TILE_ELEMS) -> tuple[int, int]:
-    """(row tile, column tile) with ``row_tile * heads * col_tile <= budget`` (at least one row and column)."""
+def tile_sizes(rows: int, heads: int, cols: int, budget: int | None = None) -> tuple[int, int]:
+    """(row tile, column tile) with ``row_tile * heads * col_tile <= budget`` (default :data:`TILE_ELEMS`;
+    at least one row and column)."""
+    budget = TILE_ELEMS if budget is None else budget
     col_tile = max(1, min(cols, budget // max(1, heads)))
     row_tile = max(1, min(rows, budget // max(1, heads * col_tile)))
     return row_tile, col_tile
