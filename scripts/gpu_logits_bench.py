@@ -1,11 +1,14 @@
 """GPU check + benchmark of the Triton logits kernels (H200).
 
-Usage: ``PYTHONPATH=. python3 scripts/gpu_logits_bench.py [quick]`` (on the CPU under ``TRITON_INTERPRET=1`` it
+Usage: ``PYTHONPATH=. python3 scripts/gpu_logits_bench.py [quick|paged]`` (``paged``: the paged kernel only,
+checks and a KSC_PF/num_stages sweep, calling the backends directly rather than the registered op)
+(on the CPU under ``TRITON_INTERPRET=1`` it
 runs a smoke test of itself on tiny shapes).
 
 Prints: correctness (rel L2 vs float64 on sampled rows, exact -inf masks vs the float32 reference) at DeepSeek
 shapes, then median times (L2 flushed, triton.testing.do_bench) for config sweeps, with the fraction of the floor.
 """
+import functools
 import json
 import os
 import sys
@@ -258,7 +261,77 @@ def S(x):
     return max(8, x // 64) if SMOKE else x
 
 
+def paged_sweep():
+    """``paged`` mode: paged kernel only; checks then times variants (KSC_PF: key-scale prefetch distance)."""
+    t0 = time.time()
+    log(dev if SMOKE else torch.cuda.get_device_name(), torch.__version__, triton.__version__)
+    from sparse_indexer.kcache import as_3d
+    from sparse_indexer.ops.fp8_paged_mqa_logits import reference as paged_ref
+
+    def direct(q, kv, wts, cl, bt, *, out, clean, backend=None):  # the backends without the op layer
+        (paged_ref if backend == "reference" else paged_tr).fp8_paged_mqa_logits(q, as_3d(kv), wts, cl, bt, out=out,
+                                                                                  clean=clean)
+        return out
+
+    si.fp8_paged_mqa_logits = direct
+    base = dict(paged_tr.CONFIG)
+    ok = True
+    for pf in (1, 2):
+        paged_tr.CONFIG.update(base, KSC_PF=pf)
+        log(f"-- checks with KSC_PF={pf}")
+        ok &= check_paged("B=8 L=5000 nn=1 ragged", 8, S(5000), 1, ragged=True, extra_blocks=2)
+        ok &= check_paged("B=8 L=4100 nn=2 ragged pad cl1d", 8, S(4100), 2, ragged=True, pad=64)
+        ok &= check_paged("B=6 L=3000 nn=2 cl2d", 6, S(3000), 2, ragged=True, cl2d=True)
+        ok &= check_paged("B=4 L=2000 nn=3 bs16", 4, S(2000), 3, ragged=True, bs=16)
+        ok &= check_paged("B=5 L=3000 nn=4 bs32 h32 d64", 5, S(3000), 4, ragged=True, bs=32, h=32, d=64)
+        ok &= check_paged("B=4 L=2000 nn=4 bs1 h32 d64", 4, S(2000), 4, ragged=True, bs=1, h=32, d=64)
+        ok &= check_paged(f"B={DB} L={S(20000)} nn=1 ragged", DB, S(20000), 1, ragged=True)
+    paged_tr.CONFIG.update(base)
+    log(f"correctness {'ALL OK' if ok else 'FAILURES'} ({time.time()-t0:.0f}s)")
+    bw = copy_bw()
+    log(f"copy bandwidth {bw:.2f} TB/s -> decode floor {DB * DL * 132 / bw / 1e6:.1f} us")
+    c = dict(BLOCK_N=64, num_warps=4, programs_per_sm=4, SPLIT=False)
+    sweeps = {
+        1: [dict(c, KSC_PF=0, num_stages=6)] + [dict(c, KSC_PF=pf, num_stages=st) for pf, st in [
+            (1, 6), (1, 8), (2, 8)]] + [dict(c, KSC_PF=0, num_stages=6)],
+        2: [dict(c, KSC_PF=0, num_stages=5, maxnreg=128)] + [
+            dict(c, KSC_PF=pf, num_stages=st, maxnreg=r) for pf, st, r in [
+                (1, 5, 128), (1, 8, 128), (2, 8, 128)]]
+        + [dict(c, KSC_PF=0, num_stages=5, maxnreg=128)],
+    }
+    if SMOKE:
+        sweeps = {k: v[:2] for k, v in sweeps.items()}
+    for nn, cfgs in sweeps.items():
+        q, kv, wts, cl, bt = make_paged(DB, DL, nn)
+        W = bt.shape[1] * kv.shape[1]
+        ref = torch.empty(DB * nn, W, device=dev)
+        si.fp8_paged_mqa_logits(q, kv, wts, cl, bt, out=ref, clean=True, backend="reference")
+        fin = torch.isfinite(ref)
+        out = torch.empty(DB * nn, W, device=dev)
+        for cfg in cfgs:
+            try:
+                fn = functools.partial(paged_tr.fp8_paged_mqa_logits, q, kv, wts, cl, bt, out=out, clean=False,
+                                       config=cfg)
+                out.fill_(float("nan"))
+                fn()
+                sync()
+                err = ((out[fin].double() - ref[fin].double()).norm() / ref[fin].double().norm()).item()
+                ms = bench(fn)
+            except Exception as e:  # noqa
+                log(f"  cfg {cfg} failed: {type(e).__name__}: {str(e)[:300]}")
+                continue
+            tbs = DB * DL * 132 / ms / 1e9
+            ll = paged_tr.LAST_LAUNCH
+            log(f"  nn={nn} {cfg} pps={ll.get('programs_per_sm')} regs={ll.get('n_regs')} "
+                f"smem={paged_tr.LAST_LAUNCH.get('shared')}: {ms*1e3:.1f} us {tbs:.2f} TB/s {tbs/bw*100:.1f}% "
+                f"err={err:.1e} {'OK' if err < 1e-3 else 'FAIL'}")
+        time_paged(DB, DL, nn, [{}, dict(KSC_PF=0)], bw, clean=False, ragged=True)
+    log(f"done in {time.time()-t0:.0f}s")
+
+
 def main():
+    if "paged" in sys.argv:
+        return paged_sweep()
     quick = "quick" in sys.argv
     t0 = time.time()
     log(dev if SMOKE else torch.cuda.get_device_name(), torch.__version__, triton.__version__)

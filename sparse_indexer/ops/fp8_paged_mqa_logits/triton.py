@@ -12,9 +12,14 @@ No host synchronisation and no allocation: the grid is (multiprocessors x progra
 latter the compiled kernel's occupancy (registers, shared memory; computed once per specialization, capped by
 ``programs_per_sm``). ``SPLIT=True`` runs one ``[BLOCK_N, H]`` dot per query token instead (slower on H200).
 
-H200, B=64, L=64K, block 64 (scripts/gpu_logits_bench.py): next_n=1 158 us (3.50 TB/s, 82% of the 4.25 TB/s copy
-floor of 130 us), next_n=2 186 us (70%); the dot + relu/weight/head-sum epilogue per 64-key tile is not overlapped
-with the loads well enough to reach the floor (no warp specialization in this kernel).
+Triton's software pipeliner prefetches only the loads that feed a ``tl.dot`` (the keys, and the block-table entry
+their address needs); the key scales would be a plain load, a full memory round trip every tile, so with
+``KSC_PF`` they are read one tile ahead by hand (loop-carried registers).
+
+H200, B=64, L=64K, block 64, clean=False, L2 flushed (``scripts/gpu_logits_bench.py paged``): next_n=1 152 us
+(3.64 TB/s, 86% of the 4.24 TB/s copy floor of 131 us; 159 us without the scale prefetch), next_n=2 186 us (70%;
+the prefetch does not help there); the dot + relu/weight/head-sum epilogue per 64-key tile is not overlapped with
+the loads well enough to reach the floor (no warp specialization in this kernel).
 """
 
 from __future__ import annotations
@@ -34,6 +39,23 @@ def _token_row(k, q, wts, ksc, pos, lim, row_ptr):
     s = tl.dot(k, tl.trans(q))  # [BLOCK_N, HP] float32
     logit = tl.sum(tl.maximum(s, 0.0) * wts[None, :], axis=1) * ksc
     tl.store(row_ptr + pos, logit, mask=pos < lim)
+
+
+@triton.jit
+def _tile_block(bt_row, tt, t_hi, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Cache block of tile ``tt`` of a request, 0 when ``tt >= t_hi`` (the read is clamped into the row)."""
+    idx = tl.maximum(tl.minimum(tt, t_hi - 1), 0) * BLOCK_N // BS
+    return tl.where(tt < t_hi, tl.load(bt_row + idx), 0)
+
+
+@triton.jit
+def _tile_scales(kv_ptr, bt_row, tt, t_hi, stride_blk, offs_n, BS: tl.constexpr, D: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """Key scales ``[BLOCK_N]`` of tile ``tt`` (zero when ``tt >= t_hi``); the tile lies inside one block."""
+    p0 = tt * BLOCK_N
+    blk = _tile_block(bt_row, tt, t_hi, BS, BLOCK_N).to(tl.int64)
+    return tl.load((kv_ptr + blk * stride_blk + BS * D).to(tl.pointer_type(tl.float32)) + p0 % BS + offs_n,
+                   mask=offs_n < tl.where(tt < t_hi, BLOCK_N, 0), other=0.0)
 
 
 @triton.jit
@@ -70,7 +92,7 @@ def _paged_logits_kernel(
     NEXT_N: tl.constexpr, NN_PAD: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, CL_2D: tl.constexpr, CLEAN: tl.constexpr,
-    FILL_N: tl.constexpr, SPLIT: tl.constexpr,
+    FILL_N: tl.constexpr, SPLIT: tl.constexpr, KSC_PF: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_b = tl.arange(0, BLOCK_B)
@@ -137,10 +159,32 @@ def _paged_logits_kernel(
             q = tl.load(q_ptr + b64 * stride_qb + (offs_r // HP)[:, None] * stride_qn
                         + (offs_r % HP)[:, None] * stride_qh + offs_d[None, :], mask=rmask[:, None], other=0.0)
             wts = tl.load(w_ptr + (b64 * NEXT_N + offs_r // HP) * stride_w + offs_r % HP, mask=rmask, other=0.0)
+        if KSC_PF > 0:
+            # Key scales read KSC_PF tiles ahead by hand: the software pipeliner only prefetches the loads that
+            # feed the dot (the keys), so a plain scale load would stall every tile for a full memory round trip.
+            ksc_a = _tile_scales(kv_ptr, bt_row, t_lo, t_hi, stride_blk, offs_n, BS, D, BLOCK_N)
+            if KSC_PF == 2:
+                ksc_b = _tile_scales(kv_ptr, bt_row, t_lo + 1, t_hi, stride_blk, offs_n, BS, D, BLOCK_N)
+            blk_c = _tile_block(bt_row, t_lo + KSC_PF, t_hi, BS, BLOCK_N)
         for tt in range(t_lo, t_hi):
             p0 = tt * BLOCK_N
             pos = p0 + offs_n
-            if BS >= BLOCK_N:
+            if KSC_PF > 0:
+                ksc = ksc_a
+                pn = (tt + KSC_PF) * BLOCK_N
+                ksc_n = tl.load((kv_ptr + blk_c.to(tl.int64) * stride_blk + BS * D).to(tl.pointer_type(tl.float32))
+                                + pn % BS + offs_n, mask=offs_n < tl.where(tt + KSC_PF < t_hi, BLOCK_N, 0),
+                                other=0.0)
+                blk_c = _tile_block(bt_row, tt + KSC_PF + 1, t_hi, BS, BLOCK_N)
+                if KSC_PF == 2:
+                    # (an op, not a plain copy of a loop-carried value: the pipeliner gives up on distance-2 deps)
+                    ksc_a = tl.where(tt < t_hi, ksc_b, ksc_n)
+                    ksc_b = ksc_n
+                else:
+                    ksc_a = ksc_n
+                blk = tl.load(bt_row + p0 // BS).to(tl.int64)
+                k = tl.load(kv_ptr + blk * stride_blk + (p0 % BS + offs_n)[:, None] * D + offs_d[None, :])
+            elif BS >= BLOCK_N:
                 # The tile lies inside one cache block: contiguous values and scales.
                 blk = tl.load(bt_row + p0 // BS).to(tl.int64)
                 base = kv_ptr + blk * stride_blk
@@ -226,9 +270,11 @@ def _occupancy(key, args, kwargs) -> int | None:
 
 # Tuned on an H200 (see scripts/gpu_logits_bench.py); overridable for benchmarking.
 # programs_per_sm caps the persistent grid (the occupancy of the compiled kernel decides below it).
-CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 6, "programs_per_sm": 4, "SPLIT": False}
+CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 6, "programs_per_sm": 4, "SPLIT": False, "KSC_PF": 1}
 # next_n = 2: a 128-register cap lifts occupancy from 3 to 4 programs per SM (196 -> 186 us at B=64, L=64K).
-CONFIG_BY_NEXT_N = {2: {"num_stages": 5, "maxnreg": 128}}
+# KSC_PF: key scales read 1 (or 2) tiles ahead by hand (block_size >= BLOCK_N only); next_n=1 158.8 -> 152.3 us
+# (PF 2 with 8 stages 151.6 us, within noise); next_n=2 186 -> 188.5 us (its limit is elsewhere), so off there.
+CONFIG_BY_NEXT_N = {2: {"num_stages": 5, "maxnreg": 128, "KSC_PF": 0}}
 
 
 def _pow2(x: int) -> bool:
@@ -238,7 +284,7 @@ def _pow2(x: int) -> bool:
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean, config=None) -> None:
     """See :func:`sparse_indexer.fp8_paged_mqa_logits`; ``kv_cache`` is the 3-D view, arguments are checked."""
     b, next_n, h, d = q.shape
-    cfg = dict(CONFIG, **CONFIG_BY_NEXT_N.get(next_n, {}), **(config or {}))
+    cfg = {**CONFIG, **CONFIG_BY_NEXT_N.get(next_n, {}), **(config or {})}
     nb, bs, _ = kv_cache.shape
     w = out.shape[1]
     if not (_pow2(d) and _pow2(bs)) or d < 32:
@@ -262,6 +308,7 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
     kwargs = dict(NEXT_N=next_n, NN_PAD=nn_pad, H=h, HP=max(16, triton.next_power_of_2(h)), D=d, BS=bs,
                   BLOCK_N=block_n, BLOCK_B=max(16, triton.next_power_of_2(b)), CL_2D=cl_2d, CLEAN=bool(clean),
                   FILL_N=cfg.get("FILL_N", max(128, 1024 // nn_pad)), SPLIT=bool(cfg.get("SPLIT", False)),
+                  KSC_PF=int(cfg.get("KSC_PF", 0)) if bs >= block_n and not cfg.get("SPLIT", False) else 0,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if cfg.get("maxnreg"):
         kwargs["maxnreg"] = cfg["maxnreg"]  # register cap per thread: more programs per SM
