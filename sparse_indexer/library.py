@@ -11,8 +11,9 @@ op                         schema (after ``sparse_indexer::``)                  
                            str backend)``                                                      ``out_scale``
 ``fp8_mqa_logits``         ``(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out!,   ``out``
                            bool clean, str backend)``
-``fp8_paged_mqa_logits``   ``(q, kv_cache, weights, context_lens, block_table, out!,          ``out``,
-                           bool clean, str backend, qk!?)``                                    ``qk``
+``fp8_paged_mqa_logits``   ``(q, kv_cache, weights, context_lens, block_table, out!,          ``out``
+                           bool clean, str backend)``; ``fp8_paged_mqa_logits_with_qk`` adds   (and ``qk``)
+                           ``qk!`` (per-head scratch of aiter's stage1 kernel)
 ``top_k_per_row``          ``(logits, row_starts, row_ends, out!, str backend)``              ``out``
 =========================  ==================================================================  =================
 
@@ -71,12 +72,21 @@ def _fp8_mqa_logits(q: Tensor, k_fp8: Tensor, k_scale: Tensor, weights: Tensor, 
          clean=clean)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::fp8_paged_mqa_logits", mutates_args=("out", "qk"))
+@torch.library.custom_op(f"{NAMESPACE}::fp8_paged_mqa_logits", mutates_args=("out",))
 def _fp8_paged_mqa_logits(q: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor, block_table: Tensor,
-                          out: Tensor, clean: bool, backend: str, qk: Optional[Tensor] = None) -> None:
-    extra = {} if qk is None else {"qk": qk}  # per-head scratch, only for backends that take it (aiter stage1)
+                          out: Tensor, clean: bool, backend: str) -> None:
     _run("fp8_paged_mqa_logits", backend, q.device, q, kv_cache, weights, context_lens, block_table, out=out,
-         clean=clean, **extra)
+         clean=clean)
+
+
+# The same op with the per-head scratch ``qk`` (aiter's stage1 kernel). A separate op rather than an optional
+# mutated argument: torch 2.11's custom_op fails ("tuple index out of range") when an optional mutated
+# argument is left out.
+@torch.library.custom_op(f"{NAMESPACE}::fp8_paged_mqa_logits_with_qk", mutates_args=("out", "qk"))
+def _fp8_paged_mqa_logits_with_qk(q: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor,
+                                  block_table: Tensor, out: Tensor, clean: bool, backend: str, qk: Tensor) -> None:
+    _run("fp8_paged_mqa_logits", backend, q.device, q, kv_cache, weights, context_lens, block_table, out=out,
+         clean=clean, qk=qk)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::top_k_per_row", mutates_args=("out",))
@@ -89,6 +99,7 @@ _DEFS = {
     "gather_k_cache": _gather_k_cache,
     "fp8_mqa_logits": _fp8_mqa_logits,
     "fp8_paged_mqa_logits": _fp8_paged_mqa_logits,
+    "fp8_paged_mqa_logits_with_qk": _fp8_paged_mqa_logits_with_qk,
     "top_k_per_row": _top_k_per_row,
 }
 
@@ -129,4 +140,6 @@ def call(name: str, backend: str | None, device: torch.device, *args, **kwargs) 
                 f"backend {backend!r} cannot run {name} under torch.func transforms; only 'reference' can")
         _dispatch.call(name, "reference", device, *args, **kwargs)
         return
-    getattr(getattr(torch.ops, NAMESPACE), name)(*args, **kwargs, backend="auto" if backend is None else backend)
+    scratch = [k for k in _dispatch.OPTIONAL_SCRATCH if kwargs.get(k) is not None]
+    target = f"{name}_with_{'_'.join(scratch)}" if scratch else name  # the op variant that mutates the scratch
+    getattr(getattr(torch.ops, NAMESPACE), target)(*args, **kwargs, backend="auto" if backend is None else backend)
