@@ -9,9 +9,27 @@ import torch
 
 from .limits import IndexerLimits
 
-__all__ = ["ALIGN", "FieldPlan", "BufferPlan", "plan", "FIELDS"]
+__all__ = ["ALIGN", "FieldPlan", "BufferPlan", "plan", "FIELDS", "TOPK_SCRATCH_COUNTERS", "TOPK_SCRATCH_SAMPLE",
+           "TOPK_SCRATCH_SPREAD", "topk_scratch_cap"]
 
 ALIGN = 256  # byte alignment of every field inside the arena
+
+TOPK_SCRATCH_COUNTERS = 32  # int32 counters at the start of each row of ``topk_scratch``
+TOPK_SCRATCH_SAMPLE = 4096  # cells the split top-k samples per row (sparse_indexer/ops/top_k_per_row/triton.py)
+TOPK_SCRATCH_SPREAD = 4.5  # half-width of its sample bracket, in binomial sigmas
+
+
+def topk_scratch_cap(lim: IndexerLimits) -> int:
+    """Candidate slots per row of ``topk_scratch`` for windows up to ``max_model_len``.
+
+    The split top-k keeps the cells between two sample quantiles (+-4.5 sigma around the ``topk``-th largest of
+    a 4096-cell sample); a window of ``L`` cells has about ``9 (sqrt(topk L / 4096) + L / 4096)`` of them. The
+    cap is 1.25x that for ``L = max_model_len``, rounded up to a power of two (at least 256); a row with more
+    candidates is still exact, through a slower per-row fallback.
+    """
+    L = lim.max_model_len
+    want = 2 * TOPK_SCRATCH_SPREAD * (math.sqrt(lim.topk * L / TOPK_SCRATCH_SAMPLE) + L / TOPK_SCRATCH_SAMPLE) * 1.25
+    return max(256, 1 << max(0, math.ceil(want) - 1).bit_length())
 
 # name -> (shape function of the limits, dtype function of the limits); a shape of None means "absent".
 # Backends that need scratch add one line here; the field then exists in every plan with its size.
@@ -35,6 +53,12 @@ FIELDS = {
     ),
     "topk_pack": (
         lambda lim: (lim.max_decode_rows, lim.topk) if lim.next_n > 1 else None,
+        lambda lim: torch.int32,
+    ),
+    # Split-row top-k of the decode rows (Triton): per row, counters, then the positions and the values of up to
+    # topk_scratch_cap(lim) candidate cells.
+    "topk_scratch": (
+        lambda lim: (lim.max_decode_rows, TOPK_SCRATCH_COUNTERS + 2 * topk_scratch_cap(lim)),
         lambda lim: torch.int32,
     ),
 }

@@ -11,7 +11,7 @@ from .limits import FP8_DTYPES
 
 __all__ = ["Buffers", "BufferTooSmall"]
 
-OPTIONAL = ("qk", "q_pack", "w_pack", "topk_pack")
+OPTIONAL = ("qk", "q_pack", "w_pack", "topk_pack", "topk_scratch")
 
 
 class BufferTooSmall(ValueError):
@@ -62,6 +62,12 @@ class Buffers:
         q_pack, w_pack, topk_pack: ``[max_num_seqs * next_n, H, D]`` fp8, ``[max_num_seqs * next_n, H]``
             float32, ``[max_num_seqs * next_n, topk]`` int32, or ``None`` when ``next_n == 1`` — the padded
             decode slots of a step whose requests have fewer than ``next_n`` new tokens.
+        topk_scratch: ``[max_num_seqs * next_n, 32 + 2 * cap]`` int32 or ``None`` — the split-row top-k's global
+            scratch for the decode rows (per row: counters, then positions and values of up to ``cap``
+            candidates, :func:`buffers.plan.topk_scratch_cap`); backends that do not split rows ignore it.
+            Every plan has it; a record built by hand may leave it out (the step then passes no workspace).
+            It is not a pytree leaf: a record rebuilt by ``torch.utils._pytree`` (``torch.func`` transforms,
+            which run the reference backend) has ``topk_scratch=None``.
     """
 
     k_fp8: torch.Tensor = attrs.field(validator=_tensor(2, FP8_DTYPES))
@@ -71,6 +77,7 @@ class Buffers:
     q_pack: torch.Tensor | None = attrs.field(default=None, validator=_tensor(3, FP8_DTYPES))
     w_pack: torch.Tensor | None = attrs.field(default=None, validator=_tensor(2, (torch.float32,)))
     topk_pack: torch.Tensor | None = attrs.field(default=None, validator=_tensor(2, (torch.int32,)))
+    topk_scratch: torch.Tensor | None = attrs.field(default=None, validator=_tensor(2, (torch.int32,)))
 
     def __attrs_post_init__(self):
         if self.k_scale.shape[0] != self.k_fp8.shape[0]:
@@ -129,6 +136,15 @@ class Buffers:
             raise BufferTooSmall("qk", h * rows * cols, h * per_head, f"[{h}, {rows}, {cols}] per-head scores")
         return self.qk.view(h, per_head)[:, : rows * cols].view(h, rows, cols)
 
+    def topk_scratch_view(self, rows: int) -> torch.Tensor:
+        """``topk_scratch[:rows]``: the top-k workspace of ``rows`` rows (``top_k_per_row(..., workspace=)``)."""
+        if self.topk_scratch is None:
+            raise BufferTooSmall("topk_scratch", rows, 0, "this record has no top-k scratch")
+        if rows > self.topk_scratch.shape[0]:
+            raise BufferTooSmall("topk_scratch", rows * self.topk_scratch.shape[1], self.topk_scratch.numel(),
+                                 f"top-k workspace rows: {rows} > {self.topk_scratch.shape[0]}")
+        return self.topk_scratch[:rows]
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The present fields by name (optional ones only when planned)."""
         out = {"k_fp8": self.k_fp8, "k_scale": self.k_scale, "logits": self.logits}
@@ -178,9 +194,11 @@ class Buffers:
             raw = torch.from_dlpack(t.view(-1).view(torch.uint8).__dlpack__())  # new storage, same memory
             return raw.view(t.dtype).view(t.shape)
 
-        return Buffers(**{n: own(getattr(self, n)) for n in _FIELDS})
+        return Buffers(**{n: own(getattr(self, n)) for n in (*_FIELDS, "topk_scratch")})
 
 
+# The pytree leaves. ``topk_scratch`` is not one: only the Triton backend uses it, never under ``torch.func``
+# transforms (which run the reference), so a rebuilt record simply has none.
 _FIELDS = ("k_fp8", "k_scale", "logits", "qk", "q_pack", "w_pack", "topk_pack")
 
 
@@ -196,6 +214,7 @@ def _unflatten(children, context) -> Buffers:
         b = object.__new__(Buffers)
         for name, value in zip(_FIELDS, children):
             object.__setattr__(b, name, value)
+        object.__setattr__(b, "topk_scratch", None)
         return b
 
 
@@ -206,7 +225,7 @@ def _flatten_with_keys(b: Buffers):
 
 
 def _register_pytree() -> None:
-    """Register :class:`Buffers` as a pytree node (children: the seven fields, ``None`` when absent), so
+    """Register :class:`Buffers` as a pytree node (children: the seven fields of ``_FIELDS``, ``None`` when absent), so
     ``torch.func.vmap``/``functionalize``, ``make_fx`` and ``torch.utils._pytree`` flatten it to its tensors."""
     from torch.utils import _pytree
 

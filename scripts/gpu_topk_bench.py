@@ -1,6 +1,8 @@
 """GPU check + timing of the Triton top_k_per_row / write_k_cache / gather_k_cache (one device call).
 
 PYTHONPATH=. python3 scripts/gpu_topk_bench.py  -> prints a table, writes $OUT/gpu_topk_bench.json
+SPLIT_ONLY=1: only the split-row top-k (workspace) checks and old-vs-new timings ($OUT/gpu_topk_split.json);
+SPLIT_VARIANTS="block,warps,programs_per_sm;..." picks its collect-kernel variants.
 Correctness on fresh random inputs at DeepSeek shapes (top-k value multisets vs torch.topk, cache bytes
 bit-exact vs the reference backend), then triton.testing.do_bench medians (L2 flushed) against a device copy.
 """
@@ -130,6 +132,151 @@ def run_topk(name, logits, starts, ends, topk, check_rows, floor_bytes):
             rows.append((name, f"  graph x8 sets thr={rb} block={blk} warps={nw}", f"{tg:.1f}", f"{tg / flg:.2f}"))
             res[f"{name}/graph/rb{rb}_b{blk}_w{nw}"] = {"us": tg, "floor_us": flg}
     rows.append((name, f"floor: copy of {floor_bytes / 2**20:.0f} MiB traffic", f"{fl:.1f}", "1.00"))
+
+
+SPLIT_VARIANTS = [tuple(int(v) for v in x.split(",")) for x in
+                  os.environ.get("SPLIT_VARIANTS", "2048,4,4;4096,8,4;2048,4,8;1024,4,4;2048,8,2").split(";")]
+
+
+def ref_check(logits, starts, ends, out, check_rows):
+    """SPEC 6 vs the reference backend: short rows exact, long rows distinct in-window positions whose value
+    multiset (-inf/NaN as -1e300) equals the reference's."""
+    rr = check_rows
+    x, s, e, o = logits[rr], starts[rr], ends[rr], out[rr]
+    ref = torch.empty_like(o)
+    si.top_k_per_row(x.contiguous(), s.contiguous(), e.contiguous(), out=ref, backend="reference")
+    n = (e - s).clamp(min=0)
+    lg = n > o.shape[1]
+    if not torch.equal(o[~lg], ref[~lg]):
+        return False
+    o, ref, x, s, n = o[lg].long(), ref[lg].long(), x[lg], s[lg].long(), n[lg]
+    if ((o < 0) | (o >= n[:, None])).any() or (o.sort(dim=1).values.diff(dim=1) == 0).any():
+        return False
+
+    def vals(idx):
+        v = x.gather(1, idx + s[:, None]).double()
+        return torch.where(torch.isnan(v) | (v == float("-inf")), -1e300, v).sort(dim=1).values
+
+    return torch.equal(vals(o), vals(ref))
+
+
+def fallbacks(ws, starts, ends, topk):
+    """Long rows the finish kernel handed to the per-row fallback (bracket missed or candidates overflowed)."""
+    cap = (ws.shape[1] - tkt.CTR) // 2
+    n = (ends - starts).clamp(min=0)
+    g, c = ws[:, 0], ws[:, 1]
+    return int(((n > topk) & ((g > topk) | (g + c < topk) | (c > cap))).sum()), int(c[n > topk].float().mean())
+
+
+def run_split(name, logits, starts, ends, topk, check_rows, graph=True, variants=None):
+    r = logits.shape[0]
+    out = torch.empty(r, topk, dtype=torch.int32, device=dev)
+    ws = torch.empty(r, tkt.CTR + 2 * 4096, dtype=torch.int32, device=dev)
+    out.fill_(-7)
+    tkt._launch(logits, starts, ends, out)
+    ok = ref_check(logits, starts, ends, out, check_rows)
+    t_old = bench(lambda: tkt._launch(logits, starts, ends, out))
+    rows.append((name, f"old (no workspace) ok={ok}", f"{t_old:.1f}", ""))
+    res[f"split/{name}/old"] = {"us": t_old, "ok": ok}
+    if graph:
+        sets = [logits] + [torch.randn_like(logits) for _ in range(5)]
+        outs = [torch.empty_like(out) for _ in sets]
+        wss = [torch.empty_like(ws) for _ in sets]
+        tg = graph_us([lambda x=x, o=o: tkt._launch(x, starts, ends, o) for x, o in zip(sets, outs)])
+        rows.append((name, "  old graph x6 sets", f"{tg:.1f}", ""))
+        res[f"split/{name}/old_graph"] = tg
+    for blk, nw, pps in (variants or SPLIT_VARIANTS):
+        kw = dict(block=blk, num_warps=nw, programs_per_sm=pps)
+        out.fill_(-7)
+        tkt._launch_split(logits, starts, ends, out, ws, **kw)
+        ok = ref_check(logits, starts, ends, out, check_rows)
+        nfb, mc = fallbacks(ws, starts, ends, topk)
+        t = bench(lambda kw=kw: tkt._launch_split(logits, starts, ends, out, ws, **kw))
+        st = [bench(lambda k=k, kw=kw: tkt._launch_split(logits, starts, ends, out, ws, stages=k, **kw))
+              for k in (1, 2)]
+        rows.append((name, f"split b={blk} w={nw} pps={pps} ok={ok} fb={nfb} cand={mc}", f"{t:.1f}",
+                     f"{t_old / t:.2f}x"))
+        rows.append((name, f"  stages: sample {st[0]:.1f}, +collect {st[1]:.1f}", "", ""))
+        res[f"split/{name}/b{blk}_w{nw}_p{pps}"] = {"us": t, "ok": ok, "fallback_rows": nfb, "cand": mc,
+                                                    "stage_us": st}
+        if graph:
+            tg = graph_us([lambda x=x, o=o, w_=w_, kw=kw: tkt._launch_split(x, starts, ends, o, w_, **kw)
+                           for x, o, w_ in zip(sets, outs, wss)])
+            rows.append((name, "  split graph x6 sets", f"{tg:.1f}", ""))
+            res[f"split/{name}/b{blk}_w{nw}_p{pps}/graph"] = tg
+
+
+@section("split correctness (special rows)")
+def _():
+    g = torch.Generator(device=dev)
+    g.manual_seed(1)
+    for r, w, topk in ((64, 65536, 2048), (128, 32768, 2048), (40, 9000, 512), (7, 3000, 1024)):
+        x = torch.randn(r, w, device=dev, generator=g)
+        x[1] = torch.randint(0, 3, (w,), device=dev, generator=g).float()  # ties: overflow
+        x[2] = 1.0
+        x[3, ::2] = float("-inf")
+        x[3, 1::4] = float("nan")
+        x[4] = float("-inf")
+        x[4, torch.randperm(w, device=dev, generator=g)[: topk // 2]] = 1.0  # fewer finite than topk
+        x[5] = float("nan")
+        x[6] = torch.randn(w, device=dev, generator=g).round()  # many ties at the threshold
+        s = torch.randint(0, 8, (r,), device=dev, dtype=torch.int32, generator=g)
+        e = torch.randint(w // 2, w + 1, (r,), device=dev, dtype=torch.int32, generator=g)
+        s[0], e[0] = 0, w
+        e[5] = s[5] + topk  # exactly topk
+        e[6] = s[6] + 5  # short
+        e[3] = s[3]  # empty
+        out = torch.full((r, topk), -7, dtype=torch.int32, device=dev)
+        ws = torch.full((r, tkt.CTR + 2 * 4096), -3, dtype=torch.int32, device=dev)
+        for cap in (4096, 16):
+            wsv = ws[:, : tkt.CTR + 2 * cap]
+            si.top_k_per_row(x, s, e, out=out, backend="triton", workspace=wsv)
+            ok = ref_check(x, s, e, out, torch.arange(r, device=dev))
+            nfb, mc = fallbacks(wsv, s, e, topk)
+            rows.append(("split-check", f"{r}x{w} topk={topk} cap={cap} ok={ok} fb={nfb} split="
+                         f"{tkt.use_split(r, x.device)}", "", ""))
+            res[f"split-check/{r}x{w}/{cap}"] = ok
+
+
+@section("split decode 64x65536")
+def _():
+    r, w, topk = 64, 65536, 2048
+    logits = torch.randn(r, w, device=dev)
+    starts = torch.zeros(r, dtype=torch.int32, device=dev)
+    ends = torch.full((r,), w, dtype=torch.int32, device=dev)
+    ends[::4] = torch.randint(w // 2, w, (r // 4,), device=dev, dtype=torch.int32)
+    run_split("decode64x64K", logits, starts, ends, topk, torch.arange(r, device=dev))
+    ends = torch.full((r,), w, dtype=torch.int32, device=dev)
+    run_split("decode64x64K-full", logits, starts, ends, topk, torch.arange(r, device=dev), graph=False,
+              variants=SPLIT_VARIANTS[:1])
+
+
+@section("split decode 128x32768")
+def _():
+    r, w, topk = 128, 32768, 2048
+    logits = torch.randn(r, w, device=dev)
+    starts = torch.zeros(r, dtype=torch.int32, device=dev)
+    ends = torch.full((r,), w, dtype=torch.int32, device=dev)
+    run_split("decode128x32K", logits, starts, ends, topk, torch.arange(r, device=dev))
+
+
+@section("split prefill 8192x65536")
+def _():
+    r, w, topk = 8192, 65536, 2048
+    logits = torch.randn(r, w, device=dev)
+    starts = torch.zeros(r, dtype=torch.int32, device=dev)
+    ends = (w - r + 1 + torch.arange(r, device=dev)).int()
+    chk = torch.randperm(r, device=dev)[:256]
+    run_split("prefill8Kx64K", logits, starts, ends, topk, chk, graph=False, variants=SPLIT_VARIANTS[:2])
+
+
+if os.environ.get("SPLIT_ONLY"):
+    print(f"{'case':16s} {'variant':60s} {'us':>9s} {'x':>8s}")
+    for r in rows:
+        print(f"{r[0]:16s} {r[1]:60s} {r[2]:>9s} {r[3]:>8s}")
+    with open(os.path.join(OUT, "gpu_topk_split.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    sys.exit(0)
 
 
 @section("topk decode 64x65536")

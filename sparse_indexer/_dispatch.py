@@ -88,7 +88,7 @@ def implementation(op: str, backend: str) -> Callable:
     return getattr(module, op)
 
 
-OPTIONAL_SCRATCH = ("qk",)
+OPTIONAL_SCRATCH = ("qk", "workspace")
 """Keyword arguments that only some backends take (scratch views); the others never see them."""
 
 

@@ -18,7 +18,7 @@ from .metadata import IndexerMetadata
 from .ops.fp8_mqa_logits import fp8_mqa_logits
 from .ops.fp8_paged_mqa_logits import fp8_paged_mqa_logits
 from .ops.gather_k_cache import gather_k_cache
-from .ops.top_k_per_row import top_k_per_row
+from .ops.top_k_per_row import MIN_WORKSPACE_COLS, top_k_per_row
 from .ops.write_k_cache import write_k_cache
 
 __all__ = ["sparse_attn_indexer", "indexer_prefill", "indexer_decode", "check_step"]
@@ -72,6 +72,11 @@ def check_step(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tenso
         buffers.logits_view(dm.num_rows, dm.width)
         if buffers.qk is not None:
             buffers.qk_view(dm.num_rows, dm.width)
+        if buffers.topk_scratch is not None:
+            ws = buffers.topk_scratch_view(dm.num_rows)
+            if ws.shape[1] < MIN_WORKSPACE_COLS:
+                raise BufferTooSmall("topk_scratch", dm.num_rows * MIN_WORKSPACE_COLS, ws.numel(),
+                                     f"rows of >= {MIN_WORKSPACE_COLS} int32")
         if not dm.uniform:
             buffers.pack_views(dm.num_rows)
             if buffers.topk_pack.shape[1] != topk_out.shape[1]:
@@ -110,7 +115,9 @@ def indexer_decode(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.T
 
     Uniform steps reshape the queries to ``[B, next_n, H, D]`` and write top-k straight into ``topk_out``.
     Non-uniform steps pack queries and weights into ``buffers.q_pack/w_pack`` slots, select into
-    ``buffers.topk_pack`` and copy the real rows back, so no padded row reaches ``topk_out``.
+    ``buffers.topk_pack`` and copy the real rows back, so no padded row reaches ``topk_out``. Top-k gets
+    ``buffers.topk_scratch`` as its workspace when the record has one (the Triton backend splits few rows over
+    several programs with it).
     """
     if not _checked:
         check_step(q_fp8, weights, kv_cache, metadata, buffers, topk_out, prefill=False)
@@ -133,7 +140,8 @@ def indexer_decode(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.T
     qk = buffers.qk_view(dm.num_rows, dm.width) if buffers.qk is not None else None
     fp8_paged_mqa_logits(q, kv_cache, w, dm.context_lens, dm.block_table, out=logits, clean=False,
                          backend=backend, check_values=False, qk=qk)
-    top_k_per_row(logits, dm.row_starts, dm.row_ends, out=sel, backend=backend, check_values=False)
+    ws = buffers.topk_scratch_view(dm.num_rows) if buffers.topk_scratch is not None else None
+    top_k_per_row(logits, dm.row_starts, dm.row_ends, out=sel, backend=backend, check_values=False, workspace=ws)
     if not dm.uniform:
         torch.index_select(sel, 0, dm.unpack_src, out=topk_out[:nd])
     return topk_out

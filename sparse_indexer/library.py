@@ -14,7 +14,9 @@ op                         schema (after ``sparse_indexer::``)                  
 ``fp8_paged_mqa_logits``   ``(q, kv_cache, weights, context_lens, block_table, out!,          ``out``
                            bool clean, str backend)``; ``fp8_paged_mqa_logits_with_qk`` adds   (and ``qk``)
                            ``qk!`` (per-head scratch of aiter's stage1 kernel)
-``top_k_per_row``          ``(logits, row_starts, row_ends, out!, str backend)``              ``out``
+``top_k_per_row``          ``(logits, row_starts, row_ends, out!, str backend)``;             ``out``
+                           ``top_k_per_row_with_workspace`` adds ``workspace!`` (the split-   (and
+                           row top-k's global scratch)                                         ``workspace``)
 =========================  ==================================================================  =================
 
 Arguments are plain tensors and scalars: a :class:`buffers.Buffers` record never crosses the op boundary (the
@@ -94,6 +96,13 @@ def _top_k_per_row(logits: Tensor, row_starts: Tensor, row_ends: Tensor, out: Te
     _run("top_k_per_row", backend, logits.device, logits, row_starts, row_ends, out=out)
 
 
+# The same op with the split-row top-k's global scratch (Triton, few rows); separate for the reason above.
+@torch.library.custom_op(f"{NAMESPACE}::top_k_per_row_with_workspace", mutates_args=("out", "workspace"))
+def _top_k_per_row_with_workspace(logits: Tensor, row_starts: Tensor, row_ends: Tensor, out: Tensor, backend: str,
+                                  workspace: Tensor) -> None:
+    _run("top_k_per_row", backend, logits.device, logits, row_starts, row_ends, out=out, workspace=workspace)
+
+
 _DEFS = {
     "write_k_cache": _write_k_cache,
     "gather_k_cache": _gather_k_cache,
@@ -101,6 +110,7 @@ _DEFS = {
     "fp8_paged_mqa_logits": _fp8_paged_mqa_logits,
     "fp8_paged_mqa_logits_with_qk": _fp8_paged_mqa_logits_with_qk,
     "top_k_per_row": _top_k_per_row,
+    "top_k_per_row_with_workspace": _top_k_per_row_with_workspace,
 }
 
 

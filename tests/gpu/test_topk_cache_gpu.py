@@ -18,8 +18,9 @@ def _values(logits, starts, idx):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,width,topk", [(64, 65536, 2048), (37, 5000, 512), (9, 3000, 1024)])
-def test_top_k_per_row_gpu(rows, width, topk):
+@pytest.mark.parametrize("workspace", [None, 4096, 4])  # candidate slots per row (4: every long row overflows)
+@pytest.mark.parametrize("rows,width,topk", [(64, 65536, 2048), (37, 5000, 512), (9, 3000, 1024), (130, 40000, 2048)])
+def test_top_k_per_row_gpu(rows, width, topk, workspace):
     logits = torch.randn(rows, width + 3, device=DEV)[:, :width]
     logits[1, : width // 2] = float("-inf")
     logits[2, ::3] = float("nan")
@@ -30,7 +31,13 @@ def test_top_k_per_row_gpu(rows, width, topk):
     ends[5] = starts[5]  # empty
     out = torch.full((rows, topk), -7, dtype=torch.int32, device=DEV)
     ref = torch.full_like(out, -7)
-    si.top_k_per_row(logits, starts, ends, out=out, backend="triton")
+    ws = None
+    if workspace is not None:
+        ws = torch.full((rows, 32 + 2 * workspace), -5, dtype=torch.int32, device=DEV)
+        logits[6] = torch.randint(0, 3, (width,), device=DEV).float()  # ties: the threshold bucket overflows
+        logits[7, ::2] = float("-inf")
+        logits[7, 1::4] = float("nan")
+    si.top_k_per_row(logits, starts, ends, out=out, backend="triton", workspace=ws)
     si.top_k_per_row(logits, starts, ends, out=ref, backend="reference")
     n = (ends - starts).clamp(min=0)
     long_rows = n > topk

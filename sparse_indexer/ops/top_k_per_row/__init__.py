@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import torch
 
+from buffers import BufferTooSmall
+from buffers.plan import TOPK_SCRATCH_COUNTERS
+
 from ... import _checks as C
 from ... import library
 
 __all__ = ["top_k_per_row"]
 
 
+MIN_WORKSPACE_COLS = TOPK_SCRATCH_COUNTERS + 2
+"""Narrowest workspace row: the counters and one candidate (narrow rows stay exact, through a slower path)."""
+
+
 def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Tensor, *, out: torch.Tensor,
-                  backend: str | None = None, check_values: bool | None = None) -> torch.Tensor:
+                  backend: str | None = None, check_values: bool | None = None,
+                  workspace: torch.Tensor | None = None) -> torch.Tensor:
     """Select, per row, the positions of the ``topk = out.shape[1]`` largest logits of its window.
 
     Row ``r``'s window is ``[row_starts[r], row_ends[r])`` (``len`` clamped at 0). When ``len <= topk`` the row
@@ -24,6 +32,13 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
         row_starts: ``[R]`` int32.
         row_ends: ``[R]`` int32, ``<= W`` for non-empty rows.
         out: ``[R, topk]`` int32, written in place.
+        workspace: optional ``[>= R, C]`` int32 scratch (unit last stride, ``C >= 34``; a
+            :meth:`Buffers.topk_scratch_view`) for backends that split rows over several programs (Triton, when
+            ``R`` is below twice the SM count): per row 32 counters, then positions and values of up to
+            ``(C - 32) // 2`` candidates. The other backends ignore it; its contents afterwards are undefined.
+
+    Raises:
+        BufferTooSmall: ``workspace`` has fewer than ``R`` rows or fewer than 34 columns.
 
     Returns:
         ``out``.
@@ -41,5 +56,15 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
         nonempty = row_ends > row_starts
         C.values_in("row_starts", row_starts, 0, None, "window starts must be >= 0", mask=nonempty)
         C.values_in("row_ends", row_ends, None, w + 1, f"window ends must be <= W = {w}", mask=nonempty)
-    library.call("top_k_per_row", backend, dev, logits, row_starts, row_ends, out=out)
+    extra = {}
+    if workspace is not None:
+        C.tensor("workspace", workspace, ndim=2, dtypes=torch.int32, device=dev, last_contiguous=True)
+        rows, cols = workspace.shape
+        if rows < r or cols < MIN_WORKSPACE_COLS:
+            raise BufferTooSmall("workspace", r * max(cols, MIN_WORKSPACE_COLS), workspace.numel(),
+                                 f"top-k workspace of shape {tuple(workspace.shape)}: needs >= {r} rows of "
+                                 f">= {MIN_WORKSPACE_COLS} int32")
+        C.no_alias("workspace", workspace, logits=logits, row_starts=row_starts, row_ends=row_ends, topk_out=out)
+        extra["workspace"] = workspace
+    library.call("top_k_per_row", backend, dev, logits, row_starts, row_ends, out=out, **extra)
     return out

@@ -30,8 +30,15 @@ kernel before: 162 us), prefill 8K rows with windows [0, 56K + j] 5.4 ms (7.4), 
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
+
+from buffers.plan import TOPK_SCRATCH_COUNTERS as CTR
+from buffers.plan import TOPK_SCRATCH_SAMPLE as SPLIT_SAMPLE
+from buffers.plan import TOPK_SCRATCH_SPREAD as SPLIT_SPREAD
 
 __all__ = ["top_k_per_row"]
 
@@ -42,6 +49,11 @@ SAMPLE = 1024  # strided sample cells
 QBITS = 16  # key bits resolved for the sample quantiles
 SPREAD = 3.0  # half-width of the sample thresholds, in binomial sigmas
 WIN = 2.5  # half-width of refinement windows, in sqrt(cells in the bracket)
+# split-row path (with a workspace): collect tiles, warps, programs per SM; finish kernel candidate tile
+SPLIT_BLOCK = 2048
+SPLIT_WARPS = 4
+SPLIT_PROGRAMS_PER_SM = 4
+CBLOCK = 4096
 
 
 @triton.jit
@@ -106,6 +118,130 @@ def _count(base, s4, e4, ex, f0, f1, f2, f3, f4, f5, f6, f7, M: tl.constexpr, BL
 
 
 @triton.jit
+def _short_row(orow, n, topk, BLOCK: tl.constexpr):
+    """``orow = 0, 1, ..., n - 1, -1, ...`` (``n <= topk``), without reading the logits."""
+    offs = tl.arange(0, BLOCK)
+    for i in range(0, topk, BLOCK):
+        o = i + offs
+        tl.store(orow + o, tl.where(o < n, o, -1), mask=o < topk)
+
+
+@triton.jit
+def _row_topk(orow, base, start, n, topk, BLOCK: tl.constexpr, M: tl.constexpr, SAMPLE: tl.constexpr,
+              QBITS: tl.constexpr, SPREAD: tl.constexpr, WIN: tl.constexpr):
+    """The ``n > topk`` row of window ``[start, start + n)`` of ``base`` (the row's logits): all of ``orow``."""
+    offs = tl.arange(0, BLOCK)
+    end = start + n
+    s4 = (start + 3) // 4 * 4  # 4-aligned middle [s4, e4) (empty when s4 >= e4)
+    e4 = end // 4 * 4
+    s4c = tl.minimum(s4, end)
+    e4c = tl.maximum(e4, s4c)
+    eo = tl.arange(0, 8)  # edge cells: [start, s4c) and [e4c, end), at most 3 each
+    epos = tl.where(eo < 4, start + eo, e4c + eo - 4)
+    emask = ((eo < 4) & (epos < s4c)) | ((eo >= 4) & (epos < end))
+    ex = tl.load(base + epos, mask=emask, other=float("-inf"))
+
+    # 1. sample quantiles: t[j] = QBITS-bit prefix of the r[j]-th largest sample key
+    js = tl.arange(0, SAMPLE)
+    sk = _sort_key(tl.load(base + start + ((js.to(tl.int64) * n) // SAMPLE).to(tl.int32)))
+    jm = tl.arange(0, M)
+    jf = jm.to(tl.float32)
+    kk = (topk * 1.0) * SAMPLE / n.to(tl.float32)
+    sig = tl.sqrt(kk) + 1.0
+    r = kk + SPREAD * sig * (2.0 * jf / (M - 2) - 1.0)
+    r = tl.minimum(tl.maximum(tl.math.ceil(r), 1.0), SAMPLE * 1.0).to(tl.int32)
+    t = tl.zeros([M], tl.uint32)
+    for b in tl.static_range(QBITS):
+        c = t | tl.full((), 1 << (31 - b), tl.uint32)
+        cnt = tl.sum((sk[:, None] >= c[None, :]).to(tl.int32), 0)
+        t = tl.where(cnt >= r, c, t)
+
+    lo = tl.full((), 0, tl.int64)  # count(key >= lo) = c_lo >= topk
+    hi = tl.full((), 0xFFFFFFFF, tl.int64)  # count(key >= hi) = c_hi < topk; no key reaches 0xFFFFFFFF
+    c_lo = n
+    c_hi = n * 0
+    thr = tl.where(jm == M - 1, 1, tl.maximum(t.to(tl.int64), 1))
+    windowed = 1
+    done = 0
+    while done == 0:
+        t0 = _pick(thr, jm, 0)
+        t1 = _pick(thr, jm, 1)
+        t2 = _pick(thr, jm, 2)
+        t3 = _pick(thr, jm, 3)
+        t4 = t0
+        t5 = t0
+        t6 = t0
+        t7 = t0
+        if M > 4:
+            t4 = _pick(thr, jm, 4)
+            t5 = _pick(thr, jm, 5)
+            t6 = _pick(thr, jm, 6)
+            t7 = _pick(thr, jm, 7)
+        c0, c1, c2, c3, c4, c5, c6, c7 = _count(
+            base, s4, e4, ex, _thr_f32(t0), _thr_f32(t1), _thr_f32(t2), _thr_f32(t3), _thr_f32(t4),
+            _thr_f32(t5), _thr_f32(t6), _thr_f32(t7), M, BLOCK)
+        cv = tl.where(jm == 0, c0, 0) + tl.where(jm == 1, c1, 0) + tl.where(jm == 2, c2, 0) + \
+            tl.where(jm == 3, c3, 0)
+        if M > 4:
+            cv += tl.where(jm == 4, c4, 0) + tl.where(jm == 5, c5, 0) + tl.where(jm == 6, c6, 0) + \
+                tl.where(jm == 7, c7, 0)
+        ge = cv >= topk
+        lo = tl.maximum(lo, tl.max(tl.where(ge, thr, -1), 0))
+        c_lo = tl.minimum(c_lo, tl.min(tl.where(ge, cv, n), 0))
+        hi = tl.minimum(hi, tl.min(tl.where(ge, 0xFFFFFFFF, thr), 0))
+        c_hi = tl.maximum(c_hi, tl.max(tl.where(ge, 0, cv), 0))
+        done = ((c_lo == topk) | (hi - lo == 1)).to(tl.int32)
+        # did the crossing fall between the spread thresholds (all but the lo + 1 slot)?
+        inner = jm < M - 1
+        hit = (lo >= tl.min(tl.where(inner, thr, 0xFFFFFFFF), 0)) & (hi <= tl.max(tl.where(inner, thr, 0), 0))
+        missed = (windowed != 0) & (hit == 0)
+        # next thresholds: lo + 1, and M - 1 spread over a window around the interpolated crossing
+        mf = (c_lo - c_hi).to(tl.float32)
+        span = (hi - lo).to(tl.float32)
+        est = ((c_lo - topk).to(tl.float32) + 0.5) / mf
+        hw = WIN * tl.sqrt(mf) / mf
+        use_w = (missed == 0) & (hw < 0.4)
+        fa = tl.where(use_w, tl.maximum(est - hw, 0.0), 0.0)
+        fb = tl.where(use_w, tl.minimum(est + hw, 1.0), 1.0)
+        nt = lo + (span * (fa + (fb - fa) * (jf + 1.0) / M)).to(tl.int64)
+        nt = tl.minimum(tl.maximum(nt, lo + 1), hi - 1)
+        thr = tl.where(jm == M - 1, lo + 1, nt)
+        windowed = use_w.to(tl.int32)
+
+    # 3. compaction: keys >= hi (all selected) first, then the first topk - c_hi keys in [lo, hi)
+    g_hi = _thr_f32(hi)
+    g_lo = _thr_f32(tl.maximum(lo, 1))
+    lo0 = (lo == 0).to(tl.int32)  # keys >= 0: every in-window cell
+    k_eq = topk - c_hi
+    egt = (emask & (ex >= g_hi)).to(tl.int32)
+    eeq = emask.to(tl.int32) & ((ex >= g_lo).to(tl.int32) | lo0) & (1 - egt)
+    epk = egt + (eeq << 16)
+    ecs = tl.cumsum(epk, 0)
+    ep_eq = (ecs >> 16) - 1
+    etake = (egt | (eeq & (ep_eq < k_eq).to(tl.int32))) != 0
+    tl.store(orow + tl.where(egt != 0, (ecs & 0xFFFF) - 1, c_hi + ep_eq), epos - start, mask=etake)
+    tot = tl.sum(epk, 0)
+    n_gt = tot & 0xFFFF
+    n_eq = tot >> 16
+    e4h = tl.multiple_of(e4, 4)
+    for i in range(s4, e4, BLOCK):
+        o = tl.multiple_of(i, 4) + offs
+        m = o < e4h
+        x = tl.load(base + o, mask=m, other=float("-inf"))
+        gt = (m & (x >= g_hi)).to(tl.int32)
+        eq = m.to(tl.int32) & ((x >= g_lo).to(tl.int32) | lo0) & (1 - gt)
+        packed = gt + (eq << 16)  # BLOCK < 2**16: counts never carry
+        cs = tl.cumsum(packed, 0)
+        p_gt = n_gt + (cs & 0xFFFF) - 1
+        p_eq = n_eq + (cs >> 16) - 1
+        take = (gt | (eq & (p_eq < k_eq).to(tl.int32))) != 0
+        tl.store(orow + tl.where(gt != 0, p_gt, c_hi + p_eq), o - start, mask=take)
+        tot = tl.sum(packed, 0)
+        n_gt += tot & 0xFFFF
+        n_eq += tot >> 16
+
+
+@triton.jit
 def _top_k_per_row_kernel(
     out_ptr,  # [R, topk] int32, row stride stride_o
     logits_ptr,  # [R, W] float32, row stride stride_l
@@ -125,121 +261,174 @@ def _top_k_per_row_kernel(
     start = tl.load(starts_ptr + row)
     n = tl.maximum(tl.load(ends_ptr + row) - start, 0)
     orow = out_ptr + row.to(tl.int64) * stride_o
-    offs = tl.arange(0, BLOCK)
     if n <= topk:
-        for i in range(0, topk, BLOCK):
-            o = i + offs
-            tl.store(orow + o, tl.where(o < n, o, -1), mask=o < topk)
+        _short_row(orow, n, topk, BLOCK)
+    else:
+        _row_topk(orow, logits_ptr + row.to(tl.int64) * stride_l, start, n, topk, BLOCK, M, SAMPLE, QBITS, SPREAD,
+                  WIN)
+
+
+
+# ---------------------------------------------------------------- split-row path (global workspace)
+@triton.jit
+def _split_sample_kernel(
+    out_ptr, logits_ptr, starts_ptr, ends_ptr, ws_ptr, stride_l, stride_o, stride_w, topk,
+    BLOCK: tl.constexpr, SAMPLE: tl.constexpr, QBITS: tl.constexpr, SPREAD: tl.constexpr,
+):
+    """Per row: short rows written; else counters zeroed and the bracket ``[f_lo, f_hi)`` stored (float bits)."""
+    row = tl.program_id(0)
+    start = tl.load(starts_ptr + row)
+    n = tl.maximum(tl.load(ends_ptr + row) - start, 0)
+    orow = out_ptr + row.to(tl.int64) * stride_o
+    wrow = ws_ptr + row.to(tl.int64) * stride_w
+    if n <= topk:
+        _short_row(orow, n, topk, BLOCK)
     else:
         base = logits_ptr + row.to(tl.int64) * stride_l
-        end = start + n
-        s4 = (start + 3) // 4 * 4  # 4-aligned middle [s4, e4) (empty when s4 >= e4)
-        e4 = end // 4 * 4
-        s4c = tl.minimum(s4, end)
-        e4c = tl.maximum(e4, s4c)
-        eo = tl.arange(0, 8)  # edge cells: [start, s4c) and [e4c, end), at most 3 each
-        epos = tl.where(eo < 4, start + eo, e4c + eo - 4)
-        emask = ((eo < 4) & (epos < s4c)) | ((eo >= 4) & (epos < end))
-        ex = tl.load(base + epos, mask=emask, other=float("-inf"))
-
-        # 1. sample quantiles: t[j] = QBITS-bit prefix of the r[j]-th largest sample key
         js = tl.arange(0, SAMPLE)
         sk = _sort_key(tl.load(base + start + ((js.to(tl.int64) * n) // SAMPLE).to(tl.int32)))
-        jm = tl.arange(0, M)
-        jf = jm.to(tl.float32)
+        jm = tl.arange(0, 2)  # 0: hi (fewer cells above), 1: lo (more cells above)
         kk = (topk * 1.0) * SAMPLE / n.to(tl.float32)
         sig = tl.sqrt(kk) + 1.0
-        r = kk + SPREAD * sig * (2.0 * jf / (M - 2) - 1.0)
+        r = kk + SPREAD * sig * (2.0 * jm.to(tl.float32) - 1.0)
         r = tl.minimum(tl.maximum(tl.math.ceil(r), 1.0), SAMPLE * 1.0).to(tl.int32)
-        t = tl.zeros([M], tl.uint32)
+        t = tl.zeros([2], tl.uint32)
         for b in tl.static_range(QBITS):
             c = t | tl.full((), 1 << (31 - b), tl.uint32)
             cnt = tl.sum((sk[:, None] >= c[None, :]).to(tl.int32), 0)
             t = tl.where(cnt >= r, c, t)
+        t64 = t.to(tl.int64)
+        hi = tl.sum(tl.where(jm == 0, t64, 0), 0)
+        lo = tl.sum(tl.where(jm == 1, t64, 0), 0)
+        hi = tl.minimum(tl.maximum(hi, lo + (1 << (32 - QBITS))), 0xFFFFFFFF)  # the lo bucket is all candidates
+        f_hi = _thr_f32(hi)
+        f_lo = _thr_f32(tl.maximum(lo, 1))  # lo = 0 would take -inf/NaN: the fallback does that exactly
+        tl.store(wrow + jm, tl.zeros([2], tl.int32))  # [0] cells >= f_hi, [1] candidates
+        tl.store(wrow + 2 + jm, tl.where(jm == 0, f_lo, f_hi).to(tl.int32, bitcast=True))
 
-        lo = tl.full((), 0, tl.int64)  # count(key >= lo) = c_lo >= topk
-        hi = tl.full((), 0xFFFFFFFF, tl.int64)  # count(key >= hi) = c_hi < topk; no key reaches 0xFFFFFFFF
-        c_lo = n
-        c_hi = n * 0
-        thr = tl.where(jm == M - 1, 1, tl.maximum(t.to(tl.int64), 1))
-        windowed = 1
-        done = 0
-        while done == 0:
-            t0 = _pick(thr, jm, 0)
-            t1 = _pick(thr, jm, 1)
-            t2 = _pick(thr, jm, 2)
-            t3 = _pick(thr, jm, 3)
-            t4 = t0
-            t5 = t0
-            t6 = t0
-            t7 = t0
-            if M > 4:
-                t4 = _pick(thr, jm, 4)
-                t5 = _pick(thr, jm, 5)
-                t6 = _pick(thr, jm, 6)
-                t7 = _pick(thr, jm, 7)
-            c0, c1, c2, c3, c4, c5, c6, c7 = _count(
-                base, s4, e4, ex, _thr_f32(t0), _thr_f32(t1), _thr_f32(t2), _thr_f32(t3), _thr_f32(t4),
-                _thr_f32(t5), _thr_f32(t6), _thr_f32(t7), M, BLOCK)
-            cv = tl.where(jm == 0, c0, 0) + tl.where(jm == 1, c1, 0) + tl.where(jm == 2, c2, 0) + \
-                tl.where(jm == 3, c3, 0)
-            if M > 4:
-                cv += tl.where(jm == 4, c4, 0) + tl.where(jm == 5, c5, 0) + tl.where(jm == 6, c6, 0) + \
-                    tl.where(jm == 7, c7, 0)
-            ge = cv >= topk
-            lo = tl.maximum(lo, tl.max(tl.where(ge, thr, -1), 0))
-            c_lo = tl.minimum(c_lo, tl.min(tl.where(ge, cv, n), 0))
-            hi = tl.minimum(hi, tl.min(tl.where(ge, 0xFFFFFFFF, thr), 0))
-            c_hi = tl.maximum(c_hi, tl.max(tl.where(ge, 0, cv), 0))
-            done = ((c_lo == topk) | (hi - lo == 1)).to(tl.int32)
-            # did the crossing fall between the spread thresholds (all but the lo + 1 slot)?
-            inner = jm < M - 1
-            hit = (lo >= tl.min(tl.where(inner, thr, 0xFFFFFFFF), 0)) & (hi <= tl.max(tl.where(inner, thr, 0), 0))
-            missed = (windowed != 0) & (hit == 0)
-            # next thresholds: lo + 1, and M - 1 spread over a window around the interpolated crossing
-            mf = (c_lo - c_hi).to(tl.float32)
-            span = (hi - lo).to(tl.float32)
-            est = ((c_lo - topk).to(tl.float32) + 0.5) / mf
-            hw = WIN * tl.sqrt(mf) / mf
-            use_w = (missed == 0) & (hw < 0.4)
-            fa = tl.where(use_w, tl.maximum(est - hw, 0.0), 0.0)
-            fb = tl.where(use_w, tl.minimum(est + hw, 1.0), 1.0)
-            nt = lo + (span * (fa + (fb - fa) * (jf + 1.0) / M)).to(tl.int64)
-            nt = tl.minimum(tl.maximum(nt, lo + 1), hi - 1)
-            thr = tl.where(jm == M - 1, lo + 1, nt)
-            windowed = use_w.to(tl.int32)
 
-        # 3. compaction: keys >= hi (all selected) first, then the first topk - c_hi keys in [lo, hi)
-        g_hi = _thr_f32(hi)
-        g_lo = _thr_f32(tl.maximum(lo, 1))
-        lo0 = (lo == 0).to(tl.int32)  # keys >= 0: every in-window cell
-        k_eq = topk - c_hi
-        egt = (emask & (ex >= g_hi)).to(tl.int32)
-        eeq = emask.to(tl.int32) & ((ex >= g_lo).to(tl.int32) | lo0) & (1 - egt)
-        epk = egt + (eeq << 16)
-        ecs = tl.cumsum(epk, 0)
-        ep_eq = (ecs >> 16) - 1
-        etake = (egt | (eeq & (ep_eq < k_eq).to(tl.int32))) != 0
-        tl.store(orow + tl.where(egt != 0, (ecs & 0xFFFF) - 1, c_hi + ep_eq), epos - start, mask=etake)
-        tot = tl.sum(epk, 0)
-        n_gt = tot & 0xFFFF
-        n_eq = tot >> 16
-        e4h = tl.multiple_of(e4, 4)
-        for i in range(s4, e4, BLOCK):
-            o = tl.multiple_of(i, 4) + offs
-            m = o < e4h
+@triton.jit
+def _collect_tile(x, pos, valid, f_lo, f_hi, wrow, orow, cpos, cval, topk, cap):
+    """Cells ``>= f_hi`` straight to ``orow``, cells in ``[f_lo, f_hi)`` to the candidates (atomic counters)."""
+    gt = (valid & (x >= f_hi)).to(tl.int32)
+    cd = (valid & (x >= f_lo)).to(tl.int32) & (1 - gt)
+    packed = gt + (cd << 16)  # tiles < 2**16 cells: counts never carry
+    tot = tl.sum(packed, 0)
+    if tot != 0:
+        cs = tl.cumsum(packed, 0)
+        b_g = tl.atomic_add(wrow, tot & 0xFFFF)
+        b_c = tl.atomic_add(wrow + 1, tot >> 16)
+        p_g = b_g + (cs & 0xFFFF) - 1
+        tl.store(orow + p_g, pos, mask=(gt != 0) & (p_g < topk))
+        p_c = b_c + (cs >> 16) - 1
+        mc = (cd != 0) & (p_c < cap)
+        tl.store(cpos + p_c, pos, mask=mc)
+        tl.store(cval + p_c, x.to(tl.int32, bitcast=True), mask=mc)
+
+
+@triton.jit
+def _split_collect_kernel(
+    out_ptr, logits_ptr, starts_ptr, ends_ptr, ws_ptr, stride_l, stride_o, stride_w, topk, cap, chunk,
+    BLOCK: tl.constexpr, CTR: tl.constexpr,
+):
+    """Grid (rows, splits): split ``s`` reads ``chunk`` cells of the row's 4-aligned middle (split 0 the edges)."""
+    row = tl.program_id(0)
+    sp = tl.program_id(1)
+    start = tl.load(starts_ptr + row)
+    n = tl.maximum(tl.load(ends_ptr + row) - start, 0)
+    end = start + n
+    s4 = (start + 3) // 4 * 4
+    e4 = end // 4 * 4
+    s4c = tl.minimum(s4, end)
+    e4c = tl.maximum(e4, s4c)
+    lo_i = s4 + sp * chunk  # plain arithmetic keeps the 4-divisibility visible (tl.multiple_of does not)
+    if (n > topk) & ((lo_i < e4) | (sp == 0)):
+        orow = out_ptr + row.to(tl.int64) * stride_o
+        wrow = ws_ptr + row.to(tl.int64) * stride_w
+        cpos = wrow + CTR
+        cval = cpos + cap
+        base = logits_ptr + row.to(tl.int64) * stride_l
+        f_lo = tl.load(wrow + 2).to(tl.float32, bitcast=True)
+        f_hi = tl.load(wrow + 3).to(tl.float32, bitcast=True)
+        if sp == 0:
+            eo = tl.arange(0, 8)  # edge cells: [start, s4c) and [e4c, end), at most 3 each
+            epos = tl.where(eo < 4, start + eo, e4c + eo - 4)
+            emask = ((eo < 4) & (epos < s4c)) | ((eo >= 4) & (epos < end))
+            ex = tl.load(base + epos, mask=emask, other=float("-inf"))
+            _collect_tile(ex, epos - start, emask, f_lo, f_hi, wrow, orow, cpos, cval, topk, cap)
+        offs = tl.arange(0, BLOCK)
+        hi_i = tl.minimum(lo_i + chunk, e4)  # empty when the middle is (e4 < s4)
+        for i in range(lo_i, hi_i, BLOCK):
+            o = i + offs
+            m = o < hi_i
             x = tl.load(base + o, mask=m, other=float("-inf"))
-            gt = (m & (x >= g_hi)).to(tl.int32)
-            eq = m.to(tl.int32) & ((x >= g_lo).to(tl.int32) | lo0) & (1 - gt)
-            packed = gt + (eq << 16)  # BLOCK < 2**16: counts never carry
-            cs = tl.cumsum(packed, 0)
-            p_gt = n_gt + (cs & 0xFFFF) - 1
-            p_eq = n_eq + (cs >> 16) - 1
-            take = (gt | (eq & (p_eq < k_eq).to(tl.int32))) != 0
-            tl.store(orow + tl.where(gt != 0, p_gt, c_hi + p_eq), o - start, mask=take)
-            tot = tl.sum(packed, 0)
-            n_gt += tot & 0xFFFF
-            n_eq += tot >> 16
+            _collect_tile(x, o - start, m, f_lo, f_hi, wrow, orow, cpos, cval, topk, cap)
+
+
+@triton.jit
+def _split_finish_kernel(
+    out_ptr, logits_ptr, starts_ptr, ends_ptr, ws_ptr, stride_l, stride_o, stride_w, topk, cap,
+    CTR: tl.constexpr, CBLOCK: tl.constexpr, BLOCK: tl.constexpr, M: tl.constexpr, SAMPLE: tl.constexpr,
+    QBITS: tl.constexpr, SPREAD: tl.constexpr, WIN: tl.constexpr,
+):
+    """Per row: exact selection of the missing ``topk - count(>= f_hi)`` among the candidates (4 radix passes
+    of 8 bits), or the whole row by :func:`_row_topk` when the bracket missed or the candidates overflowed."""
+    row = tl.program_id(0)
+    start = tl.load(starts_ptr + row)
+    n = tl.maximum(tl.load(ends_ptr + row) - start, 0)
+    if n > topk:
+        orow = out_ptr + row.to(tl.int64) * stride_o
+        wrow = ws_ptr + row.to(tl.int64) * stride_w
+        cnt_g = tl.load(wrow)
+        cnt_c = tl.load(wrow + 1)
+        ok = (cnt_g <= topk) & (cnt_g + cnt_c >= topk) & (cnt_c <= cap)
+        if ok:
+            k_rem = topk - cnt_g
+            if k_rem > 0:
+                cpos = wrow + CTR
+                cval = cpos + cap
+                offs = tl.arange(0, CBLOCK)
+                bins = tl.arange(0, 256)
+                prefix = tl.zeros((), tl.uint32)
+                for p in tl.static_range(4):
+                    hist = tl.zeros([256], tl.int32)
+                    for i in range(0, cnt_c, CBLOCK):
+                        o = i + offs
+                        m = o < cnt_c
+                        key = _sort_key(tl.load(cval + o, mask=m, other=0).to(tl.float32, bitcast=True))
+                        if p == 0:
+                            match = m
+                        else:
+                            match = m & ((key >> (32 - 8 * p)) == (prefix >> (32 - 8 * p)))
+                        d = tl.where(match, (key >> (24 - 8 * p)) & 0xFF, 0).to(tl.int32)
+                        miss = CBLOCK - tl.sum(match.to(tl.int32), 0)  # sent to bin 0, taken back out
+                        hist += tl.histogram(d, 256) - tl.where(bins == 0, miss, 0)
+                    suf = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # cells with digit >= b
+                    dsel = tl.max(tl.where(suf >= k_rem, bins, 0), 0)
+                    k_rem -= tl.sum(tl.where(bins > dsel, hist, 0), 0)
+                    prefix = prefix | (dsel.to(tl.uint32) << (24 - 8 * p))
+                # prefix = the key of the missing cells' last one; take every candidate above it, k_rem equal
+                n_gt = cnt_g  # candidates above go to [cnt_g, topk - k_rem), the equal ones to [topk - k_rem, topk)
+                n_eq = topk - k_rem
+                for i in range(0, cnt_c, CBLOCK):
+                    o = i + offs
+                    m = o < cnt_c
+                    key = _sort_key(tl.load(cval + o, mask=m, other=0).to(tl.float32, bitcast=True))
+                    pos = tl.load(cpos + o, mask=m, other=0)
+                    gt = (m & (key > prefix)).to(tl.int32)
+                    eq = (m & (key == prefix)).to(tl.int32)
+                    packed = gt + (eq << 16)
+                    cs = tl.cumsum(packed, 0)
+                    p_gt = n_gt + (cs & 0xFFFF) - 1
+                    p_eq = n_eq + (cs >> 16) - 1
+                    take = (gt != 0) | ((eq != 0) & (p_eq < topk))
+                    tl.store(orow + tl.where(gt != 0, p_gt, p_eq), pos, mask=take)
+                    tot = tl.sum(packed, 0)
+                    n_gt += tot & 0xFFFF
+                    n_eq += tot >> 16
+        else:
+            _row_topk(orow, logits_ptr + row.to(tl.int64) * stride_l, start, n, topk, BLOCK, M, SAMPLE, QBITS,
+                      SPREAD, WIN)
 
 
 def _launch(logits, row_starts, row_ends, out, *, block=BLOCK, num_warps=NUM_WARPS, num_thr=NUM_THR,
@@ -255,6 +444,48 @@ def _launch(logits, row_starts, row_ends, out, *, block=BLOCK, num_warps=NUM_WAR
     )
 
 
-def top_k_per_row(logits, row_starts, row_ends, *, out) -> None:
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (queried once; 64 for the CPU interpreter)."""
+    if device.type != "cuda":
+        return 64
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _launch_split(logits, row_starts, row_ends, out, workspace, *, block=SPLIT_BLOCK, num_warps=SPLIT_WARPS,
+                  programs_per_sm=SPLIT_PROGRAMS_PER_SM, sample=SPLIT_SAMPLE, spread=SPLIT_SPREAD, stages=3):
+    """Split-row path: sample (rows) -> collect (rows x splits) -> finish (rows); three launches, no host sync.
+
+    ``stages < 3`` stops early (timing of the stages only; ``out`` is then incomplete)."""
+    r, w = logits.shape
+    if r == 0:
+        return
+    if block >= 1 << 16 or CBLOCK >= 1 << 16:
+        raise NotImplementedError("tiles must hold < 2**16 cells (packed counters)")
+    cap = (workspace.shape[1] - CTR) // 2
+    splits = max(1, min(triton.cdiv(w, block), triton.cdiv(programs_per_sm * _sm_count(logits.device), r)))
+    chunk = max(1, triton.cdiv(triton.cdiv(w, splits), block)) * block
+    splits = max(1, triton.cdiv(w, chunk))
+    args = (out, logits, row_starts, row_ends, workspace, logits.stride(0), out.stride(0), workspace.stride(0),
+            out.shape[1])
+    _split_sample_kernel[(r,)](*args, BLOCK=BLOCK, SAMPLE=sample, QBITS=QBITS, SPREAD=spread, num_warps=NUM_WARPS)
+    if stages < 2:
+        return
+    _split_collect_kernel[(r, splits)](*args, cap, chunk, BLOCK=block, CTR=CTR, num_warps=num_warps)
+    if stages < 3:
+        return
+    _split_finish_kernel[(r,)](*args, cap, CTR=CTR, CBLOCK=CBLOCK, BLOCK=BLOCK, M=NUM_THR, SAMPLE=SAMPLE,
+                               QBITS=QBITS, SPREAD=SPREAD, WIN=WIN, num_warps=NUM_WARPS)
+
+
+def use_split(rows: int, device: torch.device) -> bool:
+    """Whether a call of ``rows`` rows with a workspace takes the split path (shapes only, no host sync)."""
+    return 0 < rows < 2 * _sm_count(torch.device(device))
+
+
+def top_k_per_row(logits, row_starts, row_ends, *, out, workspace=None) -> None:
     """See :func:`sparse_indexer.top_k_per_row`; arguments are checked."""
-    _launch(logits, row_starts, row_ends, out)
+    if workspace is not None and use_split(logits.shape[0], logits.device):
+        _launch_split(logits, row_starts, row_ends, out, workspace)
+    else:
+        _launch(logits, row_starts, row_ends, out)

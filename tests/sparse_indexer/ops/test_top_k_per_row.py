@@ -5,6 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from buffers import BufferTooSmall
 from sparse_indexer import top_k_per_row
 from tests.cases import assert_topk, expect_error, gen, hyp_settings, int32
 
@@ -147,3 +148,126 @@ def test_validation(backend, what, change, exc, name):
     a.update(change(a))
     watch = [t for t in a.values() if t.device.type != "meta"]
     expect_error(exc, name, lambda: top_k_per_row(**a, backend=backend), watch=watch)
+
+
+# ---------------------------------------------------------------- with a workspace (split-row path on Triton)
+WS_COLS = 32 + 2 * 512  # counters + 512 candidates
+
+
+def _ws(r, cols=WS_COLS):
+    return torch.full((r, cols), -12345, dtype=torch.int32)
+
+
+def _split_taken(backend, ws, n, topk):
+    """On Triton (few rows), every long row's counters were written by the split path."""
+    if backend == "triton":
+        long_rows = torch.as_tensor(n) > topk
+        assert (ws[long_rows, :4] != -12345).all(), "the split path did not run"
+
+
+@hyp_settings()
+@given(
+    r=st.integers(1, 5),
+    w=st.integers(0, 300),
+    topk=st.sampled_from([1, 16, 64]),
+    kind=st.sampled_from(["distinct", "ties", "mixed"]),
+    cols=st.sampled_from([34, 40, WS_COLS]),  # 1, 4, 512 candidate slots (the narrow ones overflow)
+    data=st.data(),
+    seed=st.integers(0, 2**16),
+)
+def test_workspace_matches_multiset(backend, r, w, topk, kind, cols, data, seed):
+    g = gen(seed)
+    starts, ends = [], []
+    logits = torch.full((r, w), NAN)
+    for i in range(r):
+        s = data.draw(st.integers(0, w))
+        e = data.draw(st.integers(max(0, s - 2), w) | st.just(min(w, s + topk)) | st.just(min(w, s + topk + 1)))
+        starts.append(s)
+        ends.append(e)
+        if e > s:
+            logits[i, s:e] = _fill(g, e - s, kind)
+    out = torch.full((r, topk), 12345, dtype=torch.int32)
+    ws = _ws(r + data.draw(st.integers(0, 2)), cols)
+    top_k_per_row(logits, int32(starts), int32(ends), out=out, backend=backend, workspace=ws)
+    assert_topk(out, logits, starts, ends)
+    _split_taken(backend, ws[:r], [e - s for s, e in zip(starts, ends)], topk)
+
+
+def test_workspace_topk_2048(backend):
+    """DeepSeek topk over long rows: distinct, heavy ties (threshold-bin overflow), -inf/NaN heavy, fewer finite
+    cells than topk, exactly topk, short and empty windows, unaligned starts and ends."""
+    g = gen(7)
+    w = 12003
+    x = torch.randn(10, w, generator=g)
+    x[1] = torch.randint(0, 4, (w,), generator=g).float()  # ~3000 ties per value: candidates overflow
+    x[2] = 1.0  # all equal
+    x[3, ::2] = NINF
+    x[3, 1::4] = NAN  # 3/4 -inf/NaN, ~3000 finite
+    x[4] = NINF
+    x[4, torch.randperm(w, generator=g)[:1000]] = torch.randn(1000, generator=g)  # 1000 finite < topk
+    x[5] = NAN
+    starts = [0, 1, 2, 3, 0, 5, 100, 7, 12000, 13]
+    ends = [12003, 12002, 12001, 12000, 12003, 12003, 2148, 107, 12000, 9999]  # row 6: len == topk
+    out = torch.full((10, 2048), 12345, dtype=torch.int32)
+    ws = _ws(10, 32 + 2 * 2048)
+    top_k_per_row(x, int32(starts), int32(ends), out=out, backend=backend, workspace=ws)
+    assert_topk(out, x, starts, ends)
+    _split_taken(backend, ws, [e - s for s, e in zip(starts, ends)], 2048)
+
+
+def test_workspace_bracket_fallback(backend):
+    """Rows whose candidates overflow a tiny workspace row, or whose sample bracket is off, are still exact."""
+    g = gen(8)
+    x = torch.randn(3, 5000, generator=g)
+    x[1, :4000] = 3.0  # 4000 cells tie above every other one
+    x[2] = torch.linspace(-1, 1, 5000)
+    starts, ends = [0, 0, 17], [5000, 5000, 4999]
+    for cols in (34, 36, WS_COLS):
+        out = torch.full((3, 256), 12345, dtype=torch.int32)
+        top_k_per_row(x, int32(starts), int32(ends), out=out, backend=backend, workspace=_ws(3, cols))
+        assert_topk(out, x, starts, ends)
+
+
+def test_workspace_row_strided_logits(backend):
+    g = gen(9)
+    big = torch.randn(3, 5003, generator=g)
+    logits = big[:, 1:5001]
+    out = torch.empty(3, 300, dtype=torch.int32)
+    ws = torch.full((3, WS_COLS + 5), 0, dtype=torch.int32)[:, 3:]  # row stride != columns
+    top_k_per_row(logits, int32([0, 50, 1]), int32([5000, 4000, 302]), out=out, backend=backend, workspace=ws)
+    assert_topk(out, logits, [0, 50, 1], [5000, 4000, 302])
+
+
+def test_workspace_zero_rows(backend):
+    out = torch.empty(0, 16, dtype=torch.int32)
+    top_k_per_row(torch.empty(0, 10), int32([]), int32([]), out=out, backend=backend, workspace=_ws(0))
+
+
+BAD_WS = [
+    ("rows", lambda a: {"workspace": _ws(2)}, BufferTooSmall, "workspace"),
+    ("columns", lambda a: {"workspace": _ws(3, 33)}, BufferTooSmall, "workspace"),
+    ("dtype", lambda a: {"workspace": _ws(3).float()}, TypeError, "workspace"),
+    ("1-D", lambda a: {"workspace": _ws(3)[0]}, ValueError, "workspace"),
+    ("strided", lambda a: {"workspace": _ws(WS_COLS, 3).T}, ValueError, "workspace"),
+    ("meta", lambda a: {"workspace": _meta(_ws(3))}, ValueError, "workspace"),
+    ("aliases out", lambda a: {"workspace": a["out"].view(3, 8)}, (ValueError, BufferTooSmall), "workspace"),
+    ("aliases logits", lambda a: {"workspace": a["logits"].view(torch.int32)}, ValueError, "workspace"),
+]
+
+
+@pytest.mark.parametrize("what, change, exc, name", BAD_WS, ids=[b[0] for b in BAD_WS])
+def test_workspace_validation(backend, what, change, exc, name):
+    a = _base()
+    a["workspace"] = _ws(3)
+    a.update(change(a))
+    watch = [t for t in a.values() if t.device.type != "meta"]
+    expect_error(exc, name, lambda: top_k_per_row(**a, backend=backend), watch=watch)
+
+
+def test_workspace_alias_checked():
+    a = _base()
+    big = torch.zeros(3 * WS_COLS + 100, dtype=torch.int32)
+    out = big[: 3 * 8].view(3, 8)
+    ws = big[:3 * WS_COLS].view(3, WS_COLS)
+    expect_error(ValueError, "workspace", lambda: top_k_per_row(a["logits"], a["row_starts"], a["row_ends"],
+                                                                out=out, workspace=ws), watch=[big])
