@@ -135,7 +135,7 @@ def run_topk(name, logits, starts, ends, topk, check_rows, floor_bytes):
 
 
 SPLIT_VARIANTS = [tuple(int(v) for v in x.split(",")) for x in
-                  os.environ.get("SPLIT_VARIANTS", "2048,4,4;4096,8,4;2048,4,8;1024,4,4;2048,8,2").split(";")]
+                  os.environ.get("SPLIT_VARIANTS", "2048,4,16;1024,4,16;1024,2,32;2048,4,4;4096,8,8").split(";")]
 
 
 def ref_check(logits, starts, ends, out, check_rows):
@@ -202,8 +202,18 @@ def run_split(name, logits, starts, ends, topk, check_rows, graph=True, variants
         if graph:
             tg = graph_us([lambda x=x, o=o, w_=w_, kw=kw: tkt._launch_split(x, starts, ends, o, w_, **kw)
                            for x, o, w_ in zip(sets, outs, wss)])
-            rows.append((name, "  split graph x6 sets", f"{tg:.1f}", ""))
-            res[f"split/{name}/b{blk}_w{nw}_p{pps}/graph"] = tg
+            sg = [graph_us([lambda x=x, o=o, w_=w_, kw=kw, k=k: tkt._launch_split(x, starts, ends, o, w_, stages=k,
+                                                                               **kw)
+                            for x, o, w_ in zip(sets, outs, wss)]) for k in (1, 2)]
+            rows.append((name, f"  split graph x6 sets (sample {sg[0]:.1f}, +collect {sg[1]:.1f})", f"{tg:.1f}",
+                         f"{res[f'split/{name}/old_graph'] / tg:.2f}x"))
+            res[f"split/{name}/b{blk}_w{nw}_p{pps}/graph"] = [tg, *sg]
+    if graph:
+        for sw, fw in ((4, 4), (16, 16)):
+            kw = dict(sample_warps=sw, finish_warps=fw)
+            tg = graph_us([lambda x=x, o=o, w_=w_, kw=kw: tkt._launch_split(x, starts, ends, o, w_, **kw)
+                           for x, o, w_ in zip(sets, outs, wss)])
+            rows.append((name, f"  split graph default, sample/finish warps {sw}/{fw}", f"{tg:.1f}", ""))
 
 
 @section("split correctness (special rows)")
@@ -267,7 +277,7 @@ def _():
     starts = torch.zeros(r, dtype=torch.int32, device=dev)
     ends = (w - r + 1 + torch.arange(r, device=dev)).int()
     chk = torch.randperm(r, device=dev)[:256]
-    run_split("prefill8Kx64K", logits, starts, ends, topk, chk, graph=False, variants=SPLIT_VARIANTS[:2])
+    run_split("prefill8Kx64K", logits, starts, ends, topk, chk, graph=False, variants=[(2048, 4, 16), (4096, 8, 4)])
 
 
 if os.environ.get("SPLIT_ONLY"):

@@ -52,7 +52,9 @@ WIN = 2.5  # half-width of refinement windows, in sqrt(cells in the bracket)
 # split-row path (with a workspace): collect tiles, warps, programs per SM; finish kernel candidate tile
 SPLIT_BLOCK = 2048
 SPLIT_WARPS = 4
-SPLIT_PROGRAMS_PER_SM = 4
+SPLIT_PROGRAMS_PER_SM = 16
+SPLIT_SAMPLE_WARPS = 8
+SPLIT_FINISH_WARPS = 8
 CBLOCK = 4096
 
 
@@ -316,8 +318,8 @@ def _collect_tile(x, pos, valid, f_lo, f_hi, wrow, orow, cpos, cval, topk, cap):
     tot = tl.sum(packed, 0)
     if tot != 0:
         cs = tl.cumsum(packed, 0)
-        b_g = tl.atomic_add(wrow, tot & 0xFFFF)
-        b_c = tl.atomic_add(wrow + 1, tot >> 16)
+        b_g = tl.atomic_add(wrow, tot & 0xFFFF, sem="relaxed")  # slot reservation only: no ordering needed
+        b_c = tl.atomic_add(wrow + 1, tot >> 16, sem="relaxed")
         p_g = b_g + (cs & 0xFFFF) - 1
         tl.store(orow + p_g, pos, mask=(gt != 0) & (p_g < topk))
         p_c = b_c + (cs >> 16) - 1
@@ -453,7 +455,8 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _launch_split(logits, row_starts, row_ends, out, workspace, *, block=SPLIT_BLOCK, num_warps=SPLIT_WARPS,
-                  programs_per_sm=SPLIT_PROGRAMS_PER_SM, sample=SPLIT_SAMPLE, spread=SPLIT_SPREAD, stages=3):
+                  programs_per_sm=SPLIT_PROGRAMS_PER_SM, sample=SPLIT_SAMPLE, spread=SPLIT_SPREAD, stages=3,
+                  sample_warps=SPLIT_SAMPLE_WARPS, finish_warps=SPLIT_FINISH_WARPS):
     """Split-row path: sample (rows) -> collect (rows x splits) -> finish (rows); three launches, no host sync.
 
     ``stages < 3`` stops early (timing of the stages only; ``out`` is then incomplete)."""
@@ -468,14 +471,15 @@ def _launch_split(logits, row_starts, row_ends, out, workspace, *, block=SPLIT_B
     splits = max(1, triton.cdiv(w, chunk))
     args = (out, logits, row_starts, row_ends, workspace, logits.stride(0), out.stride(0), workspace.stride(0),
             out.shape[1])
-    _split_sample_kernel[(r,)](*args, BLOCK=BLOCK, SAMPLE=sample, QBITS=QBITS, SPREAD=spread, num_warps=NUM_WARPS)
+    _split_sample_kernel[(r,)](*args, BLOCK=BLOCK, SAMPLE=sample, QBITS=QBITS, SPREAD=spread,
+                               num_warps=sample_warps)
     if stages < 2:
         return
     _split_collect_kernel[(r, splits)](*args, cap, chunk, BLOCK=block, CTR=CTR, num_warps=num_warps)
     if stages < 3:
         return
     _split_finish_kernel[(r,)](*args, cap, CTR=CTR, CBLOCK=CBLOCK, BLOCK=BLOCK, M=NUM_THR, SAMPLE=SAMPLE,
-                               QBITS=QBITS, SPREAD=SPREAD, WIN=WIN, num_warps=NUM_WARPS)
+                               QBITS=QBITS, SPREAD=SPREAD, WIN=WIN, num_warps=finish_warps)
 
 
 def use_split(rows: int, device: torch.device) -> bool:
