@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from buffers import ALIGN, BufferPlan, IndexerLimits, plan
+from buffers.plan import TOPK_SCRATCH_COUNTERS, topk_scratch_cap
 
 BASE = dict(max_model_len=1000, max_num_batched_tokens=77, max_num_seqs=5, n_heads=32, head_dim=64,
             max_logits_bytes=12345, prefill_k_tokens=1001)
@@ -95,3 +96,20 @@ def test_str_is_readable_table():
 def test_plan_rejects_non_limits():
     with pytest.raises(TypeError, match="IndexerLimits"):
         plan({"max_model_len": 1})
+
+
+@pytest.mark.parametrize("lim", LIMITS)
+def test_topk_scratch_planned_for_every_limits(lim):
+    p = plan(lim)
+    f = p["topk_scratch"]
+    cap = topk_scratch_cap(lim)
+    assert f.shape == (lim.max_num_seqs * lim.next_n, TOPK_SCRATCH_COUNTERS + 2 * cap) and f.dtype == torch.int32
+    assert cap >= 256 and cap & (cap - 1) == 0
+
+
+def test_topk_scratch_size_deepseek():
+    lim = IndexerLimits(max_model_len=163840, max_num_batched_tokens=8192, max_num_seqs=256, next_n=2)
+    assert topk_scratch_cap(lim) == 4096
+    assert plan(lim)["topk_scratch"].nbytes == 512 * (32 + 8192) * 4  # 16.06 MiB
+    big = IndexerLimits(max_model_len=1048576, max_num_batched_tokens=8192, max_num_seqs=256, next_n=2)
+    assert topk_scratch_cap(big) == 16384

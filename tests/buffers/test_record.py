@@ -125,3 +125,26 @@ def test_validators_name_the_field(over, exc, name):
 def test_valid_record_from_plain_tensors():
     b = Buffers(**fields(qk=torch.zeros(2, 3, 4)))
     assert b.k_capacity == 10 and b.qk_view(1, 12).shape == (2, 1, 12)
+
+
+def test_topk_scratch_view(bufs):
+    ws = bufs.topk_scratch
+    assert ws is not None and ws.dtype == torch.int32 and ws.dim() == 2 and ws.shape[0] == 4 * 2
+    v = bufs.topk_scratch_view(3)
+    assert v.shape == (3, ws.shape[1]) and v.data_ptr() == ws.data_ptr()
+    with pytest.raises(BufferTooSmall) as info:
+        bufs.topk_scratch_view(9)
+    assert info.value.field == "topk_scratch"
+    assert "topk_scratch" in bufs.tensors() and bufs.split_storages().topk_scratch.data_ptr() == ws.data_ptr()
+
+
+def test_topk_scratch_optional_and_not_a_pytree_leaf(bufs):
+    from torch.utils import _pytree
+
+    b = Buffers(k_fp8=bufs.k_fp8, k_scale=bufs.k_scale, logits=bufs.logits)
+    assert b.topk_scratch is None and "topk_scratch" not in b.tensors()
+    with pytest.raises(BufferTooSmall):
+        b.topk_scratch_view(1)
+    leaves, spec = _pytree.tree_flatten(bufs)
+    assert all(x is not bufs.topk_scratch for x in leaves)
+    assert _pytree.tree_unflatten(leaves, spec).topk_scratch is None

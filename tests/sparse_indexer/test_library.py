@@ -98,6 +98,10 @@ def test_every_op_registered_once_under_one_namespace():
     args = qk_op._schema.arguments
     assert {a.name for a in args if a.alias_info is not None and a.alias_info.is_write} == {"out", "qk"}
     assert [a.name for a in args][-2:] == ["backend", "qk"]
+    ws_op = library.op("top_k_per_row_with_workspace")  # the variant with the split-row top-k's scratch
+    args = ws_op._schema.arguments
+    assert {a.name for a in args if a.alias_info is not None and a.alias_info.is_write} == {"out", "workspace"}
+    assert [a.name for a in args][-2:] == ["backend", "workspace"]
 
 
 @pytest.mark.parametrize("case", _cases(), ids=lambda c: f"{c[0]}-{['plain', 'empty', 'strided'][c[1]]}")

@@ -271,3 +271,37 @@ def test_workspace_alias_checked():
     ws = big[:3 * WS_COLS].view(3, WS_COLS)
     expect_error(ValueError, "workspace", lambda: top_k_per_row(a["logits"], a["row_starts"], a["row_ends"],
                                                                 out=out, workspace=ws), watch=[big])
+
+
+# ---------------------------------------------------------------- the step passes Buffers.topk_scratch
+def test_step_uses_topk_scratch_and_checks_it(backend):
+    import attrs
+
+    import sparse_indexer as si
+    from buffers import allocate
+    from tests.sparse_indexer.test_indexer import Scenario, limits
+
+    lim = limits(next_n=2, n_heads=16, head_dim=64, topk=8, max_model_len=128, max_num_batched_tokens=64,
+                 max_num_seqs=4)
+    sc = Scenario([40, 7, 100, 64], [2, 2, 2, 1], lim=lim, seed=31)
+    md = sc.metadata()
+    bufs = allocate(lim)
+    bufs.topk_scratch.fill_(-12345)
+    got = torch.full((md.num_tokens, lim.topk), 7, dtype=torch.int32)
+    si.sparse_attn_indexer(sc.q, sc.k, sc.w, sc.kv, md, bufs, got, backend=backend)
+    want = torch.full_like(got, 7)
+    kv = sc.kv.clone()
+    si.sparse_attn_indexer(sc.q, sc.k, sc.w, kv, md, attrs.evolve(bufs, topk_scratch=None), want, backend=backend)
+    assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)  # any order (SPEC 6)
+    if backend == "triton":  # long decode rows went through the split path
+        assert (bufs.topk_scratch[: md.decode.num_rows, :2] != -12345).any()
+
+    small = attrs.evolve(bufs, topk_scratch=bufs.topk_scratch[:1])
+    narrow = attrs.evolve(bufs, topk_scratch=torch.zeros(bufs.topk_scratch.shape[0], 33, dtype=torch.int32))
+    for b in (small, narrow):
+        out = torch.full_like(got, 7)
+        kv0 = sc.kv.clone()
+        with pytest.raises(BufferTooSmall) as info:
+            si.sparse_attn_indexer(sc.q, sc.k, sc.w, sc.kv, md, b, out, backend=backend)
+        assert info.value.field == "topk_scratch"
+        assert torch.equal(sc.kv, kv0) and bool((out == 7).all())
