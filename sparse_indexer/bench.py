@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from buffers import IndexerLimits, plan
+
 from ._dispatch import BACKENDS, BackendUnavailable, unavailable_reason
 from .fp8 import fp8_name, quantize_k, quantize_q
 from .kcache import new_kv_cache
@@ -262,9 +264,15 @@ class TopKCase(Case):
             self.ends = torch.full((R,), W, dtype=torch.int32, device=dev)
         self.out = torch.empty(R, topk, dtype=torch.int32, device=dev)
         self.amount = float(int((self.ends.long() - self.starts.long()).clamp(min=0).sum()) * 4)
+        self.workspace = None
+        if kind == "decode":  # as the decode step: with the planned top-k scratch (split-row path on the GPU)
+            lim = IndexerLimits(max_model_len=W, max_num_batched_tokens=R, max_num_seqs=R, topk=topk)
+            self.workspace = torch.empty(plan(lim)["topk_scratch"].shape, dtype=torch.int32, device=dev)
+            self.note = "with Buffers.topk_scratch as workspace (what the decode step passes)"
 
     def fn(self, backend):
-        return lambda: top_k_per_row(self.logits, self.starts, self.ends, out=self.out, backend=backend)
+        return lambda: top_k_per_row(self.logits, self.starts, self.ends, out=self.out, backend=backend,
+                                     workspace=self.workspace)
 
     def reset(self):
         self.out.fill_(-2)
