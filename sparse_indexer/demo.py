@@ -59,7 +59,10 @@ def _model_rows(req: _Request, positions: range, fp8_dtype) -> list[torch.Tensor
     return out
 
 
-def _check(sel: torch.Tensor, rows: list[torch.Tensor], topk: int) -> str | None:
+def _check(sel: torch.Tensor, rows: list[torch.Tensor], topk: int, rel_tol: float) -> str | None:
+    """Top-k of every row against its float64 scores: exact for short windows; otherwise every selected score
+    must be within ``rel_tol * max|score|`` of the ``topk``-th best (logits computed with FP8 tensor cores
+    differ from float64 by ~1e-4 relative, which may swap near-ties at the boundary)."""
     for i, s in enumerate(rows):
         n = s.shape[0]
         row = sel[i].cpu()
@@ -71,9 +74,11 @@ def _check(sel: torch.Tensor, rows: list[torch.Tensor], topk: int) -> str | None
         if bool((row < 0).any()) or bool((row >= n).any()) or row.unique().numel() != topk:
             return f"row {i}: indices outside [0, {n}) or repeated"
         kth = s.topk(topk).values[-1]
-        tol = 1e-5 * float(s.abs().max())
-        if bool((s[row.long()] < kth - tol).any()):
-            return f"row {i}: a selected score is below the {topk}-th best"
+        scale = float(s.abs().max())
+        worst = float((kth - s[row.long()]).max())
+        if worst > rel_tol * scale:
+            return (f"row {i}: a selected score is {worst / scale:.2e} x max|score| below the {topk}-th best "
+                    f"(tolerance {rel_tol:.0e})")
     return None
 
 
@@ -144,6 +149,8 @@ def run(args) -> int:
 
     failures = 0
     times = []
+    # the reference accumulates exact FP8 products in float32 (~1e-7 relative); tensor-core kernels ~1e-4
+    rel_tol = 1e-5 if args.backend == "reference" or dev.type == "cpu" else 1e-3
     for i, sched in enumerate(steps):
         seq = [r.done + n for r, n in sched]
         qry = [n for _, n in sched]
@@ -170,7 +177,7 @@ def run(args) -> int:
             rows = []
             for r, n in sched:
                 rows += _model_rows(r, range(r.done, r.done + n), fp8)
-            err = _check(topk_out[: md.num_tokens], rows, topk)
+            err = _check(topk_out[: md.num_tokens], rows, topk, rel_tol)
             verdict = "ok" if err is None else f"MISMATCH: {err}"
             failures += err is not None
         for r, n in sched:
