@@ -77,6 +77,21 @@ def main() -> int:
         want = win.topk(topk).values.sort().values
         t_ok &= torch.equal(got, want)
     print("top_k_per_row multisets equal:", t_ok)
+    # the split-row path (few rows + the planned workspace), as the decode step runs it
+    from buffers import IndexerLimits, plan
+
+    rows = torch.arange(0, m, 5, device=dev)[:60]
+    lg, s_, e_ = rr[rows].contiguous(), kse[rows], kee[rows]
+    lim = IndexerLimits(max_model_len=rr.shape[1], max_num_batched_tokens=64, max_num_seqs=64, topk=topk)
+    ws = torch.empty(plan(lim)["topk_scratch"].shape, dtype=torch.int32, device=dev)
+    sel2 = torch.empty(rows.numel(), topk, dtype=torch.int32, device=dev)
+    si.top_k_per_row(lg, s_, e_, out=sel2, backend="triton", workspace=ws)
+    w_ok = True
+    for r in range(rows.numel()):
+        win = lg[r, int(s_[r]) : int(e_[r])]
+        w_ok &= torch.equal(win[sel2[r].long()].sort().values, win.topk(topk).values.sort().values)
+    print("top_k_per_row (split path, workspace) multisets equal:", w_ok)
+    t_ok &= w_ok
     ok &= t_ok
     torch.cuda.synchronize()
     print("ALL OK" if ok else "MISMATCH")
