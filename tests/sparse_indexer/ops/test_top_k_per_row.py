@@ -40,6 +40,21 @@ def _fill(g, n, kind):
     return torch.where((u > 0.8) & (u <= 0.9), torch.full_like(x, NAN), x)
 
 
+def _draw_rows(data, g, r, w, topk, kind, outside):
+    """``r`` rows of width ``w``: windows drawn around ``topk`` (shorter, equal, one longer, anything) filled by
+    ``_fill(kind)``, the cells outside the windows set to ``outside``. Returns (logits, starts, ends)."""
+    starts, ends = [], []
+    logits = torch.full((r, w), outside)
+    for i in range(r):
+        s = data.draw(st.integers(0, w))
+        e = data.draw(st.integers(max(0, s - 2), w) | st.just(min(w, s + topk)) | st.just(min(w, s + topk + 1)))
+        starts.append(s)
+        ends.append(e)
+        if e > s:
+            logits[i, s:e] = _fill(g, e - s, kind)
+    return logits, starts, ends
+
+
 @hyp_settings()
 @given(
     r=st.integers(1, 5),
@@ -51,16 +66,7 @@ def _fill(g, n, kind):
     seed=st.integers(0, 2**16),
 )
 def test_matches_multiset(backend, r, w, topk, kind, outside, data, seed):
-    g = gen(seed)
-    starts, ends = [], []
-    logits = torch.full((r, w), outside)
-    for i in range(r):
-        s = data.draw(st.integers(0, w))
-        e = data.draw(st.integers(max(0, s - 2), w) | st.just(min(w, s + topk)) | st.just(min(w, s + topk + 1)))
-        starts.append(s)
-        ends.append(e)
-        if e > s:
-            logits[i, s:e] = _fill(g, e - s, kind)
+    logits, starts, ends = _draw_rows(data, gen(seed), r, w, topk, kind, outside)
     out = torch.full((r, topk), 12345, dtype=torch.int32)
     top_k_per_row(logits, int32(starts), int32(ends), out=out, backend=backend)
     assert_topk(out, logits, starts, ends)
@@ -176,16 +182,7 @@ def _split_taken(backend, ws, n, topk):
     seed=st.integers(0, 2**16),
 )
 def test_workspace_matches_multiset(backend, r, w, topk, kind, cols, data, seed):
-    g = gen(seed)
-    starts, ends = [], []
-    logits = torch.full((r, w), NAN)
-    for i in range(r):
-        s = data.draw(st.integers(0, w))
-        e = data.draw(st.integers(max(0, s - 2), w) | st.just(min(w, s + topk)) | st.just(min(w, s + topk + 1)))
-        starts.append(s)
-        ends.append(e)
-        if e > s:
-            logits[i, s:e] = _fill(g, e - s, kind)
+    logits, starts, ends = _draw_rows(data, gen(seed), r, w, topk, kind, NAN)
     out = torch.full((r, topk), 12345, dtype=torch.int32)
     ws = _ws(r + data.draw(st.integers(0, 2)), cols)
     top_k_per_row(logits, int32(starts), int32(ends), out=out, backend=backend, workspace=ws)
