@@ -34,10 +34,10 @@ def fp8_mqa_logits(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, 
     dev = q.device
     C.tensor("k_fp8", k_fp8, ndim=2, dtypes=q.dtype, device=dev, shape=(None, d), last_contiguous=True)
     n = k_fp8.shape[0]
-    C.tensor("k_scale", k_scale, dtypes=torch.float32, device=dev, shape=(n,))
+    C.tensor("k_scale", k_scale, dtypes=torch.float32, device=dev, shape=(n,), contiguous=True)
     C.tensor("weights", weights, dtypes=torch.float32, device=dev, shape=(m, h), last_contiguous=True)
-    C.tensor("cu_seqlen_ks", cu_seqlen_ks, dtypes=C.INDEX_DTYPES, device=dev, shape=(m,))
-    C.tensor("cu_seqlen_ke", cu_seqlen_ke, dtypes=C.INDEX_DTYPES, device=dev, shape=(m,))
+    C.tensor("cu_seqlen_ks", cu_seqlen_ks, dtypes=C.INDEX_DTYPES, device=dev, shape=(m,), contiguous=True)
+    C.tensor("cu_seqlen_ke", cu_seqlen_ke, dtypes=C.INDEX_DTYPES, device=dev, shape=(m,), contiguous=True)
     if out is None:
         out = torch.empty(m, n, dtype=torch.float32, device=dev)
     else:

@@ -28,9 +28,9 @@ def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_len
     dev = kv_cache.device
     C.tensor("block_table", block_table, ndim=2, dtypes=C.INDEX_DTYPES, device=dev, last_contiguous=True)
     r = block_table.shape[0]
-    C.tensor("cu_seq_lens", cu_seq_lens, dtypes=C.INDEX_DTYPES, device=dev, shape=(r + 1,))
-    C.fp8("out_k", out_k, ndim=2, device=dev, shape=(None, lay.head_dim), last_contiguous=True)
-    C.tensor("out_scale", out_scale, dtypes=torch.float32, device=dev, shape=(out_k.shape[0],))
+    C.tensor("cu_seq_lens", cu_seq_lens, dtypes=C.INDEX_DTYPES, device=dev, shape=(r + 1,), contiguous=True)
+    C.fp8("out_k", out_k, ndim=2, device=dev, shape=(None, lay.head_dim), contiguous=True)
+    C.tensor("out_scale", out_scale, dtypes=torch.float32, device=dev, shape=(out_k.shape[0],), contiguous=True)
     C.no_alias("out_k", out_k, kv_cache=kv_cache, block_table=block_table, cu_seq_lens=cu_seq_lens,
                out_scale=out_scale)
     C.no_alias("out_scale", out_scale, kv_cache=kv_cache, block_table=block_table, cu_seq_lens=cu_seq_lens)

@@ -46,8 +46,8 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
     C.tensor("logits", logits, ndim=2, dtypes=torch.float32, last_contiguous=True)
     r, w = logits.shape
     dev = logits.device
-    C.tensor("row_starts", row_starts, dtypes=C.INDEX_DTYPES, device=dev, shape=(r,))
-    C.tensor("row_ends", row_ends, dtypes=C.INDEX_DTYPES, device=dev, shape=(r,))
+    C.tensor("row_starts", row_starts, dtypes=C.INDEX_DTYPES, device=dev, shape=(r,), contiguous=True)
+    C.tensor("row_ends", row_ends, dtypes=C.INDEX_DTYPES, device=dev, shape=(r,), contiguous=True)
     C.tensor("out", out, ndim=2, dtypes=torch.int32, device=dev, shape=(r, None), last_contiguous=True)
     if out.shape[1] < 1:
         raise ValueError(f"out.shape[1] (topk) must be >= 1, got {out.shape[1]}")

@@ -32,7 +32,8 @@ def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.T
     dev = k.device
     lay = cache_layout(kv_cache)
     C.tensor("kv_cache", kv_cache, device=dev)
-    C.tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64, torch.int32), device=dev)
+    C.tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64, torch.int32), device=dev,
+             contiguous=True)
     if k.shape[1] != lay.head_dim:
         raise ValueError(f"k.shape[1] must equal the cache's head dim D={lay.head_dim}, got {k.shape[1]}")
     if slot_mapping.shape[0] > k.shape[0]:
