@@ -24,6 +24,46 @@ from .ops.write_k_cache import write_k_cache
 __all__ = ["sparse_attn_indexer", "indexer_prefill", "indexer_decode", "check_step"]
 
 
+def _check_pack_fields(buffers: Buffers, q_fp8: torch.Tensor) -> None:
+    """The optional scratch fields must match the step's H, D and FP8 format (they are reshaped to them)."""
+    _, h, d = q_fp8.shape
+    qp = buffers.q_pack
+    if qp is not None and (tuple(qp.shape[1:]) != (h, d) or qp.dtype != q_fp8.dtype):
+        raise ValueError(f"buffers.q_pack is {buffers.q_pack.dtype} {tuple(buffers.q_pack.shape)}, expected "
+                         f"{q_fp8.dtype} [*, {h}, {d}]")
+    if buffers.w_pack is not None and buffers.w_pack.shape[1] != h:
+        raise ValueError(f"buffers.w_pack has {buffers.w_pack.shape[1]} heads, expected H={h}")
+    if buffers.qk is not None and buffers.qk.shape[0] != h:
+        raise ValueError(f"buffers.qk has {buffers.qk.shape[0]} heads, expected H={h}")
+
+
+def _check_cache_ids(metadata: IndexerMetadata, lay, kv_cache: torch.Tensor) -> None:
+    """Block ids and slots must lie inside the cache. ``build_metadata(..., num_blocks=)`` checked them on the
+    host; then only the cache size is compared. Unchecked metadata is checked here when it lives on the CPU
+    (free); on a GPU that would synchronise, so it is the caller's promise (pass ``num_blocks``)."""
+    if metadata.num_blocks is not None:
+        if lay.num_blocks < metadata.num_blocks:
+            raise ValueError(f"kv_cache has {lay.num_blocks} blocks but the metadata was checked against "
+                             f"num_blocks={metadata.num_blocks}")
+        return
+    if kv_cache.device.type != "cpu" or C.is_traced(metadata.slot_mapping):
+        return
+    bs = lay.block_size
+    if metadata.slot_mapping.numel():
+        C.values_in("slot_mapping", metadata.slot_mapping, None, lay.num_slots,
+                    f"slots must be < num_blocks * block_size = {lay.num_slots} (negative = skip)")
+    tables = []
+    dm = metadata.decode
+    if dm is not None and dm.num_reqs:
+        need = dm.row_ends.long().view(dm.num_reqs, dm.next_n).amax(1)
+        tables.append(("decode block_table", dm.block_table, need))
+    for c in metadata.prefill_chunks:
+        tables.append(("prefill block_table", c.block_table, c.cu_seq_lens[1:].long() - c.cu_seq_lens[:-1].long()))
+    for name, bt, lens in tables:
+        used = torch.arange(bt.shape[1])[None, :] < ((lens + bs - 1) // bs)[:, None]
+        C.values_in(name, bt, 0, lay.num_blocks, f"block ids must be in [0, num_blocks={lay.num_blocks})", mask=used)
+
+
 def check_step(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor, metadata: IndexerMetadata,
                buffers: Buffers, topk_out: torch.Tensor, k: torch.Tensor | None = None,
                *, prefill: bool = True, decode: bool = True) -> None:
@@ -56,6 +96,8 @@ def check_step(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tenso
     C.tensor("topk_out", topk_out, ndim=2, dtypes=torch.int32, device=dev, contiguous=True)
     if topk_out.shape[0] < t:
         raise ValueError(f"topk_out has {topk_out.shape[0]} rows, fewer than the {t} rows of q_fp8")
+    if topk_out.shape[1] != lim.topk:
+        raise ValueError(f"topk_out has {topk_out.shape[1]} columns but the limits say topk={lim.topk}")
     lay = cache_layout(kv_cache)
     C.tensor("kv_cache", kv_cache, device=dev)
     if lay.head_dim != d or lay.block_size != lim.block_size:
@@ -63,6 +105,11 @@ def check_step(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tenso
                          f"block_size={lim.block_size}")
     if buffers.head_dim != d:
         raise ValueError(f"buffers.k_fp8 has D={buffers.head_dim} but q_fp8 has D={d}")
+    _check_pack_fields(buffers, q_fp8)
+    C.no_alias("topk_out", topk_out, q_fp8=q_fp8, weights=weights, k=k, kv_cache=kv_cache, **buffers.tensors())
+    for name, x in buffers.tensors().items():
+        C.no_alias(f"buffers.{name}", x, q_fp8=q_fp8, weights=weights, k=k, kv_cache=kv_cache)
+    _check_cache_ids(metadata, lay, kv_cache)
     if prefill:
         for c in metadata.prefill_chunks:
             buffers.k_view(c.num_k_tokens)

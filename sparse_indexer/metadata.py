@@ -14,6 +14,8 @@ import torch
 
 from buffers import IndexerLimits
 
+from . import _checks as C
+
 __all__ = [
     "ChunkPlan", "PrefillChunk", "DecodeMetadata", "IndexerMetadata", "plan_prefill_chunks", "build_metadata",
 ]
@@ -164,14 +166,11 @@ class IndexerMetadata:
     decode: DecodeMetadata | None
     prefill_chunks: tuple[PrefillChunk, ...]
     limits: IndexerLimits
+    num_blocks: int | None = None  # the cache size block ids and slots were checked against (None: unchecked)
 
     @property
     def num_tokens(self) -> int:
         return self.num_decode_tokens + self.num_prefill_tokens
-
-    @property
-    def max_chunk_k_tokens(self) -> int:
-        return max((c.num_k_tokens for c in self.prefill_chunks), default=0)
 
 
 def _i32(xs, device) -> torch.Tensor:
@@ -191,7 +190,9 @@ def build_metadata(seq_lens, query_lens, block_table: torch.Tensor, slot_mapping
         slot_mapping: ``[sum(query_lens)]`` int64 cache slots of the new tokens (-1 = do not write).
         limits: the engine's :class:`IndexerLimits` (``next_n``, caps of the prefill chunks, ``max_model_len``).
         device: where the metadata tensors live (default: ``block_table``'s device).
-        num_blocks: when given, every block id in use and every slot are checked against the cache size.
+        num_blocks: the K cache's block count: every block id in use and every slot are checked against it, and
+            the step checks that its cache holds at least that many blocks. Without it the step can check ids
+            only for CPU caches (on a GPU that would synchronise); pass it.
         decode_width: columns of the decode logits (default ``limits.max_model_len``).
 
     Raises ``ValueError`` on inconsistent input (naming the request) before producing anything.
@@ -201,17 +202,14 @@ def build_metadata(seq_lens, query_lens, block_table: torch.Tensor, slot_mapping
     n_req = len(seq)
     if len(qry) != n_req:
         raise ValueError(f"seq_lens has {n_req} entries but query_lens has {len(qry)}")
-    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.dtype != torch.int32:
-        raise ValueError(f"block_table must be a 2-D int32 tensor, got {getattr(block_table, 'dtype', None)} "
-                         f"{tuple(getattr(block_table, 'shape', ()))}")
+    C.tensor("block_table", block_table, ndim=2, dtypes=torch.int32)
+    C.tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64, torch.int32))
     if block_table.shape[0] < n_req:
         raise ValueError(f"block_table has {block_table.shape[0]} rows but there are {n_req} requests")
     device = torch.device(device) if device is not None else block_table.device
     nn, bs = limits.next_n, limits.block_size
     width = limits.max_model_len if decode_width is None else int(decode_width)
     num_tokens = sum(qry)
-    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1:
-        raise ValueError("slot_mapping must be a 1-D tensor")
     if slot_mapping.shape[0] != num_tokens:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries but sum(query_lens) = {num_tokens}")
     if num_tokens > limits.max_num_batched_tokens:
@@ -255,27 +253,30 @@ def build_metadata(seq_lens, query_lens, block_table: torch.Tensor, slot_mapping
     bt = block_table.to(device)
     decode = None
     if num_decode_tokens:
-        d_lens = qry[:num_decodes]
+        # decode requests with tokens in this step (a request with query_len 0 has no rows at all)
+        dec = [i for i in range(num_decodes) if qry[i] > 0]
+        d_lens = [qry[i] for i in dec]
+        d_seq = [seq[i] for i in dec]
+        nd = len(dec)
         uniform = all(d == nn for d in d_lens)
-        lim = [[max(0, seq[b] - d_lens[b] + j + 1) if j < d_lens[b] else 0 for j in range(nn)]
-               for b in range(num_decodes)]
+        lim = [[max(0, d_seq[b] - d_lens[b] + j + 1) if j < d_lens[b] else 0 for j in range(nn)] for b in range(nd)]
         flat = [x for row in lim for x in row]
         pack_src = unpack_src = None
         if uniform:
-            ctx = _i32(seq[:num_decodes], device)
+            ctx = _i32(d_seq, device)
         else:
             ctx = _i32(lim, device)
-            starts = [sum(d_lens[:b]) for b in range(num_decodes)]
+            starts = [sum(d_lens[:b]) for b in range(nd)]
             src = []
-            for b in range(num_decodes):
-                last = starts[b] + d_lens[b] - 1 if d_lens[b] else 0
-                src += [starts[b] + j if j < d_lens[b] else max(0, last) for j in range(nn)]
+            for b in range(nd):  # padded slots repeat the request's last token (their window is empty)
+                src += [starts[b] + min(j, d_lens[b] - 1) for j in range(nn)]
             pack_src = torch.tensor(src, dtype=torch.int64, device=device)
-            unpack_src = torch.tensor([b * nn + j for b in range(num_decodes) for j in range(d_lens[b])],
+            unpack_src = torch.tensor([b * nn + j for b in range(nd) for j in range(d_lens[b])],
                                       dtype=torch.int64, device=device)
+        dec_bt = bt[:num_decodes] if nd == num_decodes else bt[torch.tensor(dec, device=device)]
         decode = DecodeMetadata(
-            num_reqs=num_decodes, next_n=nn, uniform=uniform, width=width, context_lens=ctx,
-            block_table=bt[:num_decodes], row_starts=torch.zeros(len(flat), dtype=torch.int32, device=device),
+            num_reqs=nd, next_n=nn, uniform=uniform, width=width, context_lens=ctx,
+            block_table=dec_bt, row_starts=torch.zeros(len(flat), dtype=torch.int32, device=device),
             row_ends=_i32(flat, device), pack_src=pack_src, unpack_src=unpack_src,
         )
 
@@ -307,5 +308,5 @@ def build_metadata(seq_lens, query_lens, block_table: torch.Tensor, slot_mapping
     return IndexerMetadata(
         num_decodes=num_decodes, num_decode_tokens=num_decode_tokens, num_prefills=n_req - num_decodes,
         num_prefill_tokens=num_tokens - num_decode_tokens, slot_mapping=slot_mapping.to(device, torch.int64),
-        decode=decode, prefill_chunks=tuple(chunks), limits=limits,
+        decode=decode, prefill_chunks=tuple(chunks), limits=limits, num_blocks=num_blocks,
     )

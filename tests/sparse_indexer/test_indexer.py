@@ -234,3 +234,52 @@ def test_step_with_qk_buffer(backend):
     si.fp8_paged_mqa_logits(q, sc.kv, w, md.decode.context_lens, md.decode.block_table, out=out, qk=qk,
                             backend=backend)
     assert torch.equal(out, want)
+
+
+def _expect_nothing_written(sc, md, buf, topk_out, exc, match, backend, given_out=None):
+    """The step raises ``exc`` and leaves the cache and ``topk_out`` as they were (``given_out`` replaces
+    ``topk_out`` in the call)."""
+    kv_before, out_before = sc.kv.clone(), topk_out.clone()
+    with pytest.raises(exc, match=match):
+        si.sparse_attn_indexer(sc.q, sc.k, sc.w, sc.kv, md, buf, topk_out if given_out is None else given_out,
+                               backend=backend)
+    assert torch.equal(sc.kv, kv_before) and torch.equal(topk_out, out_before)
+
+
+def test_step_refuses_bad_ids_and_layouts_before_writing(backend):
+    lim = limits(next_n=1)
+    sc = Scenario([40, 90], [1, 30], lim=lim, seed=14)
+    md = sc.metadata()  # checked against sc.kv's block count
+    buf = allocate(lim)
+    out = torch.full((md.num_tokens, lim.topk), 7, dtype=torch.int32)
+    # a smaller cache than the metadata was checked against
+    small = Scenario([40, 90], [1, 30], lim=lim, seed=14, num_blocks=12)
+    small.kv = small.kv[:3]
+    _expect_nothing_written(small, md, buf, out, ValueError, "blocks", backend)
+    # unchecked metadata (no num_blocks) with a block id beyond a CPU cache
+    bt = sc.block_table.clone()
+    bt[1, 0] = sc.kv.shape[0] + 5
+    md_bad = si.build_metadata(sc.seq, sc.qry, bt, sc.slot_mapping, lim)
+    _expect_nothing_written(sc, md_bad, buf, out, ValueError, "block_table", backend)
+    # topk_out overlapping the buffers, or with the wrong number of columns
+    alias = buf.logits[: md.num_tokens * lim.topk].view(torch.int32).view(md.num_tokens, lim.topk)
+    _expect_nothing_written(sc, md, buf, out, ValueError, "topk_out", backend, given_out=alias)
+    _expect_nothing_written(sc, md, buf, out, ValueError, "topk", backend,
+                            given_out=torch.zeros(md.num_tokens, lim.topk + 1, dtype=torch.int32))
+
+
+def test_zero_token_decode_requests_have_no_rows(backend):
+    lim = limits(next_n=1)
+    sc = Scenario([40, 25, 90], [1, 0, 30], lim=lim, seed=15)
+    md, sel = run_step(sc, backend)
+    assert md.decode.num_reqs == 1 and md.decode.uniform
+    check_topk(sel, sc.model_scores(), lim.topk)
+
+
+def test_metadata_argument_types():
+    lim = limits()
+    bt = torch.zeros(1, 4, dtype=torch.int32)
+    with pytest.raises(TypeError, match="slot_mapping"):
+        si.build_metadata([20], [10], bt, torch.zeros(10), lim)
+    with pytest.raises(TypeError, match="block_table"):
+        si.build_metadata([20], [10], bt.long(), torch.zeros(10, dtype=torch.int64), lim)
