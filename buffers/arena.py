@@ -8,7 +8,7 @@ from .limits import IndexerLimits
 from .plan import ALIGN, BufferPlan, plan
 from .record import Buffers
 
-__all__ = ["allocate", "carve"]
+__all__ = ["aligned_arena", "allocate", "carve"]
 
 
 def carve(plan_: BufferPlan, arena: torch.Tensor) -> Buffers:
@@ -42,6 +42,12 @@ def allocate(limits_or_plan: IndexerLimits | BufferPlan, device: torch.device | 
     Contents are uninitialised.
     """
     p = limits_or_plan if isinstance(limits_or_plan, BufferPlan) else plan(limits_or_plan)
-    raw = torch.empty(p.total_bytes + ALIGN, dtype=torch.uint8, device=device)
-    start = (-raw.data_ptr()) % ALIGN  # CUDA allocations are already 512-byte aligned; the CPU's are 64
-    return carve(p, raw[start : start + p.total_bytes])
+    return carve(p, aligned_arena(p.total_bytes, device))
+
+
+def aligned_arena(nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A fresh ``uint8`` tensor of ``nbytes`` bytes whose data pointer is 256-byte aligned (one allocation of
+    ``nbytes + 256``: CUDA allocations are already 512-byte aligned, the CPU's only 64)."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, device=device)
+    start = (-raw.data_ptr()) % ALIGN
+    return raw[start : start + nbytes]

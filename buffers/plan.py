@@ -117,7 +117,8 @@ def plan(limits: IndexerLimits) -> BufferPlan:
     """Lay out every field of :class:`buffers.Buffers` for ``limits``; pure, needs no device.
 
     Fields are placed in the order of :data:`FIELDS` at 256-byte-aligned offsets; absent fields (``qk`` unless
-    ``limits.with_qk``) take no bytes. ``total_bytes`` is what an engine reserves.
+    ``limits.with_qk``; ``q_pack``, ``w_pack``, ``topk_pack`` when ``next_n == 1``) take no bytes.
+    ``total_bytes`` is what an engine reserves.
     """
     if not isinstance(limits, IndexerLimits):
         raise TypeError(f"plan(limits) needs an IndexerLimits, got {type(limits).__name__}")

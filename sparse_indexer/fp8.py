@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from buffers.limits import FP8_DTYPES
+
 __all__ = [
     "FP8_DTYPES", "FP8_MAX", "QUANT_MAX", "SCALE_FMTS", "fp8_max", "quant_max", "ue8m0", "quantize_k",
     "quantize_q", "fn_to_fnuz", "fp8_name",
 ]
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
 """Largest finite value of each format."""
 QUANT_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 224.0}

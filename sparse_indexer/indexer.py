@@ -69,8 +69,8 @@ def check_step(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tenso
                *, prefill: bool = True, decode: bool = True) -> None:
     """Raise ``ValueError``/``TypeError``/:class:`BufferTooSmall` unless the step fits; reads no device values.
 
-    Shapes: ``q_fp8 [T, H, D]`` fp8, ``k [T, D]``, ``weights [T, H]`` float32, ``topk_out [T_max, topk]`` int32,
-    with ``T >= metadata.num_tokens`` and ``T_max >= T``.
+    Shapes: ``q_fp8 [T, H, D]`` fp8, ``k [>= num_tokens, D]``, ``weights [T, H]`` float32,
+    ``topk_out [T_max, topk]`` int32, with ``T >= metadata.num_tokens`` and ``T_max >= T``.
     """
     if not isinstance(metadata, IndexerMetadata):
         raise TypeError(f"metadata must be an IndexerMetadata, got {type(metadata).__name__}")
@@ -201,7 +201,8 @@ def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor, weights: torch.Ten
 
     Args:
         q_fp8: ``[T, H, D]`` fp8 queries, decode tokens first; their scales folded into ``weights``.
-        k: ``[T, D]`` bfloat16/float16/float32 keys of the new tokens (quantized into the cache).
+        k: ``[>= num_tokens, D]`` bfloat16/float16/float32 keys of the new tokens (quantized into the cache;
+            rows beyond ``num_tokens`` are ignored).
         weights: ``[T, H]`` float32.
         kv_cache: ``[num_blocks, block_size, D + 4]`` (or 4-D) uint8, this layer's K cache (written).
         metadata: from :func:`sparse_indexer.build_metadata`, shared by every layer of the step.

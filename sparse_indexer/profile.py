@@ -21,9 +21,10 @@ from __future__ import annotations
 import attrs
 import torch
 
-from buffers import ALIGN, IndexerLimits, carve, plan
+from buffers import IndexerLimits, carve, plan
+from buffers.arena import aligned_arena
 
-from .kcache import new_kv_cache
+from .kcache import new_kv_cache, slots_from_block_table
 
 __all__ = ["ProfileReport", "profile_step", "worst_case_steps"]
 
@@ -86,9 +87,7 @@ def profile_step(limits: IndexerLimits, device: torch.device | str = "cpu", back
         raise RuntimeError("profile_step runs real steps; call it eagerly, never under tracing")
     device = torch.device(device)
     p = plan(limits)
-    raw = torch.empty(p.total_bytes + ALIGN, dtype=torch.uint8, device=device)  # + ALIGN to align the start
-    start = (-raw.data_ptr()) % ALIGN
-    arena = raw[start : start + p.total_bytes]
+    arena = aligned_arena(p.total_bytes, device)
     bufs = carve(p, arena)
     g = torch.Generator(device="cpu").manual_seed(seed)
     h, d, bs = limits.n_heads, limits.head_dim, limits.block_size
@@ -109,9 +108,8 @@ def profile_step(limits: IndexerLimits, device: torch.device | str = "cpu", back
         n = len(seq)
         pos = torch.cat([torch.arange(s - q_, s) for s, q_ in zip(seq, qry)]) if n else torch.empty(0)
         req = torch.cat([torch.full((q_,), r) for r, q_ in enumerate(qry)]) if n else torch.empty(0)
-        bt_host = block_table[:n].cpu().long()
-        slots = (bt_host[req.long(), pos.long() // bs] * bs + pos.long() % bs).to(device)
-        md = build_metadata(seq, qry, block_table[:n], slots, limits, device=device)
+        slots = slots_from_block_table(block_table[:n].cpu()[req.long()], pos.long()[:, None], bs)[:, 0].to(device)
+        md = build_metadata(seq, qry, block_table[:n], slots, limits, device=device, num_blocks=kv.shape[0])
         runs.append((name, md))
     # warm up (first-call costs such as kernel compilation are not the step's memory)
     for _, md in runs:

@@ -73,8 +73,14 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     w = out.shape[1]
     if C.want_value_checks(check_values, context_lens, block_table):
         lim = row_limits(context_lens, next_n)
-        C.values_in("context_lens", lim, None, min(w, capacity) + 1,
-                    f"row limits must be <= W = {w} and <= max_blocks * block_size = {capacity}")
+        bad = lim > min(w, capacity)
+        if bool(bad.any()):
+            r = int(bad.nonzero()[0, 0])
+            b_, j_ = divmod(r, next_n)
+            where = f"context_lens[{b_}]" if context_lens.dim() == 1 else f"context_lens[{b_}, {j_}]"
+            raise ValueError(f"{where} = {int(context_lens.view(-1)[r if context_lens.dim() == 2 else b_])} gives row "
+                             f"{r} (request {b_}, token {j_}) the window [0, {int(lim[r])}), beyond W = {w} or "
+                             f"max_blocks * block_size = {capacity}")
         need = lim.view(b, next_n).amax(1) if b else lim
         used = torch.arange(block_table.shape[1], device=dev)[None, :] < (
             (need + lay.block_size - 1) // lay.block_size)[:, None]

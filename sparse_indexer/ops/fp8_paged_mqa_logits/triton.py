@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ...kcache import cache_layout
+
 __all__ = ["fp8_paged_mqa_logits"]
 
 
@@ -297,7 +299,7 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
     max_blocks = block_table.shape[1]
     cap = min(w, max_blocks * bs)
     block_n = cfg["BLOCK_N"]
-    stride_blk = kv_cache.stride(0) if nb > 1 else bs * (d + 4)
+    stride_blk = cache_layout(kv_cache).block_stride
     kv = kv_cache.view(q.dtype)
     cl_2d = context_lens.dim() == 2
     stride_cln = context_lens.stride(1) if cl_2d else 0

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ...kcache import cache_layout
+
 __all__ = ["gather_k_cache"]
 
 _BLOCK_T = 64
@@ -63,7 +65,7 @@ def gather_k_cache(kv_cache, block_table, cu_seq_lens, *, out_k, out_scale) -> N
         raise NotImplementedError(f"the Triton gather_k_cache handles at most {_MAX_GRID_Y} requests, got {r}")
     if r == 0 or max_blocks == 0:
         return
-    block_stride = kv_cache.stride(0) if nb > 1 else bs * width
+    block_stride = cache_layout(kv_cache).block_stride
     tiles = triton.cdiv(max_blocks * bs, _BLOCK_T)
     _gather_k_cache_kernel[(tiles, r)](
         out_k.view(torch.uint8).view(torch.int32), out_scale, kv_cache, block_table, cu_seq_lens,

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from ..._dispatch import _interpret
 from ...fp8 import K_SCALE_FLOOR, QUANT_MAX
+from ...kcache import cache_layout
 
 __all__ = ["write_k_cache"]
 
@@ -104,7 +105,7 @@ def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.T
         raise NotImplementedError(f"the Triton write_k_cache needs a power-of-two head dim, got D={d}")
     if s == 0:
         return
-    block_stride = kv_cache.stride(0) if nb > 1 else bs * width
+    block_stride = cache_layout(kv_cache).block_stride
     grid = (triton.cdiv(s, _BLOCK_T),)
     _write_k_cache_kernel[grid](
         kv_cache, k, slot_mapping, s, k.stride(0), block_stride,
