@@ -194,7 +194,7 @@ def indexer_decode(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.T
     return topk_out
 
 
-def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor,
+def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor | None, weights: torch.Tensor, kv_cache: torch.Tensor,
                         metadata: IndexerMetadata, buffers: Buffers, topk_out: torch.Tensor, *,
                         backend: str | None = None, scale_fmt: str | None = "ue8m0") -> torch.Tensor:
     """One indexer step of one layer (SPEC 7). Returns ``topk_out``.
@@ -202,7 +202,7 @@ def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor, weights: torch.Ten
     Args:
         q_fp8: ``[T, H, D]`` fp8 queries, decode tokens first; their scales folded into ``weights``.
         k: ``[>= num_tokens, D]`` bfloat16/float16/float32 keys of the new tokens (quantized into the cache;
-            rows beyond ``num_tokens`` are ignored).
+            rows beyond ``num_tokens`` are ignored), or ``None`` when the cache already holds them.
         weights: ``[T, H]`` float32.
         kv_cache: ``[num_blocks, block_size, D + 4]`` (or 4-D) uint8, this layer's K cache (written).
         metadata: from :func:`sparse_indexer.build_metadata`, shared by every layer of the step.
@@ -217,8 +217,9 @@ def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor, weights: torch.Ten
         BufferTooSmall, ValueError, TypeError: before anything is written.
     """
     check_step(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k)
-    write_k_cache(k, kv_cache, metadata.slot_mapping, scale_fmt=scale_fmt, fp8_dtype=q_fp8.dtype,
-                  backend=backend, check_values=False)
+    if k is not None:
+        write_k_cache(k, kv_cache, metadata.slot_mapping, scale_fmt=scale_fmt, fp8_dtype=q_fp8.dtype,
+                      backend=backend, check_values=False)
     # SPEC 7 step 2 (fill topk_out[:T] with -1): rows [0, num_tokens) are all written below, by the top-k of
     # their prefill chunk or decode slot (windows <= topk come out as 0..len-1, -1...), so only the padding
     # tokens [num_tokens, T) of a padded batch (CUDA graphs) are filled here. Filling every row would cost a

@@ -36,7 +36,7 @@ from buffers import Buffers, BufferTooSmall, IndexerLimits, plan
 from buffers.limits import MiB
 from buffers.plan import BufferPlan
 
-from ..indexer import check_step, indexer_decode, indexer_prefill, sparse_attn_indexer
+from ..indexer import sparse_attn_indexer
 from ..metadata import DecodeMetadata, IndexerMetadata, PrefillChunk
 from ..ops.fp8_paged_mqa_logits import row_limits
 
@@ -334,20 +334,15 @@ class VllmIndexer:
                              scale_fmt, topk_tokens, head_dim, max_model_len, total_seq_lens, topk_indices_buffer)
         md = metadata_from_vllm(attn_metadata[_layer_name(k_cache_prefix)], limits)
         bufs = buffers_from_workspace(limits, self.manager)
-        n, rows = md.num_tokens, hidden_states.shape[0]
+        rows = hidden_states.shape[0]
         out = topk_indices_buffer
-        if skip_k_cache_insert:
-            check_step(q_fp8, weights, kv_cache, md, bufs, out)
-            out[:n].fill_(-1)
-            indexer_prefill(q_fp8, weights, kv_cache, md, bufs, out, backend=self.backend)
-            indexer_decode(q_fp8, weights, kv_cache, md, bufs, out, backend=self.backend)
-        else:
-            if k is None:
-                raise ValueError("k must be provided when skip_k_cache_insert is False")
-            sparse_attn_indexer(q_fp8, k, weights, kv_cache, md, bufs, out, backend=self.backend,
-                                scale_fmt=scale_fmt)
-        if rows > n:  # cudagraph padding rows, as vLLM does
-            out[n:rows].fill_(-1)
+        if not skip_k_cache_insert and k is None:
+            raise ValueError("k must be provided when skip_k_cache_insert is False")
+        # the step fills the padding rows [n, q_fp8 rows) with -1; k=None skips the cache write
+        sparse_attn_indexer(q_fp8, None if skip_k_cache_insert else k, weights, kv_cache, md, bufs, out,
+                            backend=self.backend, scale_fmt=scale_fmt)
+        if rows > q_fp8.shape[0]:  # cudagraph padding rows beyond q_fp8, as vLLM does
+            out[q_fp8.shape[0] : rows].fill_(-1)
         return out
 
     def fake(self, hidden_states, k_cache_prefix, kv_cache, q_fp8, k, weights, quant_block_size, scale_fmt,

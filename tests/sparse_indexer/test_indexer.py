@@ -283,3 +283,16 @@ def test_metadata_argument_types():
         si.build_metadata([20], [10], bt, torch.zeros(10), lim)
     with pytest.raises(TypeError, match="block_table"):
         si.build_metadata([20], [10], bt.long(), torch.zeros(10, dtype=torch.int64), lim)
+
+
+def test_k_none_skips_the_cache_write(backend):
+    """``k=None``: the cache already holds the step's keys (an engine that inserts them itself)."""
+    lim = limits(next_n=1)
+    sc = Scenario([40, 90], [1, 30], lim=lim, seed=16)
+    md = sc.metadata()
+    si.write_k_cache(sc.k, sc.kv, md.slot_mapping, backend=backend)
+    kv_before = sc.kv.clone()
+    topk_out = torch.empty(md.num_tokens, lim.topk, dtype=torch.int32)
+    si.sparse_attn_indexer(sc.q, None, sc.w, sc.kv, md, allocate(lim), topk_out, backend=backend)
+    assert torch.equal(sc.kv, kv_before)
+    check_topk(topk_out, sc.model_scores(), lim.topk)
