@@ -153,9 +153,10 @@ def buffers_from_workspace(limits: IndexerLimits | BufferPlan, manager=None) -> 
 
 
 # ------------------------------------------------------------------------------------------------ metadata
-def _decode_from_vllm(d, num_decode_tokens: int, width: int) -> DecodeMetadata:
-    """vLLM's ``DeepSeekV32IndexerDecodeMetadata`` -> ours (device tensors only; no host sync except a 1-D
-    ``seq_lens`` with ``requires_padding``, where the padded width is ``decode_lens.max()``, as in vLLM).
+def _decode_from_vllm(d, num_decode_tokens: int, width: int, next_n: int) -> DecodeMetadata:
+    """vLLM's ``DeepSeekV32IndexerDecodeMetadata`` -> ours (device tensors only, no host sync; a 1-D
+    ``seq_lens`` with ``requires_padding`` is packed into the engine's ``next_n`` slots per request, vLLM's
+    ``decode_lens.max()`` being at most that).
 
     vLLM's conventions: ``seq_lens`` is ``[B]`` (full context length; with ``next_n`` queries per request row
     ``j`` sees ``L - next_n + j + 1`` keys; the "flattened" form has one row per token, next_n = 1) or
@@ -184,7 +185,7 @@ def _decode_from_vllm(d, num_decode_tokens: int, width: int) -> DecodeMetadata:
     if seq_lens.dim() == 2:
         nn, full = seq_lens.shape[1], seq_lens[:, -1].long()
     else:
-        nn, full = int(dl.max()), seq_lens.long()
+        nn, full = next_n, seq_lens.long()
     j = torch.arange(nn, device=dev)[None, :]
     real = j < dl[:, None]
     lim = torch.where(real, (full - dl)[:, None] + j + 1, 0).clamp(min=0)
@@ -229,7 +230,7 @@ def metadata_from_vllm(md, limits: IndexerLimits) -> IndexerMetadata:
     if int(md.num_decodes) > 0 and nd > 0:
         if md.decode is None:
             raise ValueError("num_decodes > 0 but the metadata has no decode part")
-        decode = _decode_from_vllm(md.decode, nd, limits.max_model_len)
+        decode = _decode_from_vllm(md.decode, nd, limits.max_model_len, limits.next_n)
     chunks: tuple[PrefillChunk, ...] = ()
     if int(md.num_prefills) > 0:
         if md.prefill is None:
@@ -282,6 +283,15 @@ class VllmIndexer:
     backend: str | None = None
     attn_metadata: Callable[[], Any] = _forward_context_metadata
     manager: Any = None
+    # the last conversion of vLLM's metadata: every layer of a step shares the same metadata object, so the
+    # conversion (small device tensors) runs once per step, not once per layer
+    _last: dict = attrs.field(factory=dict, init=False, repr=False, eq=False)
+
+    def _metadata(self, vllm_md, limits: IndexerLimits) -> IndexerMetadata:
+        if self._last.get("src") is not vllm_md or self._last.get("limits") != limits:
+            self._last.clear()
+            self._last.update(src=vllm_md, limits=limits, md=metadata_from_vllm(vllm_md, limits))
+        return self._last["md"]
 
     @classmethod
     def from_vllm_config(cls, vllm_config, **kw) -> VllmIndexer:
@@ -332,7 +342,7 @@ class VllmIndexer:
             reserve(limits, self.manager)
             return self.fake(hidden_states, k_cache_prefix, kv_cache, q_fp8, k, weights, quant_block_size,
                              scale_fmt, topk_tokens, head_dim, max_model_len, total_seq_lens, topk_indices_buffer)
-        md = metadata_from_vllm(attn_metadata[_layer_name(k_cache_prefix)], limits)
+        md = self._metadata(attn_metadata[_layer_name(k_cache_prefix)], limits)
         bufs = buffers_from_workspace(limits, self.manager)
         rows = hidden_states.shape[0]
         out = topk_indices_buffer

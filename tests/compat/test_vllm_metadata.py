@@ -77,3 +77,18 @@ def test_unsupported_vllm_features_are_named():
     vmd.prefill.chunks[0].pcp_deinterleave_idx = torch.zeros(1)
     with pytest.raises(NotImplementedError, match="pcp_deinterleave_idx"):
         metadata_from_vllm(vmd, lim)
+
+
+def test_indexer_converts_each_steps_metadata_once():
+    """Every layer of a step passes the same vLLM metadata object: the drop-in converts it once (its device
+    tensors are made once per step, not per layer) and again for the next step's object."""
+    from sparse_indexer.compat.vllm import VllmIndexer
+
+    lim = limits(3)
+    batch = make_batch([40, 33, 90, 25], [3, 1, 2, 3], lim)
+    op = VllmIndexer(max_num_seqs=lim.max_num_seqs, next_n=3, attn_metadata=lambda: None)
+    step1 = vllm_metadata(batch, 3)
+    md = op._metadata(step1, lim)
+    assert op._metadata(step1, lim) is md
+    step2 = vllm_metadata(batch, 3)
+    assert op._metadata(step2, lim) is not md
