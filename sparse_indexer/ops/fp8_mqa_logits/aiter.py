@@ -11,6 +11,7 @@ import importlib
 
 import torch
 
+from ...fp8 import fn_to_fnuz
 from ..write_k_cache.aiter import gcn_arch
 
 __all__ = ["fnuz_operands", "fp8_mqa_logits"]
@@ -31,8 +32,9 @@ def fnuz_operands(q, k_fp8, k_scale, weights):
     Each FP8 value is halved (exact: the fnuz byte of ``v/2`` decodes like the fn byte of ``v``), so every dot
     product shrinks 4x, compensated by doubling both the key scales and the weights (powers of two: exact).
     """
-    fnuz = torch.float8_e4m3fnuz
-    return ((q.float() * 0.5).to(fnuz), (k_fp8.float() * 0.5).to(fnuz), k_scale * 2.0, weights * 2.0)
+    q_nuz, w2 = fn_to_fnuz(q, weights)
+    k_nuz, s2 = fn_to_fnuz(k_fp8, k_scale)
+    return q_nuz, k_nuz, s2, w2
 
 
 def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, out, clean) -> None:
