@@ -7,23 +7,12 @@ On gfx942 (whose kernels read e4m3fnuz) e4m3fn operands are converted first with
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
 from ...fp8 import fn_to_fnuz
-from ..write_k_cache.aiter import gcn_arch
+from ..write_k_cache.aiter import aiter_triton_module, gcn_arch
 
 __all__ = ["fnuz_operands", "fp8_mqa_logits"]
-
-
-def _module():
-    for name in ("aiter.ops.triton.attention.fp8_mqa_logits", "aiter.ops.triton.fp8_mqa_logits"):
-        try:
-            return importlib.import_module(name)
-        except ImportError:
-            continue
-    raise NotImplementedError("aiter has no fp8_mqa_logits module (aiter.ops.triton[.attention].fp8_mqa_logits)")
 
 
 def fnuz_operands(q, k_fp8, k_scale, weights):
@@ -50,5 +39,6 @@ def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, ou
         q, k_fp8, k_scale, weights = fnuz_operands(q, k_fp8, k_scale, weights)
     elif arch != "gfx942" and q.dtype == torch.float8_e4m3fnuz:
         raise NotImplementedError(f"aiter's fp8_mqa_logits on {arch} reads e4m3fn, got e4m3fnuz")
-    logits = _module().fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits=clean)
+    logits = aiter_triton_module("fp8_mqa_logits").fp8_mqa_logits(
+        q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits=clean)
     out.copy_(logits)

@@ -15,25 +15,14 @@ aiter takes one context length per request; :func:`per_sequence_context_lens` de
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
-from ..write_k_cache.aiter import NATIVE_FP8, gcn_arch, preshuffled
+from ..write_k_cache.aiter import NATIVE_FP8, aiter_triton_module, gcn_arch, preshuffled
 from . import row_limits
 
 __all__ = ["fp8_paged_mqa_logits", "mask_outside", "per_sequence_context_lens"]
 
 MASK_TILE_ELEMS = 1 << 24
-
-
-def _module():
-    for name in ("aiter.ops.triton.attention.pa_mqa_logits", "aiter.ops.triton.pa_mqa_logits"):
-        try:
-            return importlib.import_module(name)
-        except ImportError:
-            continue
-    raise NotImplementedError("aiter has no pa_mqa_logits module (aiter.ops.triton[.attention].pa_mqa_logits)")
 
 
 def per_sequence_context_lens(context_lens: torch.Tensor, next_n: int) -> torch.Tensor:
@@ -85,7 +74,7 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
         shuffle = preshuffled(bs, q.dtype, arch)
         if not shuffle and bs != 1:
             raise NotImplementedError(f"aiter's paged logits read block_size 1 or a multiple of 16, got {bs}")
-        mod = _module()
+        mod = aiter_triton_module("pa_mqa_logits")
         if clean:
             out.fill_(float("-inf"))
         mod.deepgemm_fp8_paged_mqa_logits(q, kv4, weights, out, per_sequence_context_lens(context_lens, nn),
@@ -101,7 +90,7 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
             )
         if tuple(qk.shape) != (h, b * nn, w):
             raise ValueError(f"qk must be [{h}, {b * nn}, {w}], got {tuple(qk.shape)}")
-        mod = _module()
+        mod = aiter_triton_module("pa_mqa_logits")
         qk.fill_(float("-inf"))
         mod.deepgemm_fp8_paged_mqa_logits_stage1(q, kv4, weights, qk, per_sequence_context_lens(context_lens, nn),
                                                  block_table, w, ChunkQ=h)

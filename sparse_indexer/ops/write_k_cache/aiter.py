@@ -15,6 +15,8 @@ is tested on the CPU against the reference.
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from ...fp8 import quantize_k
@@ -26,6 +28,17 @@ __all__ = ["NATIVE_FP8", "gcn_arch", "preshuffled", "preshuffle_offsets", "raw_b
 
 NATIVE_FP8 = {"gfx942": torch.float8_e4m3fnuz, "gfx950": torch.float8_e4m3fn}
 """The FP8 format aiter's gfx9 kernels read, per architecture."""
+
+
+def aiter_triton_module(name: str):
+    """aiter's Triton module ``name`` (``aiter.ops.triton.attention.<name>``, or the older
+    ``aiter.ops.triton.<name>``); ``NotImplementedError`` when neither imports, so auto falls back."""
+    for path in (f"aiter.ops.triton.attention.{name}", f"aiter.ops.triton.{name}"):
+        try:
+            return importlib.import_module(path)
+        except ImportError:
+            continue
+    raise NotImplementedError(f"aiter has no {name} module (aiter.ops.triton[.attention].{name})")
 
 
 def gcn_arch(device: torch.device) -> str | None:
