@@ -49,7 +49,7 @@ def _tensor(ndim, dtypes):
 
 @attrs.frozen(eq=False, kw_only=True)
 class Buffers:
-    """Views of the indexer's scratch memory (SPEC section 9). Build it with :func:`buffers.allocate` or
+    """Views of the indexer's scratch memory (docs/spec.md §9). Build it with :func:`buffers.allocate` or
     :meth:`Buffers.from_arena`; nothing in the library allocates in their place.
 
     Attributes:

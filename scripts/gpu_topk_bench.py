@@ -139,7 +139,7 @@ SPLIT_VARIANTS = [tuple(int(v) for v in x.split(",")) for x in
 
 
 def ref_check(logits, starts, ends, out, check_rows):
-    """SPEC 6 vs the reference backend: short rows exact, long rows distinct in-window positions whose value
+    """docs/spec.md §6 vs the reference backend: short rows exact, long rows distinct in-window positions whose value
     multiset (-inf/NaN as -1e300) equals the reference's."""
     rr = check_rows
     x, s, e, o = logits[rr], starts[rr], ends[rr], out[rr]
@@ -304,7 +304,7 @@ def _():
     r, w, topk = 8192, 65536, 2048
     logits = torch.randn(r, w, device=dev)
     starts = torch.zeros(r, dtype=torch.int32, device=dev)
-    ends = (w - r + 1 + torch.arange(r, device=dev)).int()  # one request, L=64K, q=8K (SPEC 5)
+    ends = (w - r + 1 + torch.arange(r, device=dev)).int()  # one request, L=64K, q=8K (docs/spec.md §5)
     chk = torch.randperm(r, device=dev)[:512]
     run_topk("prefill_tail", logits, starts, ends, topk, chk, int((ends - starts).sum()) * 4)
     ends2 = (8 * (1 + torch.arange(r, device=dev))).int()  # causal 8..64K
@@ -325,7 +325,7 @@ def _():
                 si.write_k_cache(k, kv, slots, scale_fmt=fmt, fp8_dtype=dt, backend=be)
                 caches.append(kv)
             nbad_gpu_ref = int((caches[0] != caches[1]).sum())
-            ref = new_kv_cache(nb, bs, d, block_pad=64)  # reference on the CPU (true division, SPEC 3)
+            ref = new_kv_cache(nb, bs, d, block_pad=64)  # reference on the CPU (true division, docs/spec.md §3)
             si.write_k_cache(k.cpu(), ref, slots.cpu(), scale_fmt=fmt, fp8_dtype=dt, backend="reference")
             kv = caches[1]
             ok = torch.equal(kv.cpu(), ref)

@@ -1,7 +1,7 @@
 """sparse-indexer: the FP8 lightning indexer of DeepSeek-V3.2-class sparse attention.
 
 Pure functions over caller-owned tensors: they write only into the outputs and :class:`buffers.Buffers` they
-are given. See ``SPEC.md`` for the math and layouts.
+are given. See ``docs/spec.md`` for the math and layouts.
 """
 
 from buffers import Buffers, BufferTooSmall, IndexerLimits, allocate, plan

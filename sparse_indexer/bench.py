@@ -111,7 +111,7 @@ class Ctx:
 
 
 def _fp8_dtype_for(device: torch.device) -> torch.dtype:
-    """e4m3fnuz on MI300 (gfx94x), e4m3fn everywhere else (SPEC 2)."""
+    """e4m3fnuz on MI300 (gfx94x), e4m3fn everywhere else (docs/spec.md §2)."""
     if device.type == "cuda" and torch.version.hip is not None:
         arch = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "")
         if "gfx94" in arch:
@@ -152,7 +152,7 @@ def _fill_cache(ctx: Ctx, cache: torch.Tensor, num_slots: int, chunk: int = 1 <<
 
 
 def _queries(ctx: Ctx, rows: int):
-    """FP8 queries ``[rows, H, D]`` and weights ``[rows, H]`` with the query scale folded in (SPEC 5)."""
+    """FP8 queries ``[rows, H, D]`` and weights ``[rows, H]`` with the query scale folded in (docs/spec.md §5)."""
     h, d = ctx.heads, ctx.head_dim
     q8, q_scale = quantize_q(torch.randn(rows, h, d, device=ctx.device), fp8_dtype=ctx.fp8)
     weights = (torch.randn(rows, h, device=ctx.device) * (h ** -0.5) * (d ** -0.5) * q_scale).contiguous()

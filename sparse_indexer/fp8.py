@@ -1,4 +1,4 @@
-"""FP8 formats and the quantization of keys and queries (SPEC sections 2 and 3)."""
+"""FP8 formats and the quantization of keys and queries (docs/spec.md §2, §3)."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def _quantize_rows(x: torch.Tensor, floor: float, fp8_dtype, scale_fmt):
 
 
 def quantize_k(k: torch.Tensor, *, fp8_dtype: torch.dtype = torch.float8_e4m3fn, scale_fmt: str | None = "ue8m0"):
-    """Quantize keys per token (SPEC 3): one scale per token, the quantization group being the head dim.
+    """Quantize keys per token (docs/spec.md §3): one scale per token, the quantization group being the head dim.
 
     Args:
         k: ``[T, D]`` bfloat16, float16 or float32.
@@ -84,7 +84,7 @@ def quantize_k(k: torch.Tensor, *, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
 
 
 def quantize_q(q: torch.Tensor, *, fp8_dtype: torch.dtype = torch.float8_e4m3fn, scale_fmt: str | None = "ue8m0"):
-    """Quantize queries per (token, head) with scale floor 1e-10 (SPEC 3).
+    """Quantize queries per (token, head) with scale floor 1e-10 (docs/spec.md §3).
 
     Args:
         q: ``[T, H, D]`` bfloat16, float16 or float32.
@@ -101,7 +101,7 @@ def quantize_q(q: torch.Tensor, *, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
 
 
 def fn_to_fnuz(values: torch.Tensor, scale: torch.Tensor):
-    """Convert e4m3fn values and their scales to e4m3fnuz (SPEC 2): values x0.5 before the cast, scales x2.
+    """Convert e4m3fn values and their scales to e4m3fnuz (docs/spec.md §2): values x0.5 before the cast, scales x2.
 
     Both formats share the same value set up to the factor 2, so the conversion is exact (values below the
     smallest e4m3fnuz subnormal would flush, but halving an e4m3fn value never leaves the fnuz range).

@@ -1,4 +1,4 @@
-"""One indexer step of one layer, as a pure function over caller-owned tensors (SPEC 7).
+"""One indexer step of one layer, as a pure function over caller-owned tensors (docs/spec.md §7).
 
 ``sparse_attn_indexer`` writes the K cache, scores every prefill chunk and the decode rows into views of
 ``buffers``, and writes the top-k positions of every token into ``topk_out``. It reads only host integers and
@@ -133,7 +133,7 @@ def check_step(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tenso
 def indexer_prefill(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor,
                     metadata: IndexerMetadata, buffers: Buffers, topk_out: torch.Tensor, *,
                     backend: str | None = None, _checked: bool = False) -> torch.Tensor:
-    """Top-k of every prefill token, chunk by chunk (SPEC 7 step 3); writes ``topk_out`` prefill rows only.
+    """Top-k of every prefill token, chunk by chunk (docs/spec.md §7 step 3); writes ``topk_out`` prefill rows only.
 
     Each chunk gathers its requests' keys into ``buffers.k_fp8/k_scale`` (skipped for a later query piece of a
     split request), computes ``[M_c, N_c]`` logits into ``buffers.logits`` with ``clean=False``, and selects
@@ -158,7 +158,7 @@ def indexer_prefill(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.
 def indexer_decode(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor,
                    metadata: IndexerMetadata, buffers: Buffers, topk_out: torch.Tensor, *,
                    backend: str | None = None, _checked: bool = False) -> torch.Tensor:
-    """Top-k of every decode token (SPEC 7 step 4); writes ``topk_out[:num_decode_tokens]`` only.
+    """Top-k of every decode token (docs/spec.md §7 step 4); writes ``topk_out[:num_decode_tokens]`` only.
 
     Uniform steps reshape the queries to ``[B, next_n, H, D]`` and write top-k straight into ``topk_out``.
     Non-uniform steps pack queries and weights into ``buffers.q_pack/w_pack`` slots, select into
@@ -197,7 +197,7 @@ def indexer_decode(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.T
 def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor | None, weights: torch.Tensor, kv_cache: torch.Tensor,
                         metadata: IndexerMetadata, buffers: Buffers, topk_out: torch.Tensor, *,
                         backend: str | None = None, scale_fmt: str | None = "ue8m0") -> torch.Tensor:
-    """One indexer step of one layer (SPEC 7). Returns ``topk_out``.
+    """One indexer step of one layer (docs/spec.md §7). Returns ``topk_out``.
 
     Args:
         q_fp8: ``[T, H, D]`` fp8 queries, decode tokens first; their scales folded into ``weights``.
@@ -220,7 +220,7 @@ def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor | None, weights: to
     if k is not None:
         write_k_cache(k, kv_cache, metadata.slot_mapping, scale_fmt=scale_fmt, fp8_dtype=q_fp8.dtype,
                       backend=backend, check_values=False)
-    # SPEC 7 step 2 (fill topk_out[:T] with -1): rows [0, num_tokens) are all written below, by the top-k of
+    # docs/spec.md §7 step 2 (fill topk_out[:T] with -1): rows [0, num_tokens) are all written below, by the top-k of
     # their prefill chunk or decode slot (windows <= topk come out as 0..len-1, -1...), so only the padding
     # tokens [num_tokens, T) of a padded batch (CUDA graphs) are filled here. Filling every row would cost a
     # second write of topk_out and, under torch.compile, a staged copy of its rows.

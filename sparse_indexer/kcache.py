@@ -1,4 +1,4 @@
-"""The paged indexer K cache (SPEC section 4): layout, views, allocation.
+"""The paged indexer K cache (docs/spec.md §4): layout, views, allocation.
 
 A cache is a ``uint8`` tensor ``[num_blocks, block_size, D + 4]`` (or ``[num_blocks, block_size, 1, D + 4]``).
 Inside block ``b`` (starting at byte ``b * stride0``) the bytes are block-major: first the FP8 values of all

@@ -1,4 +1,4 @@
-"""Host-side planning of one indexer step: the decode/prefill split and the prefill chunks (SPEC 7 and 8).
+"""Host-side planning of one indexer step: the decode/prefill split and the prefill chunks (docs/spec.md §7, §8).
 
 Everything here runs on the host, once per engine step (shared by every layer), and produces small device
 tensors; the step itself (:func:`sparse_indexer.sparse_attn_indexer`) then reads only host integers and these
@@ -44,7 +44,7 @@ def _ints(name: str, xs) -> list[int]:
 
 def plan_prefill_chunks(seq_lens: Sequence[int], query_lens: Sequence[int], k_tokens_cap: int,
                         logits_elems_cap: int) -> list[ChunkPlan]:
-    """Split prefill requests into chunks that bound gathered keys and logits (SPEC 8). Pure, host integers.
+    """Split prefill requests into chunks that bound gathered keys and logits (docs/spec.md §8). Pure, host integers.
 
     Whole requests are added greedily, in order, while ``sum(seq_len) <= k_tokens_cap`` and
     ``sum(query_len) * sum(seq_len) <= logits_elems_cap``. A request whose ``query_len * seq_len`` alone
@@ -119,7 +119,7 @@ class PrefillChunk:
 
 @attrs.frozen(eq=False, kw_only=True)
 class DecodeMetadata:
-    """Decode requests of one step (SPEC 7, step 4).
+    """Decode requests of one step (docs/spec.md §7, step 4).
 
     Attributes:
         num_reqs: ``B``.
@@ -193,7 +193,7 @@ def build_metadata(seq_lens, query_lens, block_table: torch.Tensor, slot_mapping
         num_blocks: the K cache's block count: every block id in use and every slot are checked against it, and
             the step checks that its cache holds at least that many blocks. Without it the step can check ids
             only for CPU caches (on a GPU that would synchronise); pass it.
-        decode_width: columns of the decode logits (default ``limits.max_model_len``).
+        decode_width: columns of the decode logits (default and most ``limits.max_model_len``).
 
     Raises ``ValueError`` on inconsistent input (naming the request) before producing anything.
     """
@@ -226,14 +226,18 @@ def build_metadata(seq_lens, query_lens, block_table: torch.Tensor, slot_mapping
             )
         if seq[i] < qry[i]:
             raise ValueError(f"prefill request {i}: seq_len {seq[i]} < query_len {qry[i]}")
-    if num_decodes > limits.max_num_seqs:
-        raise ValueError(f"{num_decodes} decode requests > max_num_seqs={limits.max_num_seqs}")
+    if n_req > limits.max_num_seqs:
+        raise ValueError(f"the step has {n_req} requests > max_num_seqs={limits.max_num_seqs} (the buffer plan "
+                         "sizes the prefill key gather and the decode rows by it)")
     for i, s in enumerate(seq):
         if s > limits.max_model_len:
             raise ValueError(f"request {i}: seq_len {s} > max_model_len={limits.max_model_len}")
         if s > block_table.shape[1] * bs:
             raise ValueError(f"request {i}: seq_len {s} needs more than the {block_table.shape[1]} blocks of "
                              f"block_table (block_size {bs})")
+    if width > limits.max_model_len:
+        raise ValueError(f"decode_width {width} > max_model_len={limits.max_model_len} (the decode logits are planned "
+                         "max_model_len wide)")
     if num_decodes and width < max(seq[:num_decodes]):
         raise ValueError(f"decode_width {width} < longest decode context {max(seq[:num_decodes])}")
 

@@ -181,7 +181,7 @@ def assert_logits(actual: torch.Tensor, expected: torch.Tensor, *, clean: bool =
 
 
 def assert_topk(out: torch.Tensor, logits: torch.Tensor, starts, ends, *, rtol: float = 0.0) -> None:
-    """SPEC 6 checker. ``logits`` (any float dtype) gives the values the selection is judged by; with ``rtol``
+    """docs/spec.md §6 checker. ``logits`` (any float dtype) gives the values the selection is judged by; with ``rtol``
     the sorted selected values may differ from the true top values by ``rtol * max|finite window value|``."""
     starts = [int(x) for x in torch.as_tensor(starts).tolist()]
     ends = [int(x) for x in torch.as_tensor(ends).tolist()]

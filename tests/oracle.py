@@ -1,12 +1,12 @@
-"""An independent float64 oracle of SPEC.md, written from the SPEC alone (imports nothing from the library).
+"""An independent float64 oracle of docs/spec.md, written from the spec alone (imports nothing from the library).
 
-- FP8 bytes are decoded bit by bit (SPEC 2) and values are rounded to FP8 by nearest-even search over the
+- FP8 bytes are decoded bit by bit (docs/spec.md §2) and values are rounded to FP8 by nearest-even search over the
   table of all finite values, so neither depends on torch's FP8 casts.
-- Quantization (SPEC 3): scales are float32 numbers (the stored format): ``max(amax, floor) / qmax`` rounded to
+- Quantization (docs/spec.md §3): scales are float32 numbers (the stored format): ``max(amax, floor) / qmax`` rounded to
   float32, then, under ``ue8m0``, rounded up to a power of two exactly (``math.frexp``, no ``log2``).
-- The paged K cache (SPEC 4) is read and written byte by byte from the tensor's storage, using only its
+- The paged K cache (docs/spec.md §4) is read and written byte by byte from the tensor's storage, using only its
   ``storage_offset`` and first stride.
-- Logits (SPEC 5) and top-k values (SPEC 6) in float64.
+- Logits (docs/spec.md §5) and top-k values (docs/spec.md §6) in float64.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def fmt(x) -> str:
 
 # ----------------------------------------------------------------------------------------------- FP8 bytes
 def decode_byte(byte: int, f: str) -> float:
-    """The value of one FP8 byte (SPEC 2): sign, 4 exponent bits, 3 mantissa bits."""
+    """The value of one FP8 byte (docs/spec.md §2): sign, 4 exponent bits, 3 mantissa bits."""
     f = fmt(f)
     sign = -1.0 if byte & 0x80 else 1.0
     e = (byte >> 3) & 0xF
@@ -104,7 +104,7 @@ def midpoint_distance(x: torch.Tensor, f: str) -> torch.Tensor:
     return ((a - mids[None, :]).abs().amin(1) / a.clamp(min=1e-300).squeeze(1)).view(x.shape)
 
 
-# ----------------------------------------------------------------------------------------------- SPEC 3
+# ----------------------------------------------------------------------------------------------- docs/spec.md §3
 def f32(x: float) -> float:
     """Round a Python float to the nearest float32."""
     return float(torch.tensor(x, dtype=torch.float64).float())
@@ -117,7 +117,7 @@ def pow2_ceil(s: float) -> float:
 
 
 def quantize(x: torch.Tensor, f, scale_fmt, floor: float = K_FLOOR):
-    """Quantize the rows (last dim) of ``x`` (SPEC 3).
+    """Quantize the rows (last dim) of ``x`` (docs/spec.md §3).
 
     Returns ``(values float64 [..., D], scale float64 [...], exact float64 [..., D])`` where ``values`` are the
     FP8 values, ``scale`` the float32-representable scales and ``exact = clamp(x / scale)`` before rounding.
@@ -138,7 +138,7 @@ def quantize(x: torch.Tensor, f, scale_fmt, floor: float = K_FLOOR):
     return values, scale, exact
 
 
-# ----------------------------------------------------------------------------------------------- SPEC 4
+# ----------------------------------------------------------------------------------------------- docs/spec.md §4
 def _storage_bytes(kv: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int]:
     """(flat uint8 storage, byte offset of block 0, block stride, block_size, D)."""
     assert kv.dtype == torch.uint8 and kv.dim() in (3, 4)
@@ -193,7 +193,7 @@ def slots_of(block_table_row: torch.Tensor, positions: torch.Tensor, bs: int) ->
     return block_table_row.long()[positions // bs] * bs + positions % bs
 
 
-# ----------------------------------------------------------------------------------------------- SPEC 5
+# ----------------------------------------------------------------------------------------------- docs/spec.md §5
 def scores(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """float64 ``k_scale[n] * sum_h weights[m, h] * relu(q[m, h] . k[n])``: q ``[M, H, D]``, k ``[N, D]``."""
     s = torch.einsum("mhd,nd->mhn", q.double(), k.double()).clamp(min=0)
@@ -201,7 +201,7 @@ def scores(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, weights: tor
 
 
 def ragged_logits(q, k, k_scale, weights, ks, ke) -> torch.Tensor:
-    """SPEC 5 ragged: ``[M, N]`` float64, ``-inf`` outside ``[ks[m], ke[m])``."""
+    """docs/spec.md §5 ragged: ``[M, N]`` float64, ``-inf`` outside ``[ks[m], ke[m])``."""
     val = scores(q, k, k_scale, weights)
     n = torch.arange(k.shape[0])[None, :]
     inside = (n >= ks.long()[:, None]) & (n < ke.long()[:, None])
@@ -209,7 +209,7 @@ def ragged_logits(q, k, k_scale, weights, ks, ke) -> torch.Tensor:
 
 
 def row_limits(context_lens: torch.Tensor, next_n: int) -> list[int]:
-    """``limit[b * next_n + j]`` of SPEC 5 as Python ints (clamped at 0)."""
+    """``limit[b * next_n + j]`` of docs/spec.md §5 as Python ints (clamped at 0)."""
     cl = context_lens.long().tolist()
     out = []
     for b in range(len(cl)):
@@ -220,7 +220,7 @@ def row_limits(context_lens: torch.Tensor, next_n: int) -> list[int]:
 
 
 def paged_logits(q, kv, weights, context_lens, block_table, width: int) -> torch.Tensor:
-    """SPEC 5 paged: ``[B * next_n, width]`` float64, ``-inf`` at ``p >= limit``. ``q`` is FP8 ``[B, n, H, D]``."""
+    """§5 paged: ``[B * next_n, width]`` float64, ``-inf`` at ``p >= limit``. ``q`` is FP8 ``[B, n, H, D]``."""
     b, next_n, h, d = q.shape
     bs = kv.shape[1]
     qv = decode(q)
@@ -240,7 +240,7 @@ def paged_logits(q, kv, weights, context_lens, block_table, width: int) -> torch
     return out
 
 
-# ----------------------------------------------------------------------------------------------- SPEC 6
+# ----------------------------------------------------------------------------------------------- docs/spec.md §6
 def rank_key(x: torch.Tensor) -> torch.Tensor:
     """float64 values where NaN counts as ``-inf`` (both rank below every finite value)."""
     x = x.double()

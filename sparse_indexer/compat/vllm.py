@@ -162,7 +162,7 @@ def _decode_from_vllm(d, num_decode_tokens: int, width: int, next_n: int) -> Dec
     ``j`` sees ``L - next_n + j + 1`` keys; the "flattened" form has one row per token, next_n = 1) or
     ``[B, next_n]`` (per-row limits ``clamp(L - next_n + j + 1, 0)``). With ``requires_padding`` the decode
     lengths ``d_b`` differ and queries are packed left-aligned into ``[B, max d_b]`` slots; we then use
-    ``L_b = seq_lens[b, -1]`` and SPEC 7's window ``L_b - d_b + j + 1`` for the real slots.
+    ``L_b = seq_lens[b, -1]`` and docs/spec.md §7's window ``L_b - d_b + j + 1`` for the real slots.
     """
     seq_lens, bt = d.seq_lens, d.block_table
     if getattr(d, "indices", None) is not None:

@@ -1,4 +1,4 @@
-"""allocate / carve / Buffers.from_arena: one arena, views at the planned offsets (SPEC 9)."""
+"""allocate / carve / Buffers.from_arena: one arena, views at the planned offsets (docs/spec.md §9)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""IndexerLimits: defaults, validation, derived sizes (SPEC 9)."""
+"""IndexerLimits: defaults, validation, derived sizes (docs/spec.md §9)."""
 
 import pytest
 import torch

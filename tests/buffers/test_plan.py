@@ -1,4 +1,4 @@
-"""The buffer plan: a pure function of the limits (SPEC 9)."""
+"""The buffer plan: a pure function of the limits (docs/spec.md §9)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Buffers: the record's validators, views and BufferTooSmall (SPEC 9)."""
+"""Buffers: the record's validators, views and BufferTooSmall (docs/spec.md §9)."""
 
 import attrs
 import pytest
@@ -39,7 +39,7 @@ def test_properties(bufs):
     assert bufs.logits_capacity == max(4 * 2 * 100, 1000)
     spec = {"k_fp8", "k_scale", "logits", "qk"}
     tensors = bufs.tensors()
-    assert spec <= set(tensors)  # backends may add scratch fields (SPEC 9)
+    assert spec <= set(tensors)  # backends may add scratch fields (docs/spec.md §9)
     assert bufs.nbytes == sum(t.numel() * t.element_size() for t in tensors.values())
     assert bufs.nbytes >= 150 * 64 + 150 * 4 + 800 * 4 + 32 * 8 * 100 * 4
 

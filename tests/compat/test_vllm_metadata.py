@@ -54,7 +54,7 @@ def test_converted_metadata_gives_the_same_step(name):
     actual, kv_actual = run_ours(batch, lim, md)
     n = sum(qry)
     assert torch.equal(kv_actual, kv_expected)
-    # top-k positions come in any order (SPEC 6): compare each row as a set
+    # top-k positions come in any order (docs/spec.md §6): compare each row as a set
     assert torch.equal(actual[:n].sort(1).values, expected[:n].sort(1).values)
     assert (actual[n:] == 7).all()
     assert (actual[:n] >= 0).any()

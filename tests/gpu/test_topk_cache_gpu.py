@@ -60,7 +60,7 @@ def test_write_k_cache_gpu(scale_fmt, fp8_dtype, block_size, head_dim):
     slots = torch.randperm(nb * block_size, device=DEV)[: t - 10]
     slots[::7] = -1
     # The reference runs on the CPU: on CUDA, torch divides by the Python scalar qmax as a multiplication by
-    # float32(1 / qmax), which is not SPEC 3's division (it differs in the last bit for plain scales).
+    # float32(1 / qmax), which is not docs/spec.md §3's division (it differs in the last bit for plain scales).
     ref = new_kv_cache(nb, block_size, head_dim, block_pad=12)
     si.write_k_cache(k.cpu(), ref, slots.cpu(), scale_fmt=scale_fmt, fp8_dtype=fp8_dtype, backend="reference")
     kv = new_kv_cache(nb, block_size, head_dim, device=DEV, block_pad=12)

@@ -1,4 +1,4 @@
-"""FP8 formats and quantization (SPEC 2, 3) against the float64 oracle."""
+"""FP8 formats and quantization (docs/spec.md §2, 3) against the float64 oracle."""
 
 import math
 
@@ -32,7 +32,7 @@ def test_oracle_decode_matches_torch_on_all_bytes(dt):
     ok = ~torch.isnan(ours)
     assert torch.equal(ours[ok], theirs[ok])
     assert float(ours[ok].max()) == FP8_MAX[dt]
-    # the same byte decodes to half the value in e4m3fnuz (SPEC 2)
+    # the same byte decodes to half the value in e4m3fnuz (docs/spec.md §2)
     if dt == torch.float8_e4m3fnuz:
         fn = oracle.decode(b, torch.float8_e4m3fn)
         both = ok & ~torch.isnan(fn) & (b != 0x80)

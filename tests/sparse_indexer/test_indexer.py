@@ -1,7 +1,7 @@
 """End-to-end tests of ``sparse_attn_indexer`` against an independent dense float64 model of the whole step.
 
 The model never reads the paged cache: it keeps every request's full key history as unquantized rows,
-quantizes them itself (SPEC 3, in float64), scores causally in float64 (SPEC 5) and ranks (SPEC 6).
+quantizes them itself (docs/spec.md §3, in float64), scores causally in float64 (§5) and ranks (§6).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ FN = torch.float8_e4m3fn
 
 
 def q64_keys(k: torch.Tensor, qmax: float = 448.0):
-    """float64 dequantized keys and their ue8m0 scales, from SPEC 3 directly."""
+    """float64 dequantized keys and their ue8m0 scales, from docs/spec.md §3 directly."""
     k = k.double()
     amax = k.abs().amax(-1).clamp(min=1e-4)
     scale = torch.tensor([2.0 ** math.ceil(math.log2(a / qmax)) for a in amax.tolist()], dtype=torch.float64)

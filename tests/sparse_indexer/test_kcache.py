@@ -1,4 +1,4 @@
-"""The paged K cache layout (SPEC 4): block-major bytes, padded strides, the 4-D shape."""
+"""The paged K cache layout (docs/spec.md §4): block-major bytes, padded strides, the 4-D shape."""
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ IDS = [f"bs{b}-D{d}-pad{p}-{'4d' if f else '3d'}" for b, d, p, f in LAYOUTS]
 
 
 def by_hand(kv_bytes: torch.Tensor, b, t, bs, d, stride0):
-    """Values and scale bytes of (block b, token t) straight from the SPEC 4 formula."""
+    """Values and scale bytes of (block b, token t) straight from the docs/spec.md §4 formula."""
     v0 = b * stride0 + t * d
     s0 = b * stride0 + bs * d + 4 * t
     return kv_bytes[v0 : v0 + d], kv_bytes[s0 : s0 + 4]

@@ -1,4 +1,4 @@
-"""``fp8_mqa_logits``: ragged (prefill) indexer scores of every query against a window of keys (SPEC 5)."""
+"""``fp8_mqa_logits``: ragged (prefill) indexer scores of every query against a window of keys (docs/spec.md §5)."""
 
 from __future__ import annotations
 

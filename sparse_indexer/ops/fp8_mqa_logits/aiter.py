@@ -16,7 +16,7 @@ __all__ = ["fnuz_operands", "fp8_mqa_logits"]
 
 
 def fnuz_operands(q, k_fp8, k_scale, weights):
-    """e4m3fn ``(q, k_fp8, k_scale, weights)`` -> e4m3fnuz operands with identical logits (SPEC 2).
+    """e4m3fn ``(q, k_fp8, k_scale, weights)`` -> e4m3fnuz operands with identical logits (docs/spec.md §2).
 
     Each FP8 value is halved (exact: the fnuz byte of ``v/2`` decodes like the fn byte of ``v``), so every dot
     product shrinks 4x, compensated by doubling both the key scales and the weights (powers of two: exact).

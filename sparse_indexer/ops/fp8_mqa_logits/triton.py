@@ -19,6 +19,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..._triton_compat import fix_interpreter
+
+fix_interpreter()  # Triton 3.6's interpreter under NumPy >= 2.4 (sparse_indexer/_triton_compat.py)
+
 __all__ = ["fp8_mqa_logits"]
 
 

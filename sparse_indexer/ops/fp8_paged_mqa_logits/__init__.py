@@ -1,4 +1,4 @@
-"""``fp8_paged_mqa_logits``: decode indexer scores read straight from the paged K cache (SPEC 5)."""
+"""``fp8_paged_mqa_logits``: decode indexer scores read straight from the paged K cache (docs/spec.md §5)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ __all__ = ["fp8_paged_mqa_logits", "row_limits"]
 
 
 def row_limits(context_lens: torch.Tensor, next_n: int) -> torch.Tensor:
-    """``limit[b * next_n + j]`` (int64, clamped at 0) of SPEC 5 from 1-D ``[B]`` or 2-D ``[B, next_n]`` lengths."""
+    """``limit[b * next_n + j]`` of docs/spec.md §5 (int64, clamped at 0) from ``[B]`` or ``[B, next_n]`` lengths."""
     if context_lens.dim() == 2:
         lim = context_lens.long().reshape(-1)
     else:

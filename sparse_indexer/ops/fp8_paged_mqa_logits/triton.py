@@ -30,7 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._triton_compat import fix_interpreter
 from ...kcache import cache_layout
+
+fix_interpreter()  # Triton 3.6's interpreter under NumPy >= 2.4 (sparse_indexer/_triton_compat.py)
 
 __all__ = ["fp8_paged_mqa_logits"]
 

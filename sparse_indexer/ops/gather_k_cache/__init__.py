@@ -1,4 +1,4 @@
-"""``gather_k_cache``: copy the paged keys of several requests into one dense workspace (SPEC 4)."""
+"""``gather_k_cache``: copy the paged keys of several requests into one dense workspace (docs/spec.md §4)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ __all__ = ["gather_k_cache", "gather_k_cache_preshuffled"]
 
 
 def gather_k_cache_preshuffled(kv_cache, block_table, cu_seq_lens, *, out_k, out_scale) -> None:
-    """SPEC 4 gather from a preshuffled cache (``kv_cache`` 3-D, arguments checked)."""
+    """docs/spec.md §4 gather from a preshuffled cache (``kv_cache`` 3-D, arguments checked)."""
     r = block_table.shape[0]
     total = int(cu_seq_lens[-1]) if r else 0
     if total == 0:

@@ -1,4 +1,4 @@
-"""Triton ``gather_k_cache``: copy each request's paged keys and scales into the dense workspace (SPEC 4).
+"""Triton ``gather_k_cache``: copy each request's paged keys and scales into the dense workspace (docs/spec.md §4).
 
 The grid is ``(token tiles, requests)``: program ``(j, r)`` copies request-local tokens
 ``[j * BLOCK_T, (j + 1) * BLOCK_T)`` of request ``r`` (when they exist; otherwise it exits at once), so the
@@ -12,7 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._triton_compat import fix_interpreter
 from ...kcache import cache_layout
+
+fix_interpreter()  # Triton 3.6's interpreter under NumPy >= 2.4 (sparse_indexer/_triton_compat.py)
 
 __all__ = ["gather_k_cache"]
 

@@ -1,4 +1,4 @@
-"""``top_k_per_row``: the ``topk`` best key positions of every row's window (SPEC 6)."""
+"""``top_k_per_row``: the ``topk`` best key positions of every row's window (docs/spec.md §6)."""
 
 from __future__ import annotations
 

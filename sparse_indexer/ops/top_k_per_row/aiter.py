@@ -1,8 +1,8 @@
 """aiter backend of ``top_k_per_row`` (ROCm gfx950, topk 2048, as vLLM uses it; aiter imported lazily).
 
 aiter's ``top_k_per_row_prefill`` returns *absolute* column indices; :func:`localize_topk` makes them relative
-to each row's start (SPEC 6) and :func:`short_rows` writes the exact ``0..len-1, -1...`` rows SPEC 6 requires
-for windows no longer than ``topk``. ``top_k_per_row_decode`` (windows starting at 0, where absolute equals
+to each row's start (docs/spec.md §6) and :func:`short_rows` writes the exact ``0..len-1, -1...`` rows that §6
+requires for windows no longer than ``topk``. ``top_k_per_row_decode`` (windows starting at 0, where absolute equals
 local) is used through :func:`top_k_decode` by callers that know their rows start at 0; the op itself takes
 arbitrary ``row_starts`` and so always uses the prefill kernel.
 """
@@ -24,7 +24,7 @@ def localize_topk(indices: torch.Tensor, row_starts: torch.Tensor) -> None:
 
 
 def short_rows(indices: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Tensor) -> None:
-    """In place: rows whose window has ``len <= topk`` become ``0, 1, ..., len - 1, -1, ...`` (SPEC 6)."""
+    """In place: rows whose window has ``len <= topk`` become ``0, 1, ..., len - 1, -1, ...`` (docs/spec.md §6)."""
     topk = indices.shape[1]
     n = (row_ends.long() - row_starts.long()).clamp(min=0)[:, None]
     ar = torch.arange(topk, device=indices.device)[None, :]

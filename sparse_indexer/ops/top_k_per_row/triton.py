@@ -1,4 +1,4 @@
-"""Triton ``top_k_per_row``: sample-guided threshold search with plain-compare counting passes (SPEC 6).
+"""Triton ``top_k_per_row``: sample-guided threshold search with plain-compare counting passes (docs/spec.md §6).
 
 One program per row. Row ``r`` with window ``[start, end)`` of length ``n``:
 
@@ -58,6 +58,10 @@ import triton.language as tl
 from buffers.plan import TOPK_SCRATCH_COUNTERS as CTR
 from buffers.plan import TOPK_SCRATCH_SAMPLE as SPLIT_SAMPLE
 from buffers.plan import TOPK_SCRATCH_SPREAD as SPLIT_SPREAD
+
+from ..._triton_compat import fix_interpreter
+
+fix_interpreter()  # Triton 3.6's interpreter under NumPy >= 2.4 (sparse_indexer/_triton_compat.py)
 
 __all__ = ["top_k_per_row"]
 

@@ -1,4 +1,4 @@
-"""``write_k_cache``: quantize keys and store them in the paged K cache (SPEC 3 and 4)."""
+"""``write_k_cache``: quantize keys and store them in the paged K cache (docs/spec.md §3, §4)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.T
     Args:
         k: ``[T, D]`` bfloat16/float16/float32 keys (rows ``>= S`` are ignored).
         kv_cache: ``[num_blocks, block_size, D + 4]`` or ``[num_blocks, block_size, 1, D + 4]`` uint8,
-            block-major (SPEC 4); written in place.
+            block-major (docs/spec.md §4); written in place.
         slot_mapping: ``[S]`` int64 (int32 accepted), ``S <= T``; slot = block * block_size + offset;
             negative slots are skipped.
         scale_fmt: ``"ue8m0"`` or ``None`` (plain float32 scales).

@@ -1,4 +1,4 @@
-"""aiter backend of ``write_k_cache``, and the cache layout every aiter op agrees on (SPEC 4).
+"""aiter backend of ``write_k_cache``, and the cache layout every aiter op agrees on (docs/spec.md §4).
 
 aiter's gfx942/gfx950 paged-logits kernel (``deepgemm_fp8_paged_mqa_logits``) reads a *preshuffled* cache when
 the block size is a multiple of 16: the value region of each block in 16x16-byte tiles, value byte of (token t,
@@ -6,7 +6,7 @@ dim d) at ``(t // 16) * 16 * D + (d // 16) * 256 + (t % 16) * 16 + (d % 16)``; s
 ``backend="aiter"`` the cache is preshuffled exactly when :func:`preshuffled` says so (gfx942 with
 e4m3fnuz or gfx950 with e4m3fn, block size a multiple of 16), and the aiter ``write_k_cache``,
 ``gather_k_cache`` and ``fp8_paged_mqa_logits`` all use that rule, so a cache must be written and read by the
-aiter backend throughout. Elsewhere the layout is SPEC 4's plain one, and the aiter paged kernel raising
+aiter backend throughout. Elsewhere the layout is docs/spec.md §4's plain one, and the aiter paged kernel raising
 ``NotImplementedError`` (auto then falls back to Triton) is safe.
 
 The writer is pure torch (quantize, then scatter to the preshuffled byte offsets): it runs on any device and
@@ -55,7 +55,7 @@ def preshuffled(block_size: int, fp8_dtype: torch.dtype, arch: str | None) -> bo
 
 
 def preshuffle_offsets(block_size: int, head_dim: int, device=None) -> torch.Tensor:
-    """``[block_size, head_dim]`` int64: byte offset of value (t, d) inside a preshuffled block (SPEC 4)."""
+    """``[block_size, head_dim]`` int64: byte offset of value (t, d) inside a preshuffled block (docs/spec.md §4)."""
     if block_size % 16 or head_dim % 16:
         raise ValueError(f"preshuffling needs block_size and head_dim multiples of 16, got {block_size}, {head_dim}")
     t = torch.arange(block_size, device=device)[:, None]
@@ -73,7 +73,7 @@ def raw_blocks(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def write_k_cache_preshuffled(k, kv_cache, slot_mapping, *, scale_fmt, fp8_dtype) -> None:
-    """SPEC 3 quantization, stored in the preshuffled layout (``kv_cache`` 3-D, arguments checked)."""
+    """docs/spec.md §3 quantization, stored in the preshuffled layout (``kv_cache`` 3-D, arguments checked)."""
     s = slot_mapping.shape[0]
     if s == 0:
         return

@@ -1,4 +1,4 @@
-"""Triton ``write_k_cache``: quantize each key row (SPEC 3) and scatter it into the paged cache (SPEC 4).
+"""Triton ``write_k_cache``: quantize each key row (docs/spec.md §3), scatter it into the paged cache (§4).
 
 One program quantizes ``BLOCK_T`` rows of ``k`` (a ``[BLOCK_T, D]`` tile in registers): ``amax`` per row,
 ``scale = max(amax, 1e-4) / qmax`` with IEEE division, ``ue8m0`` rounding done on the float32 bits
@@ -15,8 +15,11 @@ import triton
 import triton.language as tl
 
 from ..._dispatch import _interpret
+from ..._triton_compat import fix_interpreter
 from ...fp8 import K_SCALE_FLOOR, QUANT_MAX
 from ...kcache import cache_layout
+
+fix_interpreter()  # Triton 3.6's interpreter under NumPy >= 2.4 (sparse_indexer/_triton_compat.py)
 
 __all__ = ["write_k_cache"]
 

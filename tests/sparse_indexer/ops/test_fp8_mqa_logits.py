@@ -1,4 +1,4 @@
-"""fp8_mqa_logits (SPEC 5, ragged): against float64 math on the FP8 inputs, exact -inf masks."""
+"""fp8_mqa_logits (docs/spec.md §5, ragged): against float64 math on the FP8 inputs, exact -inf masks."""
 
 import pytest
 import torch
@@ -107,7 +107,7 @@ def test_out_view_with_row_stride(backend):
 
 @pytest.mark.parametrize("clean", [True, False])
 def test_causal_prefill_then_topk(backend, clean):
-    """SPEC 5 causal windows of two requests; top-k of the result judged by the oracle's float64 logits."""
+    """docs/spec.md §5 causal windows of two requests; top-k of the result judged by the oracle's float64 logits."""
     g = gen(3)
     seq, qlen = [150, 90], [6, 5]
     cu = [0, 150, 240]

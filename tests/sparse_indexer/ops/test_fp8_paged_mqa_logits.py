@@ -1,4 +1,4 @@
-"""fp8_paged_mqa_logits (SPEC 5, paged decode): float64 oracle, paged vs dense, exact -inf masks."""
+"""fp8_paged_mqa_logits (docs/spec.md §5, paged decode): float64 oracle, paged vs dense, exact -inf masks."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""gather_k_cache (SPEC 4): paged keys of several requests into one dense workspace."""
+"""gather_k_cache (docs/spec.md §4): paged keys of several requests into one dense workspace."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""top_k_per_row (SPEC 6): multiset semantics, short rows, ties, -inf/NaN, cells outside never read."""
+"""top_k_per_row (docs/spec.md §6): multiset semantics, short rows, ties, -inf/NaN, cells outside never read."""
 
 import pytest
 import torch
@@ -289,7 +289,7 @@ def test_step_uses_topk_scratch_and_checks_it(backend):
     want = torch.full_like(got, 7)
     kv = sc.kv.clone()
     si.sparse_attn_indexer(sc.q, sc.k, sc.w, kv, md, attrs.evolve(bufs, topk_scratch=None), want, backend=backend)
-    assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)  # any order (SPEC 6)
+    assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)  # any order (docs/spec.md §6)
     if backend == "triton":  # long decode rows went through the split path
         assert (bufs.topk_scratch[: md.decode.num_rows, :2] != -12345).any()
 

@@ -1,4 +1,4 @@
-"""write_k_cache (SPEC 3, 4): quantize and store, byte-exact against the oracle."""
+"""write_k_cache (docs/spec.md §3, 4): quantize and store, byte-exact against the oracle."""
 
 import pytest
 import torch
@@ -122,7 +122,7 @@ def test_int32_slots_and_all_negative(backend, slot_dtype):
 
 @pytest.mark.parametrize("dt", FP8, ids=FP8_IDS)
 def test_large_slot_offsets(backend, dt):
-    """The last slot of a cache whose byte size needs more than 2**24 (offsets computed in int64 per SPEC 4)."""
+    """The last slot of a cache whose byte size needs more than 2**24 (int64 offsets, docs/spec.md §4)."""
     skip_unsupported(backend, dt)
     nb, bs = 2100, 64
     kv = empty_cache(nb, bs, 128)
