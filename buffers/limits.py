@@ -1,4 +1,4 @@
-"""Static engine limits that size every scratch buffer of the indexer (SPEC section 9)."""
+"""Static engine limits that size every scratch buffer of the indexer (docs/spec.md §9)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,10 @@ class IndexerLimits:
         prefill_k_tokens: gathered key tokens one prefill chunk may hold (default ``max_model_len * 40``,
             vLLM's rule); must be at least ``max_model_len``.
         max_logits_bytes: byte cap of one prefill chunk's ``[M, N]`` logits (default 512 MiB).
+        max_decode_logits_bytes: byte budget of the decode logits, or ``None`` (no budget). When
+            ``max_num_seqs * next_n * max_model_len * 4`` exceeds it, a decode step scores and selects its
+            requests in sub-batches of :attr:`decode_batch` requests that reuse one budget-sized region of
+            ``logits`` (docs/memory.md); it must hold at least one request's rows (``next_n * max_model_len * 4``).
         fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e4m3fnuz``.
         with_qk: also plan the ``qk`` buffer ``[H, max_num_seqs * next_n, max_model_len]`` float32, needed only
             by backends that materialise per-head scores (aiter's paged stage1).
@@ -59,6 +63,9 @@ class IndexerLimits:
         default=attrs.Factory(lambda self: self.max_model_len * 40, takes_self=True), validator=_positive
     )
     max_logits_bytes: int = attrs.field(default=512 * MiB, validator=_positive)
+    max_decode_logits_bytes: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_positive)
+    )
     fp8_dtype: torch.dtype = attrs.field(default=torch.float8_e4m3fn, validator=_one_of(*FP8_DTYPES))
     with_qk: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
@@ -73,6 +80,12 @@ class IndexerLimits:
                 f"IndexerLimits.max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                 f"max_num_seqs={self.max_num_seqs}"
             )
+        one = self.next_n * self.max_model_len * 4
+        if self.max_decode_logits_bytes is not None and self.max_decode_logits_bytes < one:
+            raise ValueError(
+                f"IndexerLimits.max_decode_logits_bytes={self.max_decode_logits_bytes} must hold one decode "
+                f"request's logits, next_n * max_model_len * 4 = {one} bytes"
+            )
 
     @property
     def max_decode_rows(self) -> int:
@@ -80,9 +93,18 @@ class IndexerLimits:
         return self.max_num_seqs * self.next_n
 
     @property
-    def logits_elems(self) -> int:
-        """Float32 elements of the flat ``logits`` buffer (SPEC 9)."""
-        return max(self.max_decode_rows * self.max_model_len, self.max_logits_bytes // 4)
+    def decode_batch(self) -> int:
+        """Decode requests scored and selected together: ``max_num_seqs`` without a budget (or when every row
+        fits it), else ``max_decode_logits_bytes // (next_n * max_model_len * 4)``."""
+        per_req = self.next_n * self.max_model_len * 4
+        if self.max_decode_logits_bytes is None:
+            return self.max_num_seqs
+        return min(self.max_num_seqs, self.max_decode_logits_bytes // per_req)
+
+    @property
+    def decode_batch_rows(self) -> int:
+        """Rows of one decode sub-batch: ``decode_batch * next_n``."""
+        return self.decode_batch * self.next_n
 
     @property
     def prefill_logits_elems(self) -> int:

@@ -1,7 +1,8 @@
-"""The buffer plan: a pure function from :class:`IndexerLimits` to the layout of one arena (SPEC section 9)."""
+"""The buffer plan: a pure function from :class:`IndexerLimits` to the layout of one arena (docs/spec.md §9)."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import attrs
@@ -9,8 +10,8 @@ import torch
 
 from .limits import IndexerLimits
 
-__all__ = ["ALIGN", "FieldPlan", "BufferPlan", "plan", "FIELDS", "TOPK_SCRATCH_COUNTERS", "TOPK_SCRATCH_SAMPLE",
-           "TOPK_SCRATCH_SPREAD", "topk_scratch_cap"]
+__all__ = ["ALIGN", "FieldPlan", "BufferPlan", "plan", "FIELDS", "PrefillExtremes", "prefill_extremes",
+           "logits_elems", "TOPK_SCRATCH_COUNTERS", "TOPK_SCRATCH_SAMPLE", "TOPK_SCRATCH_SPREAD", "topk_scratch_cap"]
 
 ALIGN = 256  # byte alignment of every field inside the arena
 
@@ -31,18 +32,110 @@ def topk_scratch_cap(lim: IndexerLimits) -> int:
     want = 2 * TOPK_SCRATCH_SPREAD * (math.sqrt(lim.topk * L / TOPK_SCRATCH_SAMPLE) + L / TOPK_SCRATCH_SAMPLE) * 1.25
     return max(256, 1 << max(0, math.ceil(want) - 1).bit_length())
 
+@attrs.frozen
+class PrefillExtremes:
+    """The largest prefill chunk that any step allowed by the limits can form (SPEC 8's chunk planner,
+    :func:`sparse_indexer.metadata.plan_prefill_chunks`), each with a step that forms it.
+
+    Attributes:
+        keys: most gathered key tokens in one chunk (0 when no prefill request fits the limits).
+        keys_step: ``(seq_lens, query_lens)`` of a prefill-only step whose first chunk gathers ``keys`` keys.
+        logits: most ``query_tokens * key_tokens`` float32 cells of one chunk.
+        logits_step: ``(seq_lens, query_lens)`` of a prefill-only step whose first chunk has ``logits`` cells.
+    """
+
+    keys: int
+    keys_step: tuple[tuple[int, ...], tuple[int, ...]] | None
+    logits: int
+    logits_step: tuple[tuple[int, ...], tuple[int, ...]] | None
+
+
+def _spread(total: int, parts: int) -> tuple[int, ...]:
+    """``total`` split into ``parts`` integers as evenly as possible, the larger ones first."""
+    b, e = divmod(total, parts)
+    return (b + 1,) * e + (b,) * (parts - e)
+
+
+@functools.lru_cache(maxsize=512)
+def prefill_extremes(lim: IndexerLimits) -> PrefillExtremes:
+    """The exact maxima of a prefill chunk's keys and logits over every step the limits allow.
+
+    A step holds at most ``max_num_seqs`` requests and ``max_num_batched_tokens`` (T) tokens, every context
+    ``<= max_model_len`` (L); a prefill request has ``q > next_n`` query tokens and ``s >= q`` keys. With
+    ``q0 = next_n + 1``, the caps ``K = prefill_k_tokens`` and ``C = max_logits_bytes // 4``, the planner forms
+    two kinds of chunks:
+
+    - ``r`` whole requests with ``M = sum(q)`` queries and ``N = sum(s)`` keys, where ``r q0 <= M <= min(T, N)``,
+      ``N <= min(r L, K)`` and ``M N <= C``; any such ``(M, N)`` is reachable (spread ``M`` and ``N`` evenly
+      over ``r`` requests). For ``M`` fixed the best ``r`` is ``min(max_num_seqs, T // q0, M // q0)``.
+    - a piece of one request whose ``q s > C``: ``max(1, C // s)`` queries against its ``s`` keys.
+
+    Keys: ``max(L, max_r min(r L, K, C // (r q0)))``. Logits: the larger of the best ``M N`` of the first kind
+    (a search over ``M <= min(T, isqrt(C))``) and the best ``max(1, C // s) s`` of the second (a search over the
+    quotients ``C // s``); both searches are vectorised and cached per limits.
+    """
+    L, T, S = lim.max_model_len, lim.max_num_batched_tokens, lim.max_num_seqs
+    K, C, q0 = lim.prefill_k_tokens, lim.prefill_logits_elems, lim.next_n + 1
+    if min(T, L) < q0:  # no request can be a prefill request
+        return PrefillExtremes(keys=0, keys_step=None, logits=0, logits_step=None)
+    rmax = min(S, T // q0)
+    keys, keys_step = L, ((L,), (q0,))
+    for r in range(2, rmax + 1):
+        n = min(r * L, K, C // (r * q0))
+        if n < r * q0:  # r requests of q0 queries no longer fit the logits cap; more requests fit even less
+            break
+        if n > keys:
+            keys, keys_step = n, (_spread(n, r), (q0,) * r)
+
+    logits, logits_step = 0, None
+    hi = min(T, math.isqrt(C))
+    if hi >= q0:  # whole requests: M queries
+        m = torch.arange(q0, hi + 1, dtype=torch.int64)
+        r = torch.clamp(m // q0, max=rmax)
+        n = torch.minimum(torch.clamp(r * L, max=K), C // m)
+        val = torch.where(n >= m, m * n, 0)
+        i = int(val.argmax())
+        if int(val[i]) > logits:
+            mi, ni, ri = int(m[i]), int(n[i]), int(r[i])
+            logits, logits_step = mi * ni, (_spread(ni, ri), _spread(mi, ri))
+    if L > C:  # pieces of one query against a whole context
+        if L > logits:
+            logits, logits_step = L, ((L,), (q0,))
+    else:  # pieces of C // s queries of a request with min(s, T) * s > C
+        a = math.isqrt(C) + 1
+        s_lo = max(q0, a if a <= T else max(T + 1, C // T + 1))
+        if s_lo <= L:
+            v = torch.arange(C // L, C // s_lo + 1, dtype=torch.int64)
+            s_ = torch.clamp(C // v, max=L)
+            val = torch.where(s_ >= s_lo, (C // s_) * s_, 0)
+            i = int(val.argmax())
+            if int(val[i]) > logits:
+                si = int(s_[i])
+                logits, logits_step = int(val[i]), ((si,), (min(si, T),))
+    return PrefillExtremes(keys=keys, keys_step=keys_step, logits=logits, logits_step=logits_step)
+
+
+def logits_elems(lim: IndexerLimits) -> int:
+    """Float32 elements of the flat ``logits`` field: the larger of the biggest prefill chunk
+    (:func:`prefill_extremes`) and one decode sub-batch, ``decode_batch_rows x max_model_len``."""
+    return max(prefill_extremes(lim).logits, lim.decode_batch_rows * lim.max_model_len)
+
+
 # name -> (shape function of the limits, dtype function of the limits); a shape of None means "absent".
-# Backends that need scratch add one line here; the field then exists in every plan with its size.
+# Backends that need scratch add one line here; the field then exists in every plan with its size. Every size
+# is the largest that some step allowed by the limits uses (tests/buffers/test_plan_tight.py).
 FIELDS = {
-    "k_fp8": (lambda lim: (lim.prefill_k_tokens, lim.head_dim), lambda lim: lim.fp8_dtype),
-    "k_scale": (lambda lim: (lim.prefill_k_tokens,), lambda lim: torch.float32),
-    "logits": (lambda lim: (lim.logits_elems,), lambda lim: torch.float32),
+    "k_fp8": (lambda lim: (prefill_extremes(lim).keys, lim.head_dim), lambda lim: lim.fp8_dtype),
+    "k_scale": (lambda lim: (prefill_extremes(lim).keys,), lambda lim: torch.float32),
+    "logits": (lambda lim: (logits_elems(lim),), lambda lim: torch.float32),
+    # decode only, one sub-batch at a time
     "qk": (
-        lambda lim: (lim.n_heads, lim.max_decode_rows, lim.max_model_len) if lim.with_qk else None,
+        lambda lim: (lim.n_heads, lim.decode_batch_rows, lim.max_model_len) if lim.with_qk else None,
         lambda lim: torch.float32,
     ),
     # Non-uniform decode (requests with fewer than next_n new tokens) packs queries, weights and top-k rows
-    # into [max_num_seqs, next_n] slots (SPEC 7, step 4); only needed when next_n > 1.
+    # into [max_num_seqs, next_n] slots (SPEC 7, step 4); only needed when next_n > 1. Every decode request of
+    # the step is packed at once (sub-batches then read slices), so these hold all max_num_seqs * next_n rows.
     "q_pack": (
         lambda lim: (lim.max_decode_rows, lim.n_heads, lim.head_dim) if lim.next_n > 1 else None,
         lambda lim: lim.fp8_dtype,
@@ -55,10 +148,10 @@ FIELDS = {
         lambda lim: (lim.max_decode_rows, lim.topk) if lim.next_n > 1 else None,
         lambda lim: torch.int32,
     ),
-    # Split-row top-k of the decode rows (Triton): per row, counters, then the positions and the values of up to
-    # topk_scratch_cap(lim) candidate cells.
+    # Split-row top-k of the decode rows (Triton), one sub-batch at a time: per row, counters, then the
+    # positions and the values of up to topk_scratch_cap(lim) candidate cells.
     "topk_scratch": (
-        lambda lim: (lim.max_decode_rows, TOPK_SCRATCH_COUNTERS + 2 * topk_scratch_cap(lim)),
+        lambda lim: (lim.decode_batch_rows, TOPK_SCRATCH_COUNTERS + 2 * topk_scratch_cap(lim)),
         lambda lim: torch.int32,
     ),
 }

@@ -21,7 +21,7 @@ from .ops.gather_k_cache import gather_k_cache
 from .ops.top_k_per_row import MIN_WORKSPACE_COLS, top_k_per_row
 from .ops.write_k_cache import write_k_cache
 
-__all__ = ["sparse_attn_indexer", "indexer_prefill", "indexer_decode", "check_step"]
+__all__ = ["sparse_attn_indexer", "indexer_prefill", "indexer_decode", "check_step", "decode_batch"]
 
 
 def _check_pack_fields(buffers: Buffers, q_fp8: torch.Tensor) -> None:
@@ -62,6 +62,13 @@ def _check_cache_ids(metadata: IndexerMetadata, lay, kv_cache: torch.Tensor) -> 
     for name, bt, lens in tables:
         used = torch.arange(bt.shape[1])[None, :] < ((lens + bs - 1) // bs)[:, None]
         C.values_in(name, bt, 0, lay.num_blocks, f"block ids must be in [0, num_blocks={lay.num_blocks})", mask=used)
+
+
+def decode_batch(metadata: IndexerMetadata) -> int:
+    """Decode requests scored and selected together: as many as ``limits.decode_batch_rows`` rows hold (at
+    least one), so a step under ``IndexerLimits.max_decode_logits_bytes`` runs ``ceil(B / decode_batch)``
+    sub-batches over one budget-sized region of ``buffers.logits`` (docs/memory.md)."""
+    return max(1, metadata.limits.decode_batch_rows // metadata.decode.next_n)
 
 
 def check_step(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor, metadata: IndexerMetadata,
@@ -116,13 +123,14 @@ def check_step(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tenso
             buffers.logits_view(c.num_tokens, c.num_k_tokens)
     dm = metadata.decode
     if decode and dm is not None:
-        buffers.logits_view(dm.num_rows, dm.width)
+        rows = min(dm.num_reqs, decode_batch(metadata)) * dm.next_n  # one sub-batch at a time
+        buffers.logits_view(rows, dm.width)
         if buffers.qk is not None:
-            buffers.qk_view(dm.num_rows, dm.width)
+            buffers.qk_view(rows, dm.width)
         if buffers.topk_scratch is not None:
-            ws = buffers.topk_scratch_view(dm.num_rows)
+            ws = buffers.topk_scratch_view(rows)
             if ws.shape[1] < MIN_WORKSPACE_COLS:
-                raise BufferTooSmall("topk_scratch", dm.num_rows * MIN_WORKSPACE_COLS, ws.numel(),
+                raise BufferTooSmall("topk_scratch", rows * MIN_WORKSPACE_COLS, ws.numel(),
                                      f"rows of >= {MIN_WORKSPACE_COLS} int32")
         if not dm.uniform:
             buffers.pack_views(dm.num_rows)
@@ -162,7 +170,9 @@ def indexer_decode(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.T
 
     Uniform steps reshape the queries to ``[B, next_n, H, D]`` and write top-k straight into ``topk_out``.
     Non-uniform steps pack queries and weights into ``buffers.q_pack/w_pack`` slots, select into
-    ``buffers.topk_pack`` and copy the real rows back, so no padded row reaches ``topk_out``. Top-k gets
+    ``buffers.topk_pack`` and copy the real rows back, so no padded row reaches ``topk_out``. Under a decode
+    logits budget (``IndexerLimits.max_decode_logits_bytes``) requests are scored and selected in sub-batches of
+    :func:`decode_batch` requests that reuse one budget-sized logits region. Top-k gets
     ``buffers.topk_scratch`` as its workspace when the record has one (the Triton backend splits few rows over
     several programs with it).
     """
@@ -174,7 +184,6 @@ def indexer_decode(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.T
     b, nn = dm.num_reqs, dm.next_n
     nd = metadata.num_decode_tokens
     h, d = q_fp8.shape[1], q_fp8.shape[2]
-    logits = buffers.logits_view(dm.num_rows, dm.width)
     if dm.uniform:
         q = q_fp8[:nd].view(b, nn, h, d)
         w = weights[:nd]
@@ -184,11 +193,21 @@ def indexer_decode(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.T
         torch.index_select(q_fp8.view(torch.uint8), 0, dm.pack_src, out=q_pack.view(torch.uint8))
         torch.index_select(weights, 0, dm.pack_src, out=w_pack)
         q, w = q_pack.view(b, nn, h, d), w_pack
-    qk = buffers.qk_view(dm.num_rows, dm.width) if buffers.qk is not None else None
-    fp8_paged_mqa_logits(q, kv_cache, w, dm.context_lens, dm.block_table, out=logits, clean=False,
-                         backend=backend, check_values=False, qk=qk)
-    ws = buffers.topk_scratch_view(dm.num_rows) if buffers.topk_scratch is not None else None
-    top_k_per_row(logits, dm.row_starts, dm.row_ends, out=sel, backend=backend, check_values=False, workspace=ws)
+    # Sub-batches of whole requests (one unless IndexerLimits.max_decode_logits_bytes binds): host integers
+    # only, so every shape is fixed by the step's metadata and the loop captures in a CUDA graph; each reuses the
+    # same region at the start of buffers.logits (and of qk, topk_scratch). Rows are independent, so the top-k is
+    # the one of a single batch.
+    per = decode_batch(metadata)
+    for b0 in range(0, b, per):
+        b1 = min(b, b0 + per)
+        r0, r1 = b0 * nn, b1 * nn
+        logits = buffers.logits_view(r1 - r0, dm.width)
+        qk = buffers.qk_view(r1 - r0, dm.width) if buffers.qk is not None else None
+        fp8_paged_mqa_logits(q[b0:b1], kv_cache, w[r0:r1], dm.context_lens[b0:b1], dm.block_table[b0:b1],
+                             out=logits, clean=False, backend=backend, check_values=False, qk=qk)
+        ws = buffers.topk_scratch_view(r1 - r0) if buffers.topk_scratch is not None else None
+        top_k_per_row(logits, dm.row_starts[r0:r1], dm.row_ends[r0:r1], out=sel[r0:r1], backend=backend,
+                      check_values=False, workspace=ws)
     if not dm.uniform:
         torch.index_select(sel, 0, dm.unpack_src, out=topk_out[:nd])
     return topk_out

@@ -15,15 +15,30 @@ def test_defaults_are_deepseek_v32():
     assert lim.prefill_k_tokens == 1024 * 40
     assert lim.max_logits_bytes == 512 << 20
     assert lim.with_qk is False
+    assert lim.max_decode_logits_bytes is None
 
 
 def test_derived_sizes():
     lim = IndexerLimits(**BASE, next_n=3, max_logits_bytes=4096)
     assert lim.max_decode_rows == 48
-    assert lim.logits_elems == max(48 * 1024, 1024)
     assert lim.prefill_logits_elems == 1024
-    big = IndexerLimits(**BASE, max_logits_bytes=1 << 30)
-    assert big.logits_elems == (1 << 30) // 4
+    assert (lim.decode_batch, lim.decode_batch_rows) == (16, 48)  # no budget: every request at once
+
+
+def test_decode_budget():
+    per_req = 3 * 1024 * 4  # next_n * max_model_len float32
+    # a budget that holds every row changes nothing
+    assert IndexerLimits(**BASE, next_n=3, max_decode_logits_bytes=16 * per_req).decode_batch == 16
+    assert IndexerLimits(**BASE, next_n=3, max_decode_logits_bytes=10**12).decode_batch == 16
+    lim = IndexerLimits(**BASE, next_n=3, max_decode_logits_bytes=5 * per_req + per_req - 1)
+    assert (lim.decode_batch, lim.decode_batch_rows) == (5, 15)
+    assert IndexerLimits(**BASE, next_n=3, max_decode_logits_bytes=per_req).decode_batch == 1
+    with pytest.raises(ValueError, match="max_decode_logits_bytes=12287 must hold one decode request"):
+        IndexerLimits(**BASE, next_n=3, max_decode_logits_bytes=per_req - 1)
+    with pytest.raises(ValueError, match="max_decode_logits_bytes"):
+        IndexerLimits(**BASE, max_decode_logits_bytes=0)
+    with pytest.raises(TypeError, match="max_decode_logits_bytes"):
+        IndexerLimits(**BASE, max_decode_logits_bytes=1.5)
 
 
 def test_frozen():

@@ -174,7 +174,7 @@ def test_step_too_big_for_buffers_writes_nothing(backend):
     topk_out = torch.full((md.num_tokens, lim.topk), 7, dtype=torch.int32)
     with pytest.raises(BufferTooSmall) as e:
         si.sparse_attn_indexer(sc.q, sc.k, sc.w, sc.kv, md, buf, topk_out, backend=backend)
-    assert e.value.field == "logits"
+    assert e.value.field in ("k_fp8", "logits")  # the plan of `small` holds neither the keys nor the logits
     assert torch.equal(sc.kv, kv_before) and bool((topk_out == 7).all())
 
 
