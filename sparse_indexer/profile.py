@@ -4,10 +4,14 @@ An engine's profiling run must reserve exactly what the indexer can use at run t
 (:func:`buffers.plan`) says what that is; :func:`profile_step` checks it by running the step once on the
 worst-case shapes of the limits, through a record carved from a fresh arena of exactly ``plan.total_bytes``:
 
-- a prefill of ``max_num_batched_tokens`` query tokens whose requests have ``max_model_len`` contexts
-  (as many full-length requests as the tokens allow), so prefill chunks fill ``k_fp8`` and ``logits``;
-- a uniform decode of ``max_num_seqs`` requests of ``next_n`` tokens, each with context ``max_model_len``,
-  so the decode logits fill ``[max_num_seqs * next_n, max_model_len]``.
+- the prefill whose chunk gathers the most keys, and the one whose chunk has the most logits cells, that any
+  step allowed by the limits can form (:func:`buffers.plan.prefill_extremes`), so they fill ``k_fp8``,
+  ``k_scale`` and ``logits``;
+- a decode of ``max_num_seqs`` requests of context ``max_model_len`` (non-uniform when ``next_n > 1``), so its
+  sub-batches fill the decode logits, ``qk`` and ``topk_scratch`` and the packing fills the pack fields.
+
+Together these steps use every field of the plan in full (:func:`worst_case_steps`; ``tests/buffers`` checks
+it for random limits): the plan is what the step can touch, no more.
 
 On CUDA it reports ``torch.cuda.max_memory_allocated()`` above the level before the step (the step itself
 should add nothing: it only writes the arena, the K cache and ``topk_out``, all allocated before). On the CPU,
@@ -21,12 +25,13 @@ from __future__ import annotations
 import attrs
 import torch
 
-from buffers import IndexerLimits, carve, plan
+from buffers import BufferPlan, IndexerLimits, carve, plan
 from buffers.arena import aligned_arena
+from buffers.plan import prefill_extremes
 
 from .kcache import new_kv_cache, slots_from_block_table
 
-__all__ = ["ProfileReport", "profile_step", "worst_case_steps"]
+__all__ = ["ProfileReport", "plan_capacity", "profile_step", "step_needs", "worst_case_steps"]
 
 
 @attrs.frozen(kw_only=True)
@@ -40,6 +45,8 @@ class ProfileReport:
             ``max_memory_allocated`` delta; ``None`` on the CPU, which has no allocator statistics).
         steps: ``(name, num_tokens, prefill_chunks, decode_rows)`` of each step run.
         device: where it ran.
+        peaks: per plan field, the most any of the steps needed (:func:`step_needs`).
+        capacity: per plan field, what the plan holds (:func:`plan_capacity`).
     """
 
     plan_bytes: int
@@ -47,6 +54,13 @@ class ProfileReport:
     step_peak_bytes: int | None
     steps: tuple
     device: str
+    peaks: dict = attrs.field(factory=dict)
+    capacity: dict = attrs.field(factory=dict)
+
+    @property
+    def reaches_plan(self) -> bool:
+        """Every field of the plan was used in full by some step: nothing reserved is out of reach."""
+        return self.peaks == self.capacity
 
     @property
     def fits_plan(self) -> bool:
@@ -55,21 +69,63 @@ class ProfileReport:
 
 
 def worst_case_steps(limits: IndexerLimits) -> list[tuple[str, list[int], list[int]]]:
-    """(name, seq_lens, query_lens) of the worst-case prefill and decode steps of ``limits``."""
-    L, T = limits.max_model_len, limits.max_num_batched_tokens
-    seq, qry = [], []
-    left = T
-    while left > 0 and len(seq) < limits.max_num_seqs:
-        q = min(left, L)
-        if q <= limits.next_n:  # would be a decode request; fold into the previous prefill
-            break
-        seq.append(L)
-        qry.append(q)
-        left -= q
-    nd = limits.max_num_seqs
-    while nd * limits.next_n > T:
-        nd -= 1
-    return [("prefill", seq, qry), ("decode", [L] * nd, [limits.next_n] * nd)]
+    """``(name, seq_lens, query_lens)`` of steps that together use every field of ``plan(limits)`` in full.
+
+    - ``"prefill keys"``: a prefill whose first chunk gathers the most keys any step can
+      (:func:`buffers.plan.prefill_extremes`), filling ``k_fp8`` and ``k_scale``;
+    - ``"prefill logits"``: a prefill whose first chunk has the most logits cells (absent when it is the same
+      step); it fills ``logits`` unless the decode sub-batch is larger;
+    - ``"decode"``: ``max_num_seqs`` decode requests of ``max_model_len`` context, as many tokens each as
+      ``max_num_batched_tokens`` allows up to ``next_n``, the last with one token when ``next_n > 1`` (a
+      non-uniform step, so the pack fields are used); its sub-batches fill the decode part of ``logits``,
+      ``qk`` and ``topk_scratch``.
+
+    No prefill step is listed when no request can be a prefill request (``max_num_batched_tokens`` or
+    ``max_model_len`` at most ``next_n``).
+    """
+    ext = prefill_extremes(limits)
+    steps = []
+    if ext.keys_step is not None:
+        steps.append(("prefill keys", list(ext.keys_step[0]), list(ext.keys_step[1])))
+    if ext.logits_step is not None and ext.logits_step != ext.keys_step:
+        steps.append(("prefill logits", list(ext.logits_step[0]), list(ext.logits_step[1])))
+    L, T, S, nn = limits.max_model_len, limits.max_num_batched_tokens, limits.max_num_seqs, limits.next_n
+    extra = T - S  # tokens beyond one per request (T >= S)
+    qry = [1 + min(nn - 1, max(0, extra - i * (nn - 1))) for i in range(S)] if nn > 1 else [1] * S
+    if nn > 1 and qry[-1] == nn:
+        qry[-1] = 1
+    steps.append(("decode", [L] * S, qry))
+    return steps
+
+
+def step_needs(metadata) -> dict[str, int]:
+    """What one step needs of each buffer field, in the units of :func:`plan_capacity`: rows of ``k_fp8``,
+    ``k_scale``, the packs and ``topk_scratch``, float32 cells of ``logits`` and cells per head of ``qk``
+    (as :func:`sparse_indexer.indexer.check_step` asks for them)."""
+    from .indexer import decode_batch
+
+    need = dict.fromkeys(("k_fp8", "k_scale", "logits", "qk", "q_pack", "w_pack", "topk_pack", "topk_scratch"), 0)
+    for c in metadata.prefill_chunks:
+        need["k_fp8"] = need["k_scale"] = max(need["k_fp8"], c.num_k_tokens)
+        need["logits"] = max(need["logits"], c.num_tokens * c.num_k_tokens)
+    dm = metadata.decode
+    if dm is not None:
+        rows = min(dm.num_reqs, decode_batch(metadata)) * dm.next_n
+        need["logits"] = max(need["logits"], rows * dm.width)
+        need["qk"] = rows * dm.width
+        need["topk_scratch"] = rows
+        if not dm.uniform:
+            need["q_pack"] = need["w_pack"] = need["topk_pack"] = dm.num_rows
+    return need
+
+
+def plan_capacity(p: BufferPlan) -> dict[str, int]:
+    """What each field of a plan holds, in the units of :func:`step_needs` (0 for an absent field)."""
+    cap = {}
+    for name in ("k_fp8", "k_scale", "logits", "qk", "q_pack", "w_pack", "topk_pack", "topk_scratch"):
+        f = p[name] if name in p else None
+        cap[name] = 0 if f is None else (f.shape[1] * f.shape[2] if name == "qk" else f.shape[0])
+    return cap
 
 
 def profile_step(limits: IndexerLimits, device: torch.device | str = "cpu", backend: str | None = None,
@@ -126,5 +182,11 @@ def profile_step(limits: IndexerLimits, device: torch.device | str = "cpu", back
         peak = torch.cuda.max_memory_allocated(device) - before
     steps = tuple((name, md.num_tokens, len(md.prefill_chunks), md.decode.num_rows if md.decode else 0)
                   for name, md in runs)
+    cap = plan_capacity(p)
+    peaks = dict.fromkeys(cap, 0)
+    for _, md in runs:
+        for name, n in step_needs(md).items():
+            if cap[name]:  # an absent field (qk without with_qk, packs at next_n 1) is never asked for
+                peaks[name] = max(peaks[name], n)
     return ProfileReport(plan_bytes=p.total_bytes, arena_bytes=arena.numel(), step_peak_bytes=peak, steps=steps,
-                         device=str(device))
+                         device=str(device), peaks=peaks, capacity=cap)

@@ -1,0 +1,163 @@
+"""The plan is tight (docs/memory.md): over random limits and random steps those limits allow, no step needs more
+of a field than the plan holds (the step would raise ``BufferTooSmall``), and for every field some step needs
+all of it (``profile.worst_case_steps``), so the plan is the maximum, not above it."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import sparse_indexer as si
+from buffers import IndexerLimits, allocate, plan
+from buffers.plan import prefill_extremes
+from sparse_indexer.indexer import check_step
+from sparse_indexer.profile import plan_capacity, step_needs, worst_case_steps
+
+FAST = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+H, D = 1, 64
+
+
+@st.composite
+def limits_st(draw, big: bool = False):
+    """Engine limits: small ones (real buffers are allocated and the step's own checks run) or large ones up to
+    1M context (sizes only)."""
+    nn = draw(st.integers(1, 4))
+    if big:
+        L = draw(st.integers(1, 1 << 20))
+        S = draw(st.integers(1, 512))
+        T = draw(st.integers(S, 4096))
+        C = draw(st.integers(1 << 20, 1 << 28))  # a smaller cap splits long requests into thousands of chunks
+        bs = 1 << 14
+    else:
+        L = draw(st.integers(1, 600))
+        S = draw(st.integers(1, 12))
+        T = draw(st.integers(S, 700))
+        C = draw(st.integers(1, 40000))
+        bs = draw(st.sampled_from([16, 64]))
+    K = draw(st.integers(L, 6 * L))
+    budget = draw(st.one_of(st.none(), st.integers(nn * L * 4, S * nn * L * 4 + 8)))
+    return IndexerLimits(max_model_len=L, max_num_batched_tokens=T, max_num_seqs=S, next_n=nn, n_heads=H,
+                         head_dim=D, topk=16, block_size=bs, prefill_k_tokens=K, max_logits_bytes=4 * C,
+                         max_decode_logits_bytes=budget, with_qk=draw(st.booleans()))
+
+
+@st.composite
+def step_st(draw, lim: IndexerLimits):
+    """(seq_lens, query_lens) of a step the limits allow: at most max_num_seqs requests and
+    max_num_batched_tokens tokens, decode requests (<= next_n tokens) first, contexts <= max_model_len."""
+    L, T, S, nn = lim.max_model_len, lim.max_num_batched_tokens, lim.max_num_seqs, lim.next_n
+    n = draw(st.integers(1, S))
+    nd = draw(st.integers(0, n))
+    seq, qry, left = [], [], T
+    for _ in range(nd):
+        q = draw(st.integers(0, min(nn, left, L)))
+        left -= q
+        seq.append(draw(st.integers(q, L)))
+        qry.append(q)
+    for _ in range(n - nd):
+        if left <= nn or L <= nn:
+            break
+        big = draw(st.booleans())
+        q = min(left, L) if big else draw(st.integers(nn + 1, min(left, L)))
+        left -= q
+        seq.append(L if big else draw(st.integers(q, L)))
+        qry.append(q)
+    return seq, qry
+
+
+def metadata(lim: IndexerLimits, seq, qry):
+    bs = lim.block_size
+    nblk = (lim.max_model_len + bs - 1) // bs
+    table = torch.zeros(max(1, len(seq)), nblk, dtype=torch.int32)  # every request reads block 0: only sizes matter
+    return si.build_metadata(seq, qry, table, torch.full((sum(qry),), -1, dtype=torch.int64), lim, num_blocks=1)
+
+
+def run_checks(lim: IndexerLimits, md, bufs) -> None:
+    """The step's own fit check (raises BufferTooSmall) on real buffers."""
+    t = max(1, md.num_tokens)
+    q = torch.zeros(t, H, D, dtype=lim.fp8_dtype)
+    w = torch.zeros(t, H)
+    kv = si.new_kv_cache(1, lim.block_size, D)
+    check_step(q, w, kv, md, bufs, torch.zeros(t, lim.topk, dtype=torch.int32))
+
+
+@FAST
+@given(data=st.data(), lim=limits_st())
+def test_no_step_needs_more_than_the_plan(data, lim):
+    p = plan(lim)
+    cap = plan_capacity(p)
+    bufs = allocate(p)
+    for _ in range(3):
+        seq, qry = data.draw(step_st(lim))
+        md = metadata(lim, seq, qry)
+        need = step_needs(md)
+        for name, n in need.items():
+            if cap[name]:
+                assert n <= cap[name], (name, n, cap[name], seq, qry)
+        run_checks(lim, md, bufs)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), lim=limits_st(big=True))
+def test_no_step_needs_more_than_the_plan_large(data, lim):
+    cap = plan_capacity(plan(lim))
+    seq, qry = data.draw(step_st(lim))
+    need = step_needs(metadata(lim, seq, qry))
+    for name, n in need.items():
+        if cap[name]:
+            assert n <= cap[name], (name, n, cap[name])
+
+
+def check_reached(lim: IndexerLimits, real: bool) -> None:
+    p = plan(lim)
+    cap = plan_capacity(p)
+    peak = dict.fromkeys(cap, 0)
+    bufs = allocate(p) if real else None
+    for _, seq, qry in worst_case_steps(lim):
+        md = metadata(lim, seq, qry)
+        for name, n in step_needs(md).items():
+            peak[name] = max(peak[name], n if cap[name] else 0)
+        if real:
+            run_checks(lim, md, bufs)
+    assert peak == cap, {k: (peak[k], cap[k]) for k in cap if peak[k] != cap[k]}
+
+
+@FAST
+@given(lim=limits_st())
+def test_worst_case_steps_reach_every_field(lim):
+    check_reached(lim, real=True)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lim=limits_st(big=True))
+def test_worst_case_steps_reach_every_field_large(lim):
+    check_reached(lim, real=False)
+
+
+def brute_force(lim: IndexerLimits) -> tuple[int, int]:
+    """Chunk maxima by enumerating every chunk the planner can form (tiny limits only): whole-request chunks
+    of r requests with (M, N) and one-request pieces."""
+    L, T, S, nn = lim.max_model_len, lim.max_num_batched_tokens, lim.max_num_seqs, lim.next_n
+    K, C, q0 = lim.prefill_k_tokens, lim.prefill_logits_elems, nn + 1
+    keys = logits = 0
+    for r in range(1, S + 1):
+        for m in range(r * q0, T + 1):
+            for n in range(m, min(r * L, K) + 1):
+                if m * n <= C:
+                    keys, logits = max(keys, n), max(logits, m * n)
+    for s in range(q0, L + 1):
+        for q in range(q0, min(s, T) + 1):
+            if q * s > C:
+                keys, logits = max(keys, s), max(logits, max(1, C // s) * s)
+    return keys, logits
+
+
+@settings(max_examples=150, deadline=None)
+@given(L=st.integers(1, 40), S=st.integers(1, 4), extra=st.integers(0, 40), nn=st.integers(1, 3),
+       kx=st.integers(0, 60), C=st.integers(1, 300))
+def test_prefill_extremes_match_brute_force(L, S, extra, nn, kx, C):
+    lim = IndexerLimits(max_model_len=L, max_num_batched_tokens=S + extra, max_num_seqs=S, next_n=nn,
+                        prefill_k_tokens=L + kx, max_logits_bytes=4 * C)
+    e = prefill_extremes(lim)
+    assert (e.keys, e.logits) == brute_force(lim)
