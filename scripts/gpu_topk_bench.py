@@ -1,38 +1,70 @@
-"""GPU check + timing of the Triton top_k_per_row / write_k_cache / gather_k_cache (one device call).
+"""GPU check + timing of top_k_per_row (CUDA and Triton backends) beside vLLM's kernels, and the decode step.
 
-PYTHONPATH=. python3 scripts/gpu_topk_bench.py  -> prints a table, writes $OUT/gpu_topk_bench.json
-SPLIT_ONLY=1: only the split-row top-k (workspace) checks and old-vs-new timings ($OUT/gpu_topk_split.json);
-SPLIT_VARIANTS="block,warps,programs_per_sm;..." picks its collect-kernel variants.
-Correctness on fresh random inputs at DeepSeek shapes (top-k value multisets vs torch.topk, cache bytes
-bit-exact vs the reference backend), then triton.testing.do_bench medians (L2 flushed) against a device copy.
+    PYTHONPATH=. python3 scripts/gpu_topk_bench.py [--anchors .anchors/vllm_topk] [--sections check,topk,dist,step]
+
+One device call: (1) correctness of the CUDA kernel in every launch configuration against the reference backend
+(docs/spec.md §6: short rows exact, long rows distinct in-window positions whose value multiset equals the
+reference's) on every value distribution and window shape; (2) top-k timings (triton.testing.do_bench medians, L2
+flushed; CUDA-graph replays over distinct input sets) of the CUDA kernel (auto config and a config sweep), the
+Triton paths, vLLM's kernels (measuring only, loaded from --anchors) and torch.topk; (3) the decode step (paged
+logits + top-k as ``indexer_decode`` runs them) in a CUDA graph. Prints a table last and writes
+``$OUT/gpu_topk_bench.json``. ``--smoke`` runs tiny shapes on the CPU (no CUDA backend) to check the script.
 """
+import argparse
 import json
+import math
 import os
 import sys
 import time
 import traceback
 
 import torch
-import triton
 
 import sparse_indexer as si
-from sparse_indexer.kcache import new_kv_cache
-from sparse_indexer.ops.top_k_per_row import triton as tkt
 
-dev = "cuda"
+ap = argparse.ArgumentParser()
+ap.add_argument("--anchors", default=".anchors/vllm_topk")
+ap.add_argument("--sections", default="check,topk,dist,step")
+ap.add_argument("--smoke", action="store_true")
+ap.add_argument("--sweep", default="512x1,1024x1,512x2,512x4,1024x2,1024x4,512x8,1024x8,512x16")
+args = ap.parse_args()
+SMOKE = args.smoke
+dev = "cpu" if SMOKE else "cuda"
 OUT = os.environ.get("OUT", ".")
+K = 2048
 rows = []
-res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
-VARIANTS = [tuple(int(v) for v in s.split(",")) for s in
-            os.environ.get("TOPK_VARIANTS", "4,4096,16;8,4096,16;4,4096,32;4,4096,8").split(";")]
+res = {"device": torch.cuda.get_device_name() if not SMOKE else "cpu", "torch": torch.__version__}
+SECTIONS = set(args.sections.split(","))
+SWEEP = [tuple(int(v) for v in s.split("x")) for s in args.sweep.split(",") if s]
+
+V = None
+if not SMOKE and os.path.isdir(args.anchors):
+    sys.path.insert(0, os.path.abspath(args.anchors))
+    try:
+        import vllm_topk as V  # noqa: N812 - measuring instrument only (never imported by the package)
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+        V = None
+if not SMOKE:
+    import triton
+
+    from sparse_indexer.ops.top_k_per_row import cuda as tkc
+    from sparse_indexer.ops.top_k_per_row import triton as tkt
+    res["triton"] = triton.__version__
 
 
 def bench(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3  # us
+    if SMOKE:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3  # us, L2 flushed
 
 
 def graph_us(fns, reps=20):
-    """Median per-call time of fns (one call each, distinct buffers so L2 holds no set) replayed in a graph."""
+    """Median per-call time of fns (one call each, distinct buffers: L2 holds no set) replayed in one graph."""
+    if SMOKE:
+        return bench(lambda: [f() for f in fns]) / len(fns)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -56,19 +88,11 @@ def graph_us(fns, reps=20):
     return sorted(ts)[len(ts) // 2]
 
 
-def copy_us(nbytes, sets=1):
-    """Device copy reading and writing nbytes each; sets > 1: graph-replayed over distinct buffers."""
-    if sets == 1:
-        a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-        b = torch.empty_like(a)
-        return bench(lambda: b.copy_(a))
-    pairs = [(torch.empty(nbytes, dtype=torch.uint8, device=dev), torch.empty(nbytes, dtype=torch.uint8,
-                                                                             device=dev)) for _ in range(sets)]
-    return graph_us([lambda a=a, b=b: b.copy_(a) for a, b in pairs])
-
-
 def section(name):
     def deco(f):
+        key = name.split()[0]
+        if key not in SECTIONS:
+            return f
         t0 = time.time()
         try:
             f()
@@ -80,322 +104,368 @@ def section(name):
     return deco
 
 
-def topk_check(logits, starts, ends, out, check_rows):
-    """Value multisets of out vs torch.topk on the masked window, for check_rows."""
-    topk = out.shape[1]
-    w = logits.shape[1]
-    cols = torch.arange(w, device=dev)
+def add(case, what, us="", note=""):
+    rows.append((case, what, f"{us:.1f}" if isinstance(us, float) else us, note))
+    print(f"  {case:24s} {what:58s} {rows[-1][2]:>9s} {note}", flush=True)
+
+
+# ------------------------------------------------------------------ inputs
+DISTS = ("gaussian", "logits", "ints0-3", "all-equal", "heavy", "sorted", "95%-inf", "nan+inf")
+_REAL = {}
+
+
+def real_logits(r, w, g):
+    """Logits of the paged logits op on random FP8 queries/keys (B = r, next_n = 1, L = w), cached per shape."""
+    if (r, w) not in _REAL:
+        bs, d, h = 64, 128, 64
+        nb = r * ((w + bs - 1) // bs)
+        kv = si.new_kv_cache(nb, bs, d, device=dev)
+        si.write_k_cache(torch.randn(nb * bs, d, device=dev, generator=g), kv, torch.arange(nb * bs, device=dev))
+        bt = torch.randperm(nb, device=dev, generator=g).int().view(r, -1)
+        q = (torch.randn(r, 1, h, d, device=dev, generator=g) * 2).to(torch.float8_e4m3fn)
+        wt = torch.randn(r, h, device=dev, generator=g) / math.sqrt(h * d)
+        cl = torch.full((r,), w, dtype=torch.int32, device=dev)
+        _REAL[(r, w)] = si.fp8_paged_mqa_logits(q, kv, wt, cl, bt)
+        del kv
+    return _REAL[(r, w)].clone()
+
+
+def make(dist, r, w, g):
+    x = torch.randn(r, w, device=dev, generator=g)
+    if dist == "gaussian":
+        return x
+    if dist == "logits":
+        return real_logits(r, w, g)
+    if dist == "ints0-3":
+        return torch.randint(0, 4, (r, w), device=dev, generator=g).float()
+    if dist == "all-equal":
+        return torch.full((r, w), 0.5, device=dev)
+    if dist == "heavy":
+        return torch.exp(4 * x)
+    if dist == "sorted":
+        return x.sort(dim=1).values
+    if dist == "95%-inf":
+        return torch.where(torch.rand(r, w, device=dev, generator=g) < 0.95, float("-inf"), x)
+    if dist == "adv-overflow":  # unsampled big cells (stride 32 offsets 1..3): the candidates overflow
+        y = x * 1e-3
+        for o in (1, 2, 3):
+            y[:, o::32] += 10 + x[:, o::32]
+        return y
+    if dist == "adv-miss":  # only the sampled cells (stride 32) are big: the sample threshold is too high
+        y = x * 1e-3
+        y[:, ::32] += 10 + x[:, ::32]
+        return y
+    if dist == "nan+inf":
+        u = torch.rand(r, w, device=dev, generator=g)
+        x = torch.where(u < 0.01, float("nan"), x)
+        x = torch.where((u >= 0.01) & (u < 0.015), float("inf"), x)
+        return torch.where((u >= 0.015) & (u < 0.03), float("-inf"), x)
+    raise ValueError(dist)
+
+
+def windows(kind, r, w, g, topk=K):
+    z = torch.zeros(r, dtype=torch.int32, device=dev)
+    if kind == "full":
+        return z, torch.full((r,), w, dtype=torch.int32, device=dev)
+    if kind == "ragged":  # decode: [0, L_r)
+        return z, torch.randint(w // 2, w + 1, (r,), device=dev, dtype=torch.int32, generator=g)
+    if kind == "causal":  # prefill, one request of r queries over w keys: [0, (j + 1) w / r)
+        return z, ((torch.arange(r, device=dev) + 1) * w // r).int()
+    if kind == "short":  # every window <= topk, some empty
+        return z, torch.randint(0, topk + 1, (r,), device=dev, dtype=torch.int32, generator=g)
+    if kind == "starts":  # ragged prefill windows [ks, ke)
+        s = torch.randint(0, w // 3, (r,), device=dev, dtype=torch.int32, generator=g)
+        e = torch.randint(w // 3, w + 1, (r,), device=dev, dtype=torch.int32, generator=g)
+        e[::7] = s[::7]  # empty
+        e[1::7] = torch.clamp(s[1::7] + topk, max=w)  # exactly topk
+        return s, e
+    raise ValueError(kind)
+
+
+def ref_check(logits, starts, ends, out, check_rows=None):
+    """docs/spec.md §6 vs the reference backend. Returns the number of bad rows."""
+    if check_rows is not None:
+        logits, starts, ends, out = logits[check_rows], starts[check_rows], ends[check_rows], out[check_rows]
     bad = 0
-    for c0 in range(0, len(check_rows), 256):
-        rr = check_rows[c0:c0 + 256]
-        x = logits[rr]
-        s, e = starts[rr].long()[:, None], ends[rr].long()[:, None]
-        xm = torch.where((cols >= s) & (cols < e), x, float("-inf"))
-        want = torch.topk(xm, topk, dim=1).values.sort(dim=1).values
-        o = out[rr].long()
+    for c0 in range(0, logits.shape[0], 128):
+        x, s, e, o = (t[c0:c0 + 128].contiguous() for t in (logits, starts, ends, out))
+        ref = torch.empty_like(o)
+        si.top_k_per_row(x, s, e, out=ref, backend="reference")
         n = (e - s).clamp(min=0)
-        short = n[:, 0] <= topk
-        ar = torch.arange(topk, device=dev)[None, :]
-        if not torch.equal(o[short], torch.where(ar < n[short], ar, -1)):
-            return False
-        o, x, s, want = o[~short], x[~short], s[~short], want[~short]
-        if ((o < 0) | (o >= (e[~short] - s))).any():
-            return False
-        got = x.gather(1, o + s).sort(dim=1).values
-        uniq = o.sort(dim=1).values
-        bad += int((got != want).any()) + int((uniq[:, 1:] == uniq[:, :-1]).any())
-    return bad == 0
-
-
-def run_topk(name, logits, starts, ends, topk, check_rows, floor_bytes):
-    r = logits.shape[0]
-    out = torch.empty(r, topk, dtype=torch.int32, device=dev)
-    fl = copy_us(floor_bytes // 2)  # a copy that reads + writes floor_bytes in total
-    t_torch = bench(lambda: torch.topk(logits, topk, dim=1))
-    rows.append((name, "torch.topk (full rows, no windows)", f"{t_torch:.1f}", ""))
-    for rb, blk, nw in VARIANTS:
-        if name != "decode" and (rb, blk, nw) not in VARIANTS[:3]:
+        lg = n > o.shape[1]
+        bad += int((o[~lg] != ref[~lg]).any(dim=1).sum())
+        o, ref, x, s, n = o[lg].long(), ref[lg].long(), x[lg], s[lg].long(), n[lg]
+        if o.numel() == 0:
             continue
+        rng = ((o < 0) | (o >= n[:, None])).any(dim=1)
+        dup = (o.sort(dim=1).values.diff(dim=1) == 0).any(dim=1)
+        oc = o.clamp(min=0).minimum((n - 1)[:, None])
+
+        def vals(idx, x=x, s=s):
+            v = x.gather(1, idx + s[:, None]).double()
+            return torch.where(torch.isnan(v) | (v == float("-inf")), -1e300, v).sort(dim=1).values
+
+        bad += int((rng | dup | (vals(oc) != vals(ref)).any(dim=1)).sum())
+    return bad
+
+
+def backends_under_test():
+    return ["reference"] if SMOKE else ["cuda", "triton"]
+
+
+# ------------------------------------------------------------------ 1. correctness
+@section("check correctness")
+def _():
+    g = torch.Generator(device=dev).manual_seed(1)
+    shapes = [(16, 3000, 256), (12, 70000, K), (40, 9000, 512), (5, 20000, 1), (6, 30000, 4096), (9, 12000, 3000)]
+    if SMOKE:
+        shapes = [(6, 3000, 256)]
+    configs = [None] if SMOKE else [None, *SWEEP, (256, 1), (1024, 16)]
+    total_bad = 0
+    for r, w, topk in shapes:
+        for kind in ("full", "ragged", "starts", "short", "causal"):
+            for dist in DISTS if (r, w) != (5, 20000) else ("gaussian", "ints0-3"):
+                x = make(dist, r, w + 5, g)[:, 1:w + 1]  # unaligned base, odd row stride
+                if dist == "logits":
+                    x = x.contiguous()  # aligned base
+                s, e = windows(kind, r, w, g, topk)
+                for cfg in configs:
+                    out = torch.full((r, topk), -7, dtype=torch.int32, device=dev)
+                    if SMOKE:
+                        si.top_k_per_row(x, s, e, out=out, backend="reference")
+                    elif cfg is None:
+                        si.top_k_per_row(x, s, e, out=out, backend="cuda")
+                    else:
+                        tkc.launch(x, s, e, out, nt=cfg[0], cs=cfg[1])
+                    b = ref_check(x, s, e, out)
+                    total_bad += b
+                    if b:
+                        add("check", f"BAD {r}x{w} k={topk} {kind} {dist} cfg={cfg}", "", f"{b} rows")
+    # the exact fallback inside the CUDA kernel (sample miss, candidate overflow), every config
+    if not SMOKE:
+        for dist in ("adv-overflow", "adv-miss"):
+            x = make(dist, 4, 65536, g)
+            s, e = windows("full", 4, 65536, g)
+            for cfg in configs:
+                out = torch.full((4, K), -7, dtype=torch.int32, device=dev)
+                if cfg is None:
+                    si.top_k_per_row(x, s, e, out=out, backend="cuda")
+                else:
+                    tkc.launch(x, s, e, out, nt=cfg[0], cs=cfg[1])
+                b = ref_check(x, s, e, out)
+                total_bad += b
+                if b:
+                    add("check", f"BAD fallback {dist} cfg={cfg}", "", f"{b} rows")
+            res[f"fallback/{dist}"] = bench(lambda x=x, s=s, e=e: si.top_k_per_row(
+                x, s, e, out=torch.empty(4, K, dtype=torch.int32, device=dev), backend="cuda"))
+            add("check", f"fallback path {dist} 4x64K (time)", res[f"fallback/{dist}"])
+    # the Triton backend on every distribution (portable path), with and without the workspace
+    if not SMOKE:
+        for dist in DISTS:
+            x = make(dist, 64, 65536, g)
+            s, e = windows("ragged", 64, 65536, g)
+            ws = torch.empty(64, 32 + 2 * 4096, dtype=torch.int32, device=dev)
+            for wsv in (None, ws):
+                out = torch.full((64, K), -7, dtype=torch.int32, device=dev)
+                si.top_k_per_row(x, s, e, out=out, backend="triton", workspace=wsv)
+                b = ref_check(x, s, e, out)
+                total_bad += b
+                if b:
+                    add("check", f"BAD triton {dist} ws={wsv is not None}", "", f"{b} rows")
+    add("check", f"all configs, shapes, windows, distributions: bad rows = {total_bad}", "", "OK" if total_bad == 0
+        else "MISMATCH")
+    res["check_bad_rows"] = total_bad
+
+
+# ------------------------------------------------------------------ 2. top-k timings
+def time_topk(case, x, s, e, *, sweep=False, anchors=("persistent", "cooperative"), triton_ws=True, graph=True,
+              torch_topk=True, check=True):
+    r, w = x.shape
+    out = torch.empty(r, K, dtype=torch.int32, device=dev)
+    if check and not SMOKE:
         out.fill_(-7)
-        tkt._launch(logits, starts, ends, out, num_thr=rb, block=blk, num_warps=nw)
-        ok = topk_check(logits, starts, ends, out, check_rows)
-        t = bench(lambda rb=rb, blk=blk, nw=nw: tkt._launch(logits, starts, ends, out, num_thr=rb, block=blk,
-                                                               num_warps=nw))
-        rows.append((name, f"triton thr={rb} block={blk} warps={nw} ok={ok}", f"{t:.1f}", f"{t / fl:.2f}"))
-        res[f"{name}/rb{rb}_b{blk}_w{nw}"] = {"us": t, "ok": ok, "floor_us": fl}
-        if name == "decode":  # graph replay over 8 distinct logits sets: no launch overhead, no L2 reuse
-            sets = [logits] + [torch.randn_like(logits) for _ in range(7)]
-            outs = [torch.empty_like(out) for _ in sets]
-            tg = graph_us([lambda x=x, o=o, rb=rb, blk=blk, nw=nw: tkt._launch(
-                x, starts, ends, o, num_thr=rb, block=blk, num_warps=nw) for x, o in zip(sets, outs)])
-            flg = copy_us(floor_bytes // 2, sets=8)
-            rows.append((name, f"  graph x8 sets thr={rb} block={blk} warps={nw}", f"{tg:.1f}", f"{tg / flg:.2f}"))
-            res[f"{name}/graph/rb{rb}_b{blk}_w{nw}"] = {"us": tg, "floor_us": flg}
-    rows.append((name, f"floor: copy of {floor_bytes / 2**20:.0f} MiB traffic", f"{fl:.1f}", "1.00"))
-
-
-SPLIT_VARIANTS = [tuple(int(v) for v in x.split(",")) for x in
-                  os.environ.get("SPLIT_VARIANTS", "2048,4,16;1024,4,16;1024,2,32;2048,4,4;4096,8,8").split(";")]
-
-
-def ref_check(logits, starts, ends, out, check_rows):
-    """docs/spec.md §6 vs the reference backend: short rows exact, long rows distinct in-window positions whose value
-    multiset (-inf/NaN as -1e300) equals the reference's."""
-    rr = check_rows
-    x, s, e, o = logits[rr], starts[rr], ends[rr], out[rr]
-    ref = torch.empty_like(o)
-    si.top_k_per_row(x.contiguous(), s.contiguous(), e.contiguous(), out=ref, backend="reference")
-    n = (e - s).clamp(min=0)
-    lg = n > o.shape[1]
-    if not torch.equal(o[~lg], ref[~lg]):
-        return False
-    o, ref, x, s, n = o[lg].long(), ref[lg].long(), x[lg], s[lg].long(), n[lg]
-    if ((o < 0) | (o >= n[:, None])).any() or (o.sort(dim=1).values.diff(dim=1) == 0).any():
-        return False
-
-    def vals(idx):
-        v = x.gather(1, idx + s[:, None]).double()
-        return torch.where(torch.isnan(v) | (v == float("-inf")), -1e300, v).sort(dim=1).values
-
-    return torch.equal(vals(o), vals(ref))
-
-
-def fallbacks(ws, starts, ends, topk):
-    """Long rows the finish kernel handed to the per-row fallback (bracket missed or candidates overflowed)."""
-    cap = (ws.shape[1] - tkt.CTR) // 2
-    n = (ends - starts).clamp(min=0)
-    g, c = ws[:, 0], ws[:, 1]
-    return int(((n > topk) & ((g > topk) | (g + c < topk) | (c > cap))).sum()), int(c[n > topk].float().mean())
-
-
-def run_split(name, logits, starts, ends, topk, check_rows, graph=True, variants=None):
-    r = logits.shape[0]
-    out = torch.empty(r, topk, dtype=torch.int32, device=dev)
-    ws = torch.empty(r, tkt.CTR + 2 * 4096, dtype=torch.int32, device=dev)
-    out.fill_(-7)
-    tkt._launch(logits, starts, ends, out)
-    ok = ref_check(logits, starts, ends, out, check_rows)
-    t_old = bench(lambda: tkt._launch(logits, starts, ends, out))
-    rows.append((name, f"old (no workspace) ok={ok}", f"{t_old:.1f}", ""))
-    res[f"split/{name}/old"] = {"us": t_old, "ok": ok}
+        si.top_k_per_row(x, s, e, out=out, backend="cuda")
+        b = ref_check(x, s, e, out, None if r <= 512 else torch.randperm(r, device=dev)[:512])
+        if b:
+            add(case, "cuda: MISMATCH", "", f"{b} rows")
+    d = {}
+    be = "reference" if SMOKE else "cuda"
+    d["cuda"] = bench(lambda: si.top_k_per_row(x, s, e, out=out, backend=be, check_values=False))
+    cfg = None if SMOKE else tkc.config(r, w, x.device)
+    add(case, f"ours cuda (auto {cfg})", d["cuda"])
+    if not SMOKE:
+        d["cuda_launch"] = bench(lambda: tkc.launch(x, s, e, out, nt=cfg[0], cs=cfg[1]))
+        add(case, "  same, kernel launch only (no checks/dispatch)", d["cuda_launch"])
     if graph:
-        sets = [logits] + [torch.randn_like(logits) for _ in range(5)]
+        sets = [x] + [x[torch.randperm(r, device=dev)] for _ in range(5)]
         outs = [torch.empty_like(out) for _ in sets]
-        wss = [torch.empty_like(ws) for _ in sets]
-        tg = graph_us([lambda x=x, o=o: tkt._launch(x, starts, ends, o) for x, o in zip(sets, outs)])
-        rows.append((name, "  old graph x6 sets", f"{tg:.1f}", ""))
-        res[f"split/{name}/old_graph"] = tg
-    for blk, nw, pps in (variants or SPLIT_VARIANTS):
-        kw = dict(block=blk, num_warps=nw, programs_per_sm=pps)
-        out.fill_(-7)
-        tkt._launch_split(logits, starts, ends, out, ws, **kw)
-        ok = ref_check(logits, starts, ends, out, check_rows)
-        nfb, mc = fallbacks(ws, starts, ends, topk)
-        t = bench(lambda kw=kw: tkt._launch_split(logits, starts, ends, out, ws, **kw))
-        st = [bench(lambda k=k, kw=kw: tkt._launch_split(logits, starts, ends, out, ws, stages=k, **kw))
-              for k in (1, 2)]
-        rows.append((name, f"split b={blk} w={nw} pps={pps} ok={ok} fb={nfb} cand={mc}", f"{t:.1f}",
-                     f"{t_old / t:.2f}x"))
-        rows.append((name, f"  stages: sample {st[0]:.1f}, +collect {st[1]:.1f}", "", ""))
-        res[f"split/{name}/b{blk}_w{nw}_p{pps}"] = {"us": t, "ok": ok, "fallback_rows": nfb, "cand": mc,
-                                                    "stage_us": st}
-        if graph:
-            tg = graph_us([lambda x=x, o=o, w_=w_, kw=kw: tkt._launch_split(x, starts, ends, o, w_, **kw)
-                           for x, o, w_ in zip(sets, outs, wss)])
-            sg = [graph_us([lambda x=x, o=o, w_=w_, kw=kw, k=k: tkt._launch_split(x, starts, ends, o, w_, stages=k,
-                                                                               **kw)
-                            for x, o, w_ in zip(sets, outs, wss)]) for k in (1, 2)]
-            rows.append((name, f"  split graph x6 sets (sample {sg[0]:.1f}, +collect {sg[1]:.1f})", f"{tg:.1f}",
-                         f"{res[f'split/{name}/old_graph'] / tg:.2f}x"))
-            res[f"split/{name}/b{blk}_w{nw}_p{pps}/graph"] = [tg, *sg]
-    if graph:
-        for sw, fw in ((4, 4), (16, 16)):
-            kw = dict(sample_warps=sw, finish_warps=fw)
-            tg = graph_us([lambda x=x, o=o, w_=w_, kw=kw: tkt._launch_split(x, starts, ends, o, w_, **kw)
-                           for x, o, w_ in zip(sets, outs, wss)])
-            rows.append((name, f"  split graph default, sample/finish warps {sw}/{fw}", f"{tg:.1f}", ""))
+        d["cuda_graph"] = graph_us([lambda x_=x_, o=o: si.top_k_per_row(x_, s, e, out=o, backend=be,
+                                                                         check_values=False)
+                                    for x_, o in zip(sets, outs)])
+        add(case, "  graph x6 sets", d["cuda_graph"])
+    if sweep and not SMOKE:
+        for nt, cs in SWEEP:
+            try:
+                t = bench(lambda nt=nt, cs=cs: tkc.launch(x, s, e, out, nt=nt, cs=cs))
+                d[f"cuda_{nt}x{cs}"] = t
+                add(case, f"  cuda nt={nt} cs={cs}", t)
+            except Exception as ex:  # noqa: BLE001
+                add(case, f"  cuda nt={nt} cs={cs} failed: {str(ex)[:60]}")
+    if not SMOKE:
+        d["triton"] = bench(lambda: si.top_k_per_row(x, s, e, out=out, backend="triton", check_values=False))
+        add(case, "triton (no workspace)", d["triton"])
+        if triton_ws and tkt.use_split(r, x.device):
+            ws = torch.empty(r, 32 + 2 * 4096, dtype=torch.int32, device=dev)
+            d["triton_ws"] = bench(lambda: si.top_k_per_row(x, s, e, out=out, backend="triton", workspace=ws,
+                                                            check_values=False))
+            add(case, "triton (workspace)", d["triton_ws"])
+    if V is not None:
+        z = torch.zeros_like(s)
+        full_start = bool((s == 0).all())
+        for a in anchors:
+            try:
+                if a == "prefill":
+                    fn = lambda: V.prefill(x, s, e, out)  # noqa: E731
+                elif not full_start:
+                    continue
+                else:
+                    fn = lambda a=a: getattr(V, a)(x, e, out)  # noqa: E731
+                t = bench(fn)
+                d[f"vllm_{a}"] = t
+                add(case, f"vLLM {a}", t)
+            except Exception as ex:  # noqa: BLE001
+                add(case, f"vLLM {a} failed: {str(ex)[:60]}")
+        del z
+    if torch_topk:
+        d["torch_topk"] = bench(lambda: torch.topk(x, K, dim=1))
+        add(case, "torch.topk (full rows)", d["torch_topk"])
+    nbytes = int((e - s).clamp(min=0).sum()) * 4
+    d["floor_us"] = nbytes / 4.27e12 * 1e6
+    add(case, f"read floor ({nbytes / 2**20:.1f} MiB at 4.27 TB/s)", d["floor_us"])
+    res[f"topk/{case}"] = d
+    return d
 
 
-@section("split correctness (special rows)")
+@section("topk shapes")
 def _():
-    g = torch.Generator(device=dev)
-    g.manual_seed(1)
-    for r, w, topk in ((64, 65536, 2048), (128, 32768, 2048), (40, 9000, 512), (7, 3000, 1024)):
-        x = torch.randn(r, w, device=dev, generator=g)
-        x[1] = torch.randint(0, 3, (w,), device=dev, generator=g).float()  # ties: overflow
-        x[2] = 1.0
-        x[3, ::2] = float("-inf")
-        x[3, 1::4] = float("nan")
-        x[4] = float("-inf")
-        x[4, torch.randperm(w, device=dev, generator=g)[: topk // 2]] = 1.0  # fewer finite than topk
-        x[5] = float("nan")
-        x[6] = torch.randn(w, device=dev, generator=g).round()  # many ties at the threshold
-        s = torch.randint(0, 8, (r,), device=dev, dtype=torch.int32, generator=g)
-        e = torch.randint(w // 2, w + 1, (r,), device=dev, dtype=torch.int32, generator=g)
-        s[0], e[0] = 0, w
-        e[5] = s[5] + topk  # exactly topk
-        e[6] = s[6] + 5  # short
-        e[3] = s[3]  # empty
-        out = torch.full((r, topk), -7, dtype=torch.int32, device=dev)
-        ws = torch.full((r, tkt.CTR + 2 * 4096), -3, dtype=torch.int32, device=dev)
-        for cap in (4096, 16):
-            wsv = ws[:, : tkt.CTR + 2 * cap]
-            si.top_k_per_row(x, s, e, out=out, backend="triton", workspace=wsv)
-            ok = ref_check(x, s, e, out, torch.arange(r, device=dev))
-            nfb, mc = fallbacks(wsv, s, e, topk)
-            rows.append(("split-check", f"{r}x{w} topk={topk} cap={cap} ok={ok} fb={nfb} split="
-                         f"{tkt.use_split(r, x.device)}", "", ""))
-            res[f"split-check/{r}x{w}/{cap}"] = ok
+    g = torch.Generator(device=dev).manual_seed(2)
+    sh = [("64x64K full", 64, 65536, "full"), ("64x64K ragged", 64, 65536, "ragged"),
+          ("16x64K full", 16, 65536, "full"), ("4x64K full", 4, 65536, "full"), ("1x64K full", 1, 65536, "full"),
+          ("128x32K full", 128, 32768, "full"), ("256x16K full", 256, 16384, "full")]
+    if SMOKE:
+        sh = [("4x8K full", 4, 8192, "full")]
+    for case, r, w, kind in sh:
+        x = make("gaussian", r, w, g)
+        s, e = windows(kind, r, w, g)
+        time_topk(case, x, s, e, sweep=True)
+    pre = [("prefill 8Kx64K causal", 8192, 65536), ("prefill 8Kx8K causal", 8192, 8192)]
+    if SMOKE:
+        pre = [("prefill 64x4K causal", 64, 4096)]
+    for case, r, w in pre:
+        x = make("gaussian", r, w, g)
+        s, e = windows("causal", r, w, g)
+        time_topk(case, x, s, e, sweep=True, anchors=("prefill",), graph=False, torch_topk=True)
 
 
-@section("split decode 64x65536")
+@section("dist distributions")
 def _():
-    r, w, topk = 64, 65536, 2048
-    logits = torch.randn(r, w, device=dev)
-    starts = torch.zeros(r, dtype=torch.int32, device=dev)
-    ends = torch.full((r,), w, dtype=torch.int32, device=dev)
-    ends[::4] = torch.randint(w // 2, w, (r // 4,), device=dev, dtype=torch.int32)
-    run_split("decode64x64K", logits, starts, ends, topk, torch.arange(r, device=dev))
-    ends = torch.full((r,), w, dtype=torch.int32, device=dev)
-    run_split("decode64x64K-full", logits, starts, ends, topk, torch.arange(r, device=dev), graph=False,
-              variants=SPLIT_VARIANTS[:1])
+    g = torch.Generator(device=dev).manual_seed(3)
+    r, w = (64, 65536) if not SMOKE else (4, 8192)
+    s, e = windows("full", r, w, g)
+    base = None
+    for dist in DISTS:
+        x = make(dist, r, w, g)
+        d = time_topk(f"dist {dist}", x, s, e, anchors=("persistent",), graph=not SMOKE, torch_topk=False,
+                      triton_ws=False)
+        base = base or d["cuda"]
+        add(f"dist {dist}", "  ratio to gaussian (cuda)", "", f"{d['cuda'] / base:.2f}x")
+    x = make("gaussian", 8192, 8192, g) if not SMOKE else make("gaussian", 64, 4096, g)
+    s, e = windows("causal", x.shape[0], x.shape[1], g)
+    for dist in DISTS:
+        x = make(dist, x.shape[0], x.shape[1], g)
+        t = bench(lambda x=x: si.top_k_per_row(x, s, e, out=torch.empty(x.shape[0], K, dtype=torch.int32,
+                                                                          device=dev),
+                                               backend="reference" if SMOKE else "cuda", check_values=False))
+        add(f"dist-prefill {dist}", f"cuda {x.shape[0]}x{x.shape[1]} causal", t)
+        res[f"dist-prefill/{dist}"] = t
 
 
-@section("split decode 128x32768")
+# ------------------------------------------------------------------ 3. the decode step
+def step_case(b, nn, L, g):
+    from buffers import IndexerLimits, allocate
+
+    bs, d, h = 64, 128, 64
+    lim = IndexerLimits(max_model_len=L, max_num_batched_tokens=b * nn, max_num_seqs=b, next_n=nn,
+                        topk=K if not SMOKE else 256, prefill_k_tokens=L, max_logits_bytes=b * nn * L * 4)
+    mb = (L + bs - 1) // bs
+    nb = b * mb
+    kv = si.new_kv_cache(nb, bs, d, device=dev)
+    kv.view(torch.uint8)[..., :d].copy_(torch.randint(0, 120, kv[..., :d].shape, dtype=torch.uint8))
+    kv.view(torch.uint8)[..., d:].view(torch.float32).fill_(0.01)
+    bt = torch.randperm(nb, generator=g).int().view(b, mb).to(dev)
+    bufs = allocate(lim, dev)
+    seq = [L] * b
+    t = b * nn
+    q = (torch.randn(t, h, d, generator=g) * 2).to(torch.float8_e4m3fn).to(dev)
+    w = (torch.randn(t, h, generator=g) / math.sqrt(h * d)).to(dev)
+    pos = torch.cat([torch.arange(L - nn, L) for _ in range(b)])
+    req = torch.arange(b).repeat_interleave(nn)
+    slots = (bt.cpu().long()[req, pos // bs] * bs + pos % bs).to(dev)
+    md = si.build_metadata(seq, [nn] * b, bt, slots, lim)
+    out = torch.empty(t, lim.topk, dtype=torch.int32, device=dev)
+    case = f"step B={b} next_n={nn} L={L // 1024}K"
+    d_ = {}
+    for be in ([None, "reference"] if SMOKE else [None, "triton"]):
+        name = "auto (cuda top-k)" if be is None else be
+
+        def step(be=be):
+            si.indexer_decode(q, w, kv, md, bufs, out, backend=be)
+
+        step()
+        sel = out.clone()
+        if be is None:
+            first = sel
+        else:  # same value multisets as the CUDA top-k on the same logits (the logits op is deterministic)
+            lg = bufs.logits_view(t, md.decode.width)
+            vals = [lg.gather(1, o.long().clamp(min=0)).sort(dim=1).values for o in (first, sel)]
+            add(case, f"{name}: top-k equal to auto's (value multisets)", "", str(torch.equal(*vals)))
+        d_[f"{name} eager"] = bench(step)
+        add(case, f"{name}: logits + top-k, eager", d_[f"{name} eager"])
+        d_[f"{name} graph"] = graph_us([step]) if not SMOKE else d_[f"{name} eager"]
+        if not SMOKE:  # graph replay with the L2 flushed before each replay (as do_bench does)
+            gr = torch.cuda.CUDAGraph()
+            s_ = torch.cuda.Stream()
+            s_.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s_):
+                step()
+            torch.cuda.current_stream().wait_stream(s_)
+            with torch.cuda.graph(gr):
+                step()
+            d_[f"{name} graph"] = bench(gr.replay)
+        add(case, f"{name}: logits + top-k, CUDA graph", d_[f"{name} graph"])
+    logits = bufs.logits_view(t, md.decode.width)
+    d_["logits"] = bench(lambda: si.fp8_paged_mqa_logits(q.view(b, nn, h, d), kv, w, md.decode.context_lens,
+                                                         md.decode.block_table, out=logits, clean=False,
+                                                         check_values=False))
+    add(case, "logits alone (eager)", d_["logits"])
+    res[f"step/{case}"] = d_
+
+
+@section("step decode")
 def _():
-    r, w, topk = 128, 32768, 2048
-    logits = torch.randn(r, w, device=dev)
-    starts = torch.zeros(r, dtype=torch.int32, device=dev)
-    ends = torch.full((r,), w, dtype=torch.int32, device=dev)
-    run_split("decode128x32K", logits, starts, ends, topk, torch.arange(r, device=dev))
+    shapes = [(64, 1, 65536), (64, 2, 65536), (256, 1, 16384), (1, 1, 65536), (4, 1, 65536), (16, 1, 65536)]
+    if SMOKE:
+        shapes = [(2, 1, 4096)]
+    g = torch.Generator(device="cpu").manual_seed(4)
+    for b, nn, L in shapes:
+        step_case(b, nn, L, g)
+        if not SMOKE:
+            torch.cuda.empty_cache()
 
 
-@section("split prefill 8192x65536")
-def _():
-    r, w, topk = 8192, 65536, 2048
-    logits = torch.randn(r, w, device=dev)
-    starts = torch.zeros(r, dtype=torch.int32, device=dev)
-    ends = (w - r + 1 + torch.arange(r, device=dev)).int()
-    chk = torch.randperm(r, device=dev)[:256]
-    run_split("prefill8Kx64K", logits, starts, ends, topk, chk, graph=False, variants=[(2048, 4, 16), (4096, 8, 4)])
-
-
-if os.environ.get("SPLIT_ONLY"):
-    print(f"{'case':16s} {'variant':60s} {'us':>9s} {'x':>8s}")
-    for r in rows:
-        print(f"{r[0]:16s} {r[1]:60s} {r[2]:>9s} {r[3]:>8s}")
-    with open(os.path.join(OUT, "gpu_topk_split.json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
-    sys.exit(0)
-
-
-@section("topk decode 64x65536")
-def _():
-    r, w, topk = 64, 65536, 2048
-    logits = torch.randn(r, w, device=dev)
-    starts = torch.zeros(r, dtype=torch.int32, device=dev)
-    ends = torch.full((r,), w, dtype=torch.int32, device=dev)
-    ends[::4] = torch.randint(w // 2, w, (r // 4,), device=dev, dtype=torch.int32)
-    run_topk("decode", logits, starts, ends, topk, torch.arange(r, device=dev), r * w * 4)
-
-
-@section("topk prefill 8192x65536")
-def _():
-    r, w, topk = 8192, 65536, 2048
-    logits = torch.randn(r, w, device=dev)
-    starts = torch.zeros(r, dtype=torch.int32, device=dev)
-    ends = (w - r + 1 + torch.arange(r, device=dev)).int()  # one request, L=64K, q=8K (docs/spec.md §5)
-    chk = torch.randperm(r, device=dev)[:512]
-    run_topk("prefill_tail", logits, starts, ends, topk, chk, int((ends - starts).sum()) * 4)
-    ends2 = (8 * (1 + torch.arange(r, device=dev))).int()  # causal 8..64K
-    run_topk("prefill_causal", logits, starts, ends2, topk, chk, int((ends2 - starts).sum()) * 4)
-
-
-@section("write_k_cache 65536 tokens")
-def _():
-    t, d, bs = 65536, 128, 64
-    nb = t // bs + 16
-    slots = torch.randperm(nb * bs, device=dev)[:t]
-    for fmt in ("ue8m0", None):
-        for dt in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
-            k = (torch.randn(t, d, device=dev) * torch.rand(t, 1, device=dev) * 8).to(torch.bfloat16)
-            caches = []
-            for be in ("reference", "triton"):
-                kv = new_kv_cache(nb, bs, d, device=dev, block_pad=64)
-                si.write_k_cache(k, kv, slots, scale_fmt=fmt, fp8_dtype=dt, backend=be)
-                caches.append(kv)
-            nbad_gpu_ref = int((caches[0] != caches[1]).sum())
-            ref = new_kv_cache(nb, bs, d, block_pad=64)  # reference on the CPU (true division, docs/spec.md §3)
-            si.write_k_cache(k.cpu(), ref, slots.cpu(), scale_fmt=fmt, fp8_dtype=dt, backend="reference")
-            kv = caches[1]
-            ok = torch.equal(kv.cpu(), ref)
-            nbad = f"{int((kv.cpu() != ref).sum())} (vs cuda ref {nbad_gpu_ref})"
-            tt = bench(lambda k=k, kv=kv, fmt=fmt, dt=dt: si.write_k_cache(
-                k, kv, slots, scale_fmt=fmt, fp8_dtype=dt, backend="triton", check_values=False))
-            nbytes = t * d * 2 + t * (d + 4) + t * 8
-            fl = copy_us(nbytes // 2)
-            ks = [k] + [torch.randn_like(k) for _ in range(5)]
-            kvs = [kv] + [new_kv_cache(nb, bs, d, device=dev, block_pad=64) for _ in range(5)]
-            sls = [slots] + [torch.randperm(nb * bs, device=dev)[:t] for _ in range(5)]
-            from sparse_indexer.ops.write_k_cache import triton as wkt
-            tg = graph_us([lambda k=k_, kv=kv_, sl=sl_, fmt=fmt, dt=dt: wkt.write_k_cache(
-                k, kv, sl, scale_fmt=fmt, fp8_dtype=dt) for k_, kv_, sl_ in zip(ks, kvs, sls)])
-            flg = copy_us(nbytes // 2, sets=6)
-            rows.append(("write", f"{fmt} {str(dt)[-8:]} exact={ok} nbad={nbad}", f"{tt:.1f}", f"{tt / fl:.2f}"))
-            rows.append(("write", "  graph x6 sets (kernel only)", f"{tg:.1f}", f"{tg / flg:.2f}"))
-            res[f"write/{fmt}/{dt}"] = {"us": tt, "exact": ok, "floor_us": fl, "graph_us": tg, "graph_floor": flg}
-    rows.append(("write", f"floor copy of {nbytes / 2**20:.1f} MiB traffic", f"{fl:.1f}", "1.00"))
-
-
-@section("gather_k_cache 65536 tokens")
-def _():
-    d, bs = 128, 64
-    lens = [16384, 20000, 9000, 20152]
-    total = sum(lens)
-    nb = sum((x + bs - 1) // bs for x in lens) + 32
-    kv = new_kv_cache(nb, bs, d, device=dev, block_pad=64)
-    kv.copy_(torch.randint(0, 256, kv.shape, dtype=torch.uint8, device=dev))
-    mb = max((x + bs - 1) // bs for x in lens)
-    perm = torch.randperm(nb, device=dev).int()
-    bt = torch.zeros(len(lens), mb, dtype=torch.int32, device=dev)
-    c = 0
-    for i, x in enumerate(lens):
-        kk = (x + bs - 1) // bs
-        bt[i, :kk] = perm[c:c + kk]
-        c += kk
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=dev)
-    outs = []
-    for be in ("reference", "triton"):
-        ok_ = torch.full((total + 100, d), 7, dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn)
-        os_ = torch.full((total + 100,), 3.0, device=dev)
-        si.gather_k_cache(kv, bt, cu, out_k=ok_, out_scale=os_, backend=be)
-        outs.append((ok_.view(torch.uint8), os_.view(torch.int32)))
-    exact = torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-    ok_, os_ = outs[1]
-    ok_ = ok_.view(torch.float8_e4m3fn)
-    os_ = os_.view(torch.float32)
-    tt = bench(lambda: si.gather_k_cache(kv, bt, cu, out_k=ok_, out_scale=os_, backend="triton",
-                                         check_values=False))
-    fl = copy_us(total * (d + 4))
-    rows.append(("gather", f"{total} tokens exact={exact}", f"{tt:.1f}", f"{tt / fl:.2f}"))
-    from sparse_indexer.ops.gather_k_cache import triton as gkt
-    kvs = [kv] + [kv.clone() for _ in range(5)]
-    oks = [ok_] + [torch.empty_like(ok_) for _ in range(5)]
-    oss = [os_] + [torch.empty_like(os_) for _ in range(5)]
-    tg = graph_us([lambda kv=a, o=b, s_=c: gkt.gather_k_cache(kv, bt, cu, out_k=o, out_scale=s_)
-                   for a, b, c in zip(kvs, oks, oss)])
-    flg = copy_us(total * (d + 4), sets=6)
-    rows.append(("gather", "  graph x6 sets (kernel only)", f"{tg:.1f}", f"{tg / flg:.2f}"))
-    rows.append(("gather", "  graph floor copy", f"{flg:.1f}", "1.00"))
-    res["gather_graph"] = {"us": tg, "floor_us": flg}
-    rows.append(("gather", f"floor copy of {total * (d + 4) / 2**20:.1f} MiB", f"{fl:.1f}", "1.00"))
-    res["gather"] = {"us": tt, "exact": exact, "floor_us": fl}
-
-
-print(f"{'case':16s} {'variant':52s} {'us':>9s} {'x floor':>8s}")
+print(f"\n{'case':24s} {'what':58s} {'us':>9s} note")
 for r in rows:
-    print(f"{r[0]:16s} {r[1]:52s} {r[2]:>9s} {r[3]:>8s}")
+    print(f"{r[0]:24s} {r[1]:58s} {r[2]:>9s} {r[3]}")
 res["rows"] = rows
 with open(os.path.join(OUT, "gpu_topk_bench.json"), "w") as f:
     json.dump(res, f, indent=1, default=str)
-sys.exit(0)

@@ -92,10 +92,47 @@ def main() -> int:
         w_ok &= torch.equal(win[sel2[r].long()].sort().values, win.topk(topk).values.sort().values)
     print("top_k_per_row (split path, workspace) multisets equal:", w_ok)
     t_ok &= w_ok
+    t_ok &= _cuda_topk(dev)
     ok &= t_ok
     torch.cuda.synchronize()
     print("ALL OK" if ok else "MISMATCH")
     return 0 if ok else 1
+
+
+def _cuda_topk(dev) -> bool:
+    """The NVRTC top-k kernel (sparse_indexer/ops/top_k_per_row/cuda.py) in every path and cluster size."""
+    from sparse_indexer.ops.top_k_per_row import cuda as tkc
+
+    why = tkc.unavailable_reason()
+    if why:
+        print("cuda top-k: not available:", why)
+        return True
+    g = torch.Generator(device=dev).manual_seed(5)
+    r, w, topk = 6, 40000, 2048
+    x = torch.randn(r, w + 1, device=dev, generator=g)[:, 1:]  # unaligned rows: scalar edges
+    x[1] = torch.randint(0, 4, (w,), device=dev, generator=g).float()  # ties at the threshold
+    x[2, ::3] = float("nan")
+    x[2, 1::3] = float("-inf")
+    x[3] *= 1e-3  # candidates overflow: the exact fallback over the whole window
+    for o in (1, 2, 3):
+        x[3, o::16] += 10
+    s = torch.tensor([0, 5, 0, 0, 100, 7], dtype=torch.int32, device=dev)
+    e = torch.tensor([w, w, w, w, 100 + 9000, 7 + 1000], dtype=torch.int32, device=dev)  # small, short rows
+    ok = True
+    for nt, cs in ((512, 1), (1024, 1), (512, 4), (1024, 2), (512, 8)):
+        out = torch.full((r, topk), -7, dtype=torch.int32, device=dev)
+        tkc.launch(x, s, e, out, nt=nt, cs=cs)
+        ref = torch.empty_like(out)
+        si.top_k_per_row(x, s, e, out=ref, backend="reference")
+        for i in range(r):
+            win = x[i, int(s[i]) : int(e[i])].double()
+            win = torch.where(torch.isnan(win) | (win == float("-inf")), -1e300, win)
+            if int(e[i] - s[i]) <= topk:
+                ok &= torch.equal(out[i], ref[i])
+            else:
+                ok &= torch.equal(win[out[i].long()].sort().values, win[ref[i].long()].sort().values)
+    print("top_k_per_row (cuda backend, all paths) multisets equal:", ok)
+    return ok
 
 
 if __name__ == "__main__":

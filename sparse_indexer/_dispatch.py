@@ -19,7 +19,9 @@ import torch
 
 __all__ = ["BACKENDS", "BackendUnavailable", "available", "candidates", "call", "unavailable_reason"]
 
-BACKENDS = ("reference", "triton", "aiter")
+BACKENDS = ("reference", "triton", "aiter", "cuda")
+PARTIAL_BACKENDS = {"cuda": ("top_k_per_row",)}
+"""Backends that implement only some ops: ``auto`` tries them for those ops only."""
 OPS = ("write_k_cache", "gather_k_cache", "fp8_mqa_logits", "fp8_paged_mqa_logits", "top_k_per_row")
 
 
@@ -58,13 +60,19 @@ def unavailable_reason(backend: str, device: torch.device) -> str | None:
         if device.type != "cuda" or torch.version.hip is None:
             return f"the aiter backend runs on ROCm GPUs only, not on {device} (torch.version.hip={torch.version.hip})"
         return _module_ok("aiter")
+    if backend == "cuda":
+        if device.type != "cuda" or torch.version.hip is not None:
+            return f"the CUDA backend runs on NVIDIA GPUs only, not on {device} (torch.version.hip={torch.version.hip})"
+        from .ops.top_k_per_row import cuda as topk_cuda
+
+        return topk_cuda.unavailable_reason()
     return f"unknown backend {backend!r}; choose one of {BACKENDS} or 'auto'"
 
 
 def available(device: torch.device | str) -> tuple[str, ...]:
     """The backends that can run on ``device``, best first (the order ``auto`` tries them)."""
     device = torch.device(device)
-    order = ("aiter", "triton", "reference") if device.type == "cuda" else ("reference",)
+    order = ("aiter", "cuda", "triton", "reference") if device.type == "cuda" else ("reference",)
     return tuple(b for b in order if unavailable_reason(b, device) is None)
 
 
@@ -73,7 +81,7 @@ def candidates(op: str, backend: str | None, device: torch.device) -> tuple[str,
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}")
     if backend is None or backend == "auto":
-        return available(device)
+        return tuple(b for b in available(device) if op in PARTIAL_BACKENDS.get(b, (op,)))
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, 'auto' or None, got {backend!r}")
     why = unavailable_reason(backend, device)

@@ -1,0 +1,215 @@
+"""CUDA backend of ``top_k_per_row`` (NVIDIA only): ``topk_kernel.cu`` compiled at first use by NVRTC.
+
+The kernel (docs/spec.md §6 semantics; its algorithm is described at the top of ``topk_kernel.cu``) runs one
+cluster of ``CS`` CTAs per row: a strided sample gives a threshold, one pass over the window pushes the cells above
+it (and the positions of cells equal to it) into the leader CTA's shared memory, and the leader radix-selects
+exactly among them (shared-memory histograms with 2048 bins: what Triton 3.6 cannot express). It needs no global
+workspace (``workspace`` is accepted and ignored) and makes no host sync and no allocation per call.
+
+Needs ``cuda-bindings`` (``cuda.bindings.nvrtc`` / ``cuda.bindings.driver``; a dependency of torch's CUDA 13
+wheels, or ``pip install sparse-indexer[cuda]``) and the NVRTC library (``nvidia-cuda-nvrtc``). Without them the
+backend reports itself unavailable and ``auto`` uses Triton. Compiled cubins are cached on disk under
+``$SPARSE_INDEXER_CACHE_DIR`` (default ``~/.cache/sparse_indexer/nvrtc``), keyed by the SHA-256 of the source, the
+compile options, the target architecture and the NVRTC version. Launches go to torch's current stream (CUDA-graph
+capturable). ``topk`` up to :data:`MAX_TOPK`; larger raises :class:`NotImplementedError` (``auto`` then uses Triton).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import pathlib
+import tempfile
+
+import torch
+
+__all__ = ["MAX_TOPK", "config", "top_k_per_row", "unavailable_reason"]
+
+SOURCE = pathlib.Path(__file__).with_name("topk_kernel.cu")
+MAX_TOPK = 4096
+SMAX = 4096  # most sample cells (topk_kernel.cu's SMAX)
+SM_WORDS = 16 + 2048 + 32 + SMAX  # counters, histogram, warp sums, sample (u32 words)
+CLUSTER_SIZES = (1, 2, 4, 8, 16)
+MIN_SPLIT_CELLS = 8192  # a row is split over CTAs only in pieces of at least this many cells
+
+
+def unavailable_reason() -> str | None:
+    """``None`` when cuda-bindings and NVRTC load here, else why not (the device is checked by the dispatcher)."""
+    return _bindings_reason()
+
+
+@functools.cache
+def _bindings_reason() -> str | None:
+    try:
+        from cuda.bindings import driver, nvrtc  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+        return f"cuda-bindings does not import ({type(e).__name__}: {e}); pip install cuda-bindings"
+    try:
+        err, *_ = nvrtc.nvrtcVersion()
+    except Exception as e:  # noqa: BLE001 - a missing libnvrtc raises here
+        return f"NVRTC does not load ({type(e).__name__}: {e}); pip install nvidia-cuda-nvrtc"
+    if int(err) != 0:
+        return f"NVRTC does not load ({err})"
+    return None
+
+
+def _check(result, what: str):
+    """cuda-bindings calls return ``(err, *values)``; raise on an error, return the values."""
+    err, *vals = result
+    if int(err) != 0:
+        from cuda.bindings import driver
+
+        e2, name = driver.cuGetErrorName(err) if isinstance(err, driver.CUresult) else (None, str(err))
+        raise RuntimeError(f"{what} failed: {name!r} ({err})")
+    return vals[0] if len(vals) == 1 else vals
+
+
+def cap_for(topk: int) -> int:
+    """Candidate slots in shared memory for ``topk``: windows up to this long are selected without sampling."""
+    return max(4096, 4 * topk)
+
+
+def smem_bytes(topk: int) -> int:
+    return 4 * (SM_WORDS + 2 * cap_for(topk) + topk)
+
+
+def _cache_dir() -> pathlib.Path:
+    d = os.environ.get("SPARSE_INDEXER_CACHE_DIR")
+    if d:
+        return pathlib.Path(d) / "nvrtc"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "sparse_indexer" / "nvrtc"
+
+
+def _compile(arch: str, nt: int, cs: int) -> bytes:
+    """The cubin of the kernel for ``arch`` (``sm_90a``...), from the disk cache or NVRTC."""
+    from cuda.bindings import nvrtc
+
+    src = SOURCE.read_bytes()
+    opts = [f"--gpu-architecture={arch}", "-std=c++17", f"-DNT={nt}", f"-DCS={cs}", f"-DSMAX={SMAX}",
+            f"-DMINB={max(1, 1024 // nt)}", "-lineinfo"]
+    ver = _check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+    key = hashlib.sha256(src + repr((opts, ver)).encode()).hexdigest()[:32]
+    path = _cache_dir() / f"topk_{arch}_{key}.cubin"
+    try:
+        return path.read_bytes()
+    except OSError:
+        pass
+    prog = _check(nvrtc.nvrtcCreateProgram(src, b"topk_kernel.cu", 0, [], []), "nvrtcCreateProgram")
+    try:
+        bopts = [o.encode() for o in opts]
+        (res,) = nvrtc.nvrtcCompileProgram(prog, len(bopts), bopts)
+        if int(res) != 0:
+            size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+            log = b" " * size
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"NVRTC failed to compile {SOURCE.name} ({' '.join(opts)}):\n{log.decode()}")
+        size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+        cubin = b" " * size
+        _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    try:  # atomic publish: concurrent processes never see a partial file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(cubin)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache only costs a compile per process
+    return cubin
+
+
+@functools.cache
+def _arch(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm_{major}{minor}a" if major == 9 else f"sm_{major}{minor}"
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
+def _kernel(index: int, nt: int, cs: int, smem: int):
+    """The loaded ``CUkernel`` for device ``index`` with ``smem`` dynamic shared bytes allowed."""
+    from cuda.bindings import driver
+
+    torch.cuda.init()
+    lib = _check(driver.cuLibraryLoadData(_compile(_arch(index), nt, cs), [], [], 0, [], [], 0), "cuLibraryLoadData")
+    kern = _check(driver.cuLibraryGetKernel(lib, b"si_top_k_per_row"), "cuLibraryGetKernel")
+    dev = _check(driver.cuDeviceGet(index), "cuDeviceGet")
+    A = driver.CUfunction_attribute
+    _check(driver.cuKernelSetAttribute(A.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem, kern, dev),
+           "cuKernelSetAttribute(max dynamic shared)")
+    if cs > 8:
+        _check(driver.cuKernelSetAttribute(A.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1, kern, dev),
+               "cuKernelSetAttribute(non-portable cluster)")
+    return lib, kern
+
+
+def config(rows: int, width: int, device: torch.device) -> tuple[int, int]:
+    """``(threads per CTA, CTAs per row)`` for a call of ``rows`` rows of ``width`` cells (shapes only).
+
+    Few rows are split over a cluster of CTAs (up to 8 on sm_90, none before) in pieces of at least
+    :data:`MIN_SPLIT_CELLS`, so that about two CTAs per SM run; many rows take one CTA each."""
+    index = torch.device(device).index or 0
+    major = torch.cuda.get_device_capability(index)[0]
+    nt = 512
+    slots = 2 * _sm_count(index)
+    cs = 1
+    if major >= 9:
+        while cs < 8 and rows * cs * 2 <= slots and width // (cs * 2) >= MIN_SPLIT_CELLS:
+            cs *= 2
+    return nt, cs
+
+
+_ARGTYPES = (ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+             ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_int)
+
+
+def launch(logits, row_starts, row_ends, out, *, nt: int, cs: int) -> None:
+    """One launch of the kernel with ``nt`` threads and ``cs`` CTAs per row (arguments already checked)."""
+    from cuda.bindings import driver
+
+    r = logits.shape[0]
+    topk = out.shape[1]
+    if r == 0:
+        return
+    index = logits.device.index or 0
+    smem = smem_bytes(topk)
+    _, kern = _kernel(index, nt, cs, smem)
+    cfg = driver.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = r * cs, 1, 1
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = nt, 1, 1
+    cfg.sharedMemBytes = smem
+    cfg.hStream = driver.CUstream(torch.cuda.current_stream(logits.device).cuda_stream)
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cs, 1, 1
+    if cs > 1:
+        cfg.attrs = [attr]
+        cfg.numAttrs = 1
+    else:
+        cfg.numAttrs = 0
+    vec_ok = int(logits.data_ptr() % 16 == 0)
+    args = (logits.data_ptr(), logits.stride(0), row_starts.data_ptr(), row_ends.data_ptr(), out.data_ptr(),
+            out.stride(0), topk, cap_for(topk), vec_ok)
+    _check(driver.cuLaunchKernelEx(cfg, kern, (args, _ARGTYPES), 0), "cuLaunchKernelEx")
+
+
+def top_k_per_row(logits, row_starts, row_ends, *, out, workspace=None) -> None:
+    """See :func:`sparse_indexer.top_k_per_row`; arguments are checked. ``workspace`` is not needed here."""
+    del workspace
+    if logits.device.type != "cuda" or torch.version.hip is not None:
+        raise NotImplementedError(f"the CUDA top-k runs on NVIDIA GPUs, not {logits.device}")
+    topk = out.shape[1]
+    if topk > MAX_TOPK:
+        raise NotImplementedError(f"the CUDA top-k takes topk <= {MAX_TOPK}, got {topk}")
+    if logits.shape[0] == 0:
+        return
+    nt, cs = config(logits.shape[0], logits.shape[1], logits.device)
+    launch(logits, row_starts, row_ends, out, nt=nt, cs=cs)
