@@ -154,15 +154,30 @@ def buffers_from_workspace(limits: IndexerLimits | BufferPlan, manager=None) -> 
 
 # ------------------------------------------------------------------------------------------------ metadata
 def _decode_from_vllm(d, num_decode_tokens: int, width: int, next_n: int) -> DecodeMetadata:
-    """vLLM's ``DeepSeekV32IndexerDecodeMetadata`` -> ours (device tensors only, no host sync; a 1-D
-    ``seq_lens`` with ``requires_padding`` is packed into the engine's ``next_n`` slots per request, vLLM's
-    ``decode_lens.max()`` being at most that).
+    """vLLM's ``DeepSeekV32IndexerDecodeMetadata`` -> ours, with device tensor ops only (no host sync: the
+    conversion runs inside a captured CUDA graph and is replayed with the new contents of vLLM's buffers).
 
-    vLLM's conventions: ``seq_lens`` is ``[B]`` (full context length; with ``next_n`` queries per request row
-    ``j`` sees ``L - next_n + j + 1`` keys; the "flattened" form has one row per token, next_n = 1) or
-    ``[B, next_n]`` (per-row limits ``clamp(L - next_n + j + 1, 0)``). With ``requires_padding`` the decode
-    lengths ``d_b`` differ and queries are packed left-aligned into ``[B, max d_b]`` slots; we then use
-    ``L_b = seq_lens[b, -1]`` and docs/spec.md §7's window ``L_b - d_b + j + 1`` for the real slots.
+    The layouts vLLM 0.33's ``DeepseekV32IndexerMetadataBuilder`` produces (``num_decode_tokens`` = ``T_d``,
+    decode requests ``B``, ``d_b`` = ``decode_lens``):
+
+    * native: ``seq_lens [B, n]`` with ``n = max d_b`` and ``seq_lens[b, j] = clamp(L_b - n + j + 1, 0)``
+      (``[B, 1]`` = ``L_b`` at one token); older versions pass ``[B]`` (row ``j`` then sees ``L_b - n + j + 1``
+      keys). Uniform when ``B * n == T_d`` and not ``requires_padding``: token ``t`` is slot ``t`` of the
+      ``[B, n]`` grid.
+    * flattened (off-CUDA at next_n > 2, adaptive verification): one row per token, ``seq_lens [T_d, 1]``,
+      ``block_table`` repeated per token, ``decode_lens`` all ones: the uniform case with ``n = 1``.
+    * padded for a FULL CUDA graph: padding requests (``d_b = 0``, ``L_b = 0``, ``seq_lens`` rows 0) at the
+      end, padding tokens counted in ``T_d`` (their ``slot_mapping`` is -1), ``requires_padding`` set.
+    * padded tokens without padding requests (FULL graphs of batches that are not uniform decodes): ``T_d``
+      larger than the real tokens.
+
+    Otherwise (``requires_padding``, or ``B * n != T_d``) the real tokens ``t < S = sum(d_b)`` are packed
+    left-aligned into the ``[B, n]`` grid: token ``j < d_b`` of request ``b`` is slot ``b * n + j`` with
+    window ``L_b - d_b + j + 1`` (docs/spec.md §7), ``L_b = seq_lens[b, -1]``. Slots ``j >= d_b`` have empty
+    windows (their top-k rows are all -1). The result describes ``min(T_d, B * n)`` token rows (``S <= B * n``:
+    the rest can only be padding, left to the caller); each padding token ``S <= t < B * n`` is unpacked from
+    the first empty slot, which exists because ``S < B * n`` then, so its ``topk_out`` row is -1 and no index
+    reaches past the last request. Decode lengths above ``n`` are not checked (that would need a host sync).
     """
     seq_lens, bt = d.seq_lens, d.block_table
     if getattr(d, "indices", None) is not None:
@@ -171,34 +186,47 @@ def _decode_from_vllm(d, num_decode_tokens: int, width: int, next_n: int) -> Dec
     dev = seq_lens.device
     if b == 0:
         raise ValueError("decode metadata with 0 requests but num_decode_tokens > 0")
-    if not d.requires_padding:
-        nn = seq_lens.shape[1] if seq_lens.dim() == 2 else num_decode_tokens // b
-        if b * nn != num_decode_tokens:
-            raise ValueError(f"uniform decode: {b} requests x next_n {nn} != num_decode_tokens {num_decode_tokens}")
+    if seq_lens.dim() not in (1, 2):
+        raise ValueError(f"decode.seq_lens must be [B] or [B, n], got shape {tuple(seq_lens.shape)}")
+    if seq_lens.dim() == 2:
+        nn = seq_lens.shape[1]
+    elif d.requires_padding or num_decode_tokens % b:
+        nn = next_n
+    else:
+        nn = num_decode_tokens // b
+    if bt.shape[0] < b:
+        raise ValueError(f"decode.block_table has {bt.shape[0]} rows for {b} decode rows")
+    if not d.requires_padding and b * nn == num_decode_tokens:
         ctx = seq_lens.to(torch.int32)
         return DecodeMetadata(
-            num_reqs=b, next_n=nn, uniform=True, width=width, context_lens=ctx, block_table=bt,
+            num_reqs=b, next_n=nn, uniform=True, width=width, context_lens=ctx, block_table=bt[:b],
             row_starts=torch.zeros(b * nn, dtype=torch.int32, device=dev),
             row_ends=row_limits(ctx, nn).to(torch.int32), pack_src=None, unpack_src=None,
         )
+    # tokens past the [B, n] grid can only be padding (a request has at most n tokens): no rows for them here
+    rows = min(num_decode_tokens, b * nn)
+    if d.decode_lens.shape != (b,):
+        raise ValueError(f"decode.decode_lens has shape {tuple(d.decode_lens.shape)}, expected [{b}]")
     dl = d.decode_lens.to(dev).long()
-    if seq_lens.dim() == 2:
-        nn, full = seq_lens.shape[1], seq_lens[:, -1].long()
-    else:
-        nn, full = next_n, seq_lens.long()
+    full = (seq_lens[:, -1] if seq_lens.dim() == 2 else seq_lens).long()
     j = torch.arange(nn, device=dev)[None, :]
     real = j < dl[:, None]
     lim = torch.where(real, (full - dl)[:, None] + j + 1, 0).clamp(min=0)
     ends = torch.cumsum(dl, 0)
     starts = ends - dl
+    # slots past a request's tokens repeat its last token (row 0 for padding requests): their windows are empty
     pack_src = torch.where(dl[:, None] > 0, starts[:, None] + torch.minimum(j, (dl - 1).clamp(min=0)[:, None]), 0)
-    t = torch.arange(num_decode_tokens, device=dev)
-    req = torch.searchsorted(ends, t, right=True)
-    unpack_src = req * nn + t - starts[req]
+    t = torch.arange(rows, device=dev)
+    req = torch.searchsorted(ends, t, right=True)  # == b for the padding tokens t >= sum(d_b)
+    is_real = req < b
+    req = req.clamp(max=b - 1)
+    row_ends = lim.reshape(-1)
+    empty_slot = torch.argmax((row_ends == 0).to(torch.int32))  # first slot with an empty window
+    unpack_src = torch.where(is_real, req * nn + t - starts[req], empty_slot)
     return DecodeMetadata(
-        num_reqs=b, next_n=nn, uniform=False, width=width, context_lens=lim.to(torch.int32), block_table=bt,
+        num_reqs=b, next_n=nn, uniform=False, width=width, context_lens=lim.to(torch.int32), block_table=bt[:b],
         row_starts=torch.zeros(b * nn, dtype=torch.int32, device=dev),
-        row_ends=lim.reshape(-1).to(torch.int32), pack_src=pack_src.reshape(-1), unpack_src=unpack_src,
+        row_ends=row_ends.to(torch.int32), pack_src=pack_src.reshape(-1), unpack_src=unpack_src,
     )
 
 
@@ -224,21 +252,49 @@ def _chunk_from_vllm(c) -> PrefillChunk:
 def metadata_from_vllm(md, limits: IndexerLimits) -> IndexerMetadata:
     """Our :class:`IndexerMetadata` from one layer's vLLM ``DeepseekV32IndexerMetadata`` (any object with its
     field names: ``slot_mapping``, ``num_decodes``, ``num_decode_tokens``, ``num_prefills``,
-    ``num_prefill_tokens``, ``decode``, ``prefill.chunks``). Decode logits use ``W = limits.max_model_len``."""
+    ``num_prefill_tokens``, ``decode``, ``prefill.chunks``). Decode logits use ``W = limits.max_model_len``.
+
+    Reads host integers and makes device tensors only, so it can run inside a captured CUDA graph. Padding
+    from vLLM's FULL CUDA graphs gets no rows: padding decode tokens are unpacked from an empty slot
+    (:func:`_decode_from_vllm`), and padding tokens after the prefill chunks (counted in vLLM's
+    ``num_prefill_tokens``, covered by no chunk) fall beyond our ``num_tokens``, so the step fills their
+    ``topk_out`` rows with -1. Their ``slot_mapping`` entries are -1 (no cache write).
+
+    Raises:
+        ValueError: the chunks do not cover consecutive rows from ``num_decode_tokens`` on, or the decode part
+            holds more tokens than its ``[B, n]`` grid.
+        NotImplementedError: vLLM features the shim does not implement (varlen decode ``indices``, context
+            parallelism).
+    """
     nd, npf = int(md.num_decode_tokens), int(md.num_prefill_tokens)
     decode = None
+    decode_rows = 0
     if int(md.num_decodes) > 0 and nd > 0:
         if md.decode is None:
             raise ValueError("num_decodes > 0 but the metadata has no decode part")
         decode = _decode_from_vllm(md.decode, nd, limits.max_model_len, limits.next_n)
+        decode_rows = min(nd, decode.num_rows)
     chunks: tuple[PrefillChunk, ...] = ()
     if int(md.num_prefills) > 0:
         if md.prefill is None:
             raise ValueError("num_prefills > 0 but the metadata has no prefill part")
         chunks = tuple(_chunk_from_vllm(c) for c in md.prefill.chunks)
+    # prefill rows: the chunks' rows, consecutive from the decode tokens on; the rest of vLLM's prefill tokens
+    # are FULL-graph padding (requests with no tokens), left to the step's -1 fill
+    end = nd
+    for c in chunks:
+        if c.token_start != end:
+            raise ValueError(f"prefill chunk rows [{c.token_start}, {c.token_end}) do not start at row {end} "
+                             f"(the end of the previous chunk or of the {nd} decode tokens)")
+        end = c.token_end
+    if end > nd + npf:
+        raise ValueError(f"prefill chunks end at row {end} > num_decode_tokens + num_prefill_tokens = {nd + npf}")
+    if chunks and decode_rows != nd:
+        raise ValueError(f"{nd} decode tokens do not fit the decode part's {decode_rows} slots, and prefill rows "
+                         f"follow them")
     return IndexerMetadata(
-        num_decodes=int(md.num_decodes), num_decode_tokens=nd, num_prefills=int(md.num_prefills),
-        num_prefill_tokens=npf, slot_mapping=md.slot_mapping.to(torch.int64), decode=decode,
+        num_decodes=int(md.num_decodes), num_decode_tokens=decode_rows, num_prefills=int(md.num_prefills),
+        num_prefill_tokens=end - nd, slot_mapping=md.slot_mapping.to(torch.int64), decode=decode,
         prefill_chunks=chunks, limits=limits,
     )
 
@@ -284,13 +340,17 @@ class VllmIndexer:
     attn_metadata: Callable[[], Any] = _forward_context_metadata
     manager: Any = None
     # the last conversion of vLLM's metadata: every layer of a step shares the same metadata object, so the
-    # conversion (small device tensors) runs once per step, not once per layer
+    # conversion (small device tensors) runs once per step, not once per layer. The capture state is part of
+    # the key: a conversion made outside a CUDA graph capture (a warm-up with the same object) must not be
+    # reused inside it, or the graph would replay stale tensors instead of converting the new metadata.
     _last: dict = attrs.field(factory=dict, init=False, repr=False, eq=False)
 
     def _metadata(self, vllm_md, limits: IndexerLimits) -> IndexerMetadata:
-        if self._last.get("src") is not vllm_md or self._last.get("limits") != limits:
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        key = (limits, capturing)
+        if self._last.get("src") is not vllm_md or self._last.get("key") != key:
             self._last.clear()
-            self._last.update(src=vllm_md, limits=limits, md=metadata_from_vllm(vllm_md, limits))
+            self._last.update(src=vllm_md, key=key, md=metadata_from_vllm(vllm_md, limits))
         return self._last["md"]
 
     @classmethod
