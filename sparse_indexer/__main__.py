@@ -1,6 +1,8 @@
-"""Command line: ``python -m sparse_indexer {demo,plan,bench}``.
+"""Command line: ``python -m sparse_indexer {demo,check,plan,bench}``.
 
 - ``demo``: a simulated serving loop on DeepSeek-V3.2 shapes, checked in float64 (CPU reference by default).
+- ``check``: a self-check of every backend available on a device against the reference (run it first on new
+  hardware); exit status 1 on any mismatch.
 - ``plan``: the buffer plan for engine limits, beside what vLLM's rules reserve for the same limits.
 - ``bench``: the GPU benchmark of every op and backend against the hardware floors.
 """
@@ -13,6 +15,8 @@ import sys
 import torch
 
 from buffers import IndexerLimits, plan
+
+from ._cli import UsageError
 
 MiB = 2**20
 
@@ -76,9 +80,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sparse_indexer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    from . import demo
+    from . import check, demo
 
-    demo.add_arguments(sub.add_parser("demo", help="simulated serving loop, checked in float64"))
+    demo.add_arguments(sub.add_parser("demo", help="simulated serving loop, checked in float64",
+                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    check.add_arguments(sub.add_parser("check", help="self-check: every backend on a device against the reference",
+                                       description=check.__doc__,
+                                       formatter_class=argparse.RawDescriptionHelpFormatter))
     _plan_args(sub.add_parser("plan", help="buffer plan for engine limits vs vLLM's reservations"))
     try:
         from . import bench
@@ -90,8 +98,14 @@ def main(argv=None) -> int:
         bench.add_arguments(bp)
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    if args.cmd == "demo":
-        return demo.run(args)
+    try:
+        if args.cmd == "demo":
+            return demo.run(args)
+        if args.cmd == "check":
+            return check.run(args)
+    except UsageError as e:  # an unavailable device or backend: one line, before any work
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.cmd == "plan":
         return _plan(args)
     if bench is None:

@@ -1,0 +1,637 @@
+"""``python -m sparse_indexer check``: a self-check of every backend on this machine against the reference.
+
+Run it first on new hardware (an AMD GPU, a new NVIDIA part, a new Triton or torch): it draws fresh random inputs
+(the seed is printed, ``--seed`` repeats a run), runs each op with every backend available on the device, and
+compares the result with the reference backend on the CPU (exact FP8 emulation, docs/spec.md §2) on the same
+inputs:
+
+- ``write_k_cache`` and ``gather_k_cache``: byte for byte (plain scales may differ by one FP8 step where the
+  quotient lies within ``2**-20`` of a midpoint, docs/spec.md §3);
+- ``fp8_mqa_logits`` and ``fp8_paged_mqa_logits``: relative L2 error inside the windows, ``-inf`` masks exactly
+  (1-D and 2-D context lengths, ``next_n`` 1 to 4, ``clean`` on and off);
+- ``top_k_per_row``: docs/spec.md §6 on the same logits (short rows exact, long rows by the multiset of selected
+  values; with and without the split-row workspace; ties, ``-inf`` and NaN);
+- ``step``: mixed steps of ``sparse_attn_indexer`` end to end (packed and uniform decode, prefill chunks split
+  along queries, padding rows), the cache bytes against the reference and every selected key's float64 score
+  against the true top-k.
+
+Every FP8 format the backend supports on the device is checked. One table row per case gives the measured
+error and the tolerance; the exit status is 0 when every case passes, 1 on any mismatch or error, 2 when the
+device or backend is not available (nothing is run). On the CPU the Triton backend runs under Triton's
+interpreter (``TRITON_INTERPRET=1`` is set for this process when triton is not imported yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from buffers import IndexerLimits, allocate
+from buffers.plan import TOPK_SCRATCH_COUNTERS, topk_scratch_cap
+
+from . import _dispatch
+from ._cli import UsageError, require_backend, resolve_device
+from .fp8 import fp8_name, quantize_k, quantize_q
+from .indexer import sparse_attn_indexer
+from .kcache import cache_views, new_kv_cache, slots_from_block_table
+from .metadata import build_metadata
+from .ops.fp8_mqa_logits import fp8_mqa_logits
+from .ops.fp8_paged_mqa_logits import fp8_paged_mqa_logits, row_limits
+from .ops.gather_k_cache import gather_k_cache
+from .ops.top_k_per_row import top_k_per_row
+from .ops.write_k_cache import write_k_cache
+
+__all__ = ["CHECKS", "add_arguments", "run", "main"]
+
+FN, FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
+CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Problem sizes of one run: small enough for Triton's CPU interpreter, or GPU-sized."""
+
+    write_tokens: int
+    gather_lens: tuple[int, ...]
+    ragged_seq: tuple[int, ...]
+    ragged_query: tuple[int, ...]
+    paged_ctx: tuple[int, ...]  # context lengths of the decode requests (one 0: a padding request)
+    topk_width: int
+    topk_rows: int
+    step_ctx: int  # longest context of a step
+    step_topk: int
+
+
+SMALL = Sizes(write_tokens=300, gather_lens=(333, 0, 1, 129), ragged_seq=(300, 181), ragged_query=(40, 23),
+              paged_ctx=(517, 0, 70), topk_width=2600, topk_rows=6, step_ctx=700, step_topk=256)
+FULL = Sizes(write_tokens=4096, gather_lens=(8192, 0, 1, 3001, 16384), ragged_seq=(8192, 3001),
+             ragged_query=(1024, 333), paged_ctx=(16384, 0, 4097, 70, 8191, 12000, 1, 2049), topk_width=65536,
+             topk_rows=16, step_ctx=20000, step_topk=2048)
+
+
+@dataclass
+class Case:
+    """One row of the table."""
+
+    op: str
+    name: str
+    error: str
+    tolerance: str
+    status: str  # "ok", "MISMATCH", "ERROR", "n/a"
+
+
+class Ctx:
+    """What every case needs: backend under test, device, FP8 format, sizes and a seeded generator."""
+
+    def __init__(self, backend: str, device: torch.device, fp8: torch.dtype, sizes: Sizes, seed: int):
+        self.backend, self.device, self.fp8, self.sizes, self.seed = backend, device, fp8, sizes, seed
+
+    def gen(self, salt: int) -> torch.Generator:
+        return torch.Generator().manual_seed((self.seed * 1000003 + salt) % 2**63)
+
+    @property
+    def logits_rtol(self) -> float:
+        """Relative L2 tolerance of logits: exact float32 emulation (the reference, or any backend on the CPU)
+        agrees to ~1e-7; FP8 tensor cores accumulate differently (~1e-4, tests/gpu)."""
+        return 1e-5 if self.backend == "reference" or self.device.type == "cpu" else 1e-3
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+# --------------------------------------------------------------------------------------------- formats
+def formats(backend: str, device: torch.device) -> tuple[list[torch.dtype], str | None]:
+    """FP8 formats ``backend`` is checked with on ``device``, and why another one is left out (or ``None``)."""
+    if backend == "reference":
+        return [FN, FNUZ], None
+    if device.type == "cpu":
+        return [FN], "e4m3fnuz: not checked (Triton's CPU interpreter has no float8_e4m3fnuz)"
+    from .ops.write_k_cache.aiter import NATIVE_FP8, gcn_arch
+
+    arch = gcn_arch(device)
+    if arch is None:
+        return [FN], "e4m3fnuz: not checked (an AMD-only format)"
+    native = NATIVE_FP8.get(arch, FN)
+    other = FNUZ if native == FN else FN
+    return [native], f"{fp8_name(other)}: not checked ({arch} kernels use {fp8_name(native)})"
+
+
+def _shuffled(ctx: Ctx, block_size: int) -> bool:
+    """Whether the backend under test keeps this cache preshuffled (aiter on gfx942/gfx950, docs/spec.md §4)."""
+    if ctx.backend != "aiter":
+        return False
+    from .ops.write_k_cache.aiter import gcn_arch, preshuffled
+
+    return preshuffled(block_size, ctx.fp8, gcn_arch(ctx.device))
+
+
+def _slot_contents(kv: torch.Tensor, fp8: torch.dtype, shuffled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every slot's value bytes ``[nb * bs, D]`` uint8 and scale ``[nb * bs]`` float32 of a CPU cache."""
+    values, scales = cache_views(kv, fp8)
+    nb, bs, d = values.shape
+    if shuffled:
+        from .ops.write_k_cache.aiter import preshuffle_offsets, raw_blocks
+
+        raw, _ = raw_blocks(kv if kv.dim() == 3 else kv[:, :, 0, :])
+        v = raw[:, preshuffle_offsets(bs, d)]
+    else:
+        v = values.view(torch.uint8)
+    return v.reshape(nb * bs, d), scales.reshape(nb * bs)
+
+
+# ----------------------------------------------------------------------------------------------- cases
+def _keys(g: torch.Generator, t: int, d: int) -> torch.Tensor:
+    """``[t, D]`` bfloat16 keys with a spread of magnitudes; row 0 is zero (its scale is the floor)."""
+    k = torch.randn(t, d, generator=g) * torch.rand(t, 1, generator=g).add(0.05) * 8
+    if t:
+        k[0] = 0  # amax below the scale floor
+    return k.to(torch.bfloat16)
+
+
+def _compare_cache(ctx: Ctx, got_kv: torch.Tensor, want_kv: torch.Tensor, k: torch.Tensor, slots: torch.Tensor,
+                   scale_fmt) -> tuple[str, bool]:
+    """Slot contents of the cache under test against the reference's; plain scales allow the docs/spec.md §3
+    midpoint difference on written slots."""
+    bs = want_kv.shape[1]
+    gv, gs = _slot_contents(got_kv.cpu(), ctx.fp8, _shuffled(ctx, bs))
+    wv, ws = _slot_contents(want_kv, ctx.fp8, False)
+    bad_scale = gs.view(torch.int32) != ws.view(torch.int32)
+    bad = gv != wv
+    mid = torch.zeros_like(bad)
+    if scale_fmt is None and bool(bad.any()):
+        keep = slots >= 0
+        rows = torch.full((gv.shape[0],), -1, dtype=torch.long)
+        rows[slots[keep].long()] = torch.arange(slots.shape[0])[keep]
+        written = rows >= 0
+        exact = torch.zeros(gv.shape, dtype=torch.float64)
+        exact[written] = k[rows[written]].double() / ws[written].double()[:, None]
+        a = gv.view(ctx.fp8).double()
+        b = wv.view(ctx.fp8).double()
+        lo, hi = torch.minimum(a, b), torch.maximum(a, b)
+        near = ((exact - (a + b) / 2).abs() <= 2.0**-20 * exact.abs()) & (lo <= exact) & (exact <= hi)
+        mid = bad & near & written[:, None]
+        bad = bad & ~mid
+    nbad = int(bad.sum()) + 4 * int(bad_scale.sum())
+    total = gv.numel() + 4 * gs.numel()
+    text = f"{nbad} of {total} B differ"
+    if int(mid.sum()):
+        text += f" (+{int(mid.sum())} at midpoints)"
+    return text, nbad == 0
+
+
+def case_write(ctx: Ctx, d: int, bs: int, scale_fmt, pad: int, four_d: bool) -> tuple[str, str, bool]:
+    g = ctx.gen(1 + d + bs + pad)
+    t = ctx.sizes.write_tokens
+    nb = t // bs + 3
+    k = _keys(g, t, d)
+    slots = torch.randperm(nb * bs, generator=g)[:t]
+    slots[::7] = -1
+    want = new_kv_cache(nb, bs, d, block_pad=pad, four_d=four_d)
+    write_k_cache(k, want, slots, scale_fmt=scale_fmt, fp8_dtype=ctx.fp8, backend="reference")
+    got = new_kv_cache(nb, bs, d, device=ctx.device, block_pad=pad, four_d=four_d)
+    write_k_cache(k.to(ctx.device), got, slots.to(ctx.device), scale_fmt=scale_fmt, fp8_dtype=ctx.fp8,
+                  backend=ctx.backend)
+    ctx.sync()
+    err, ok = _compare_cache(ctx, got, want, k, slots, scale_fmt)
+    return err, "0 B" + (" (+midpoints)" if scale_fmt is None else ""), ok
+
+
+def _paged_requests(ctx: Ctx, g: torch.Generator, lens, d: int, bs: int, pad: int = 0):
+    """Keys of requests with context ``lens`` written into two caches (the reference's on the CPU, the backend's
+    on the device) through one random block table. Returns (keys, block_table, ref cache, device cache)."""
+    max_blocks = max(1, max((n + bs - 1) // bs for n in lens))
+    nb = sum((n + bs - 1) // bs for n in lens) + 3
+    perm = torch.randperm(nb, generator=g)
+    bt = torch.zeros(len(lens), max_blocks, dtype=torch.int32)
+    used = 0
+    for r, n in enumerate(lens):
+        nblk = (n + bs - 1) // bs
+        bt[r, :nblk] = perm[used : used + nblk].int()
+        used += nblk
+    keys = [_keys(g, n, d) for n in lens]
+    k_all = torch.cat(keys) if keys else torch.zeros(0, d, dtype=torch.bfloat16)
+    slots = torch.cat([slots_from_block_table(bt[r : r + 1], torch.arange(n)[None, :], bs)[0]
+                       for r, n in enumerate(lens)])
+    ref = new_kv_cache(nb, bs, d, block_pad=pad)
+    write_k_cache(k_all, ref, slots, fp8_dtype=ctx.fp8, backend="reference")
+    kv = new_kv_cache(nb, bs, d, device=ctx.device, block_pad=pad)
+    write_k_cache(k_all.to(ctx.device), kv, slots.to(ctx.device), fp8_dtype=ctx.fp8, backend=ctx.backend)
+    return keys, bt, ref, kv
+
+
+def case_gather(ctx: Ctx, d: int, bs: int, pad: int) -> tuple[str, str, bool]:
+    g = ctx.gen(100 + d + bs)
+    lens = ctx.sizes.gather_lens
+    _, bt, ref, kv = _paged_requests(ctx, g, lens, d, bs, pad)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    n = int(cu[-1]) + 5  # the 5 rows past the end must stay untouched
+    want_k = torch.full((n, d), 0x55, dtype=torch.uint8).view(ctx.fp8)
+    want_s = torch.full((n,), -1.0)
+    gather_k_cache(ref, bt, cu, out_k=want_k, out_scale=want_s, backend="reference")
+    got_k = torch.full((n, d), 0x55, dtype=torch.uint8, device=ctx.device).view(ctx.fp8)
+    got_s = torch.full((n,), -1.0, device=ctx.device)
+    gather_k_cache(kv, bt.to(ctx.device), cu.to(ctx.device), out_k=got_k, out_scale=got_s, backend=ctx.backend)
+    ctx.sync()
+    bad = int((got_k.cpu().view(torch.uint8) != want_k.view(torch.uint8)).sum())
+    bad += 4 * int((got_s.cpu().view(torch.int32) != want_s.view(torch.int32)).sum())
+    return f"{bad} of {n * (d + 4)} B differ", "0 B", bad == 0
+
+
+def _queries(g: torch.Generator, rows: int, h: int, d: int, fp8, keys: torch.Tensor | None = None):
+    """FP8 queries ``[rows, H, D]`` and weights ``[rows, H]`` with the scales folded in (docs/spec.md §5);
+    queries correlated with ``keys`` (``[rows, D]``) when given, so the scores have structure."""
+    q = torch.randn(rows, h, d, generator=g)
+    if keys is not None:
+        q = q + keys.float()[:, None, :] * 0.5
+    q8, qs = quantize_q(q, fp8_dtype=fp8)
+    w = torch.randn(rows, h, generator=g) * h**-0.5 * d**-0.5 * qs
+    return q8, w.float()
+
+
+def _logits_error(got: torch.Tensor, want: torch.Tensor, inside: torch.Tensor, clean: bool) -> tuple[float, int]:
+    """(relative L2 error inside the windows, cells whose ``-inf`` mask differs when ``clean``)."""
+    got = got.cpu().double()
+    want = want.double()
+    mask_bad = int(((got == float("-inf")) != ~inside).sum()) if clean else 0
+    gi = torch.where(inside, got, 0.0)
+    wi = torch.where(inside, want, 0.0)
+    if not bool(torch.isfinite(gi).all()):
+        return float("inf"), mask_bad
+    err = float((gi - wi).norm()) / max(float(wi.norm()), 1e-300)
+    return err, mask_bad
+
+
+def _logits_verdict(ctx: Ctx, err: float, mask_bad: int) -> tuple[str, str, bool]:
+    text = f"rel L2 {err:.1e}" + (f", {mask_bad} -inf cells differ" if mask_bad else "")
+    return text, f"{ctx.logits_rtol:.0e}", err <= ctx.logits_rtol and mask_bad == 0
+
+
+def case_ragged(ctx: Ctx, h: int, d: int, clean: bool) -> tuple[str, str, bool]:
+    g = ctx.gen(200 + h + d + clean)
+    seq, qry = ctx.sizes.ragged_seq, ctx.sizes.ragged_query
+    keys = _keys(g, sum(seq), d)
+    k8, ks = quantize_k(keys, fp8_dtype=ctx.fp8)
+    starts, ends, qkeys, c = [], [], [], 0
+    for s, q in zip(seq, qry):
+        for j in range(q):
+            starts.append(c)
+            ends.append(c + s - q + j + 1)
+            qkeys.append(keys[c + s - q + j])
+        c += s
+    q8, w = _queries(g, len(starts), h, d, ctx.fp8, torch.stack(qkeys))
+    st, en = torch.tensor(starts, dtype=torch.int32), torch.tensor(ends, dtype=torch.int32)
+    want = fp8_mqa_logits(q8, k8, ks, w, st, en, backend="reference")
+    dev = ctx.device
+    out = torch.full((len(starts), sum(seq)), float("nan"), device=dev)
+    fp8_mqa_logits(q8.to(dev), k8.to(dev), ks.to(dev), w.to(dev), st.to(dev), en.to(dev), out=out, clean=clean,
+                   backend=ctx.backend)
+    ctx.sync()
+    n = torch.arange(sum(seq))[None, :]
+    inside = (n >= st.long()[:, None]) & (n < en.long()[:, None])
+    return _logits_verdict(ctx, *_logits_error(out, want, inside, clean))
+
+
+def case_paged(ctx: Ctx, next_n: int, two_d: bool, h: int = 64, d: int = 128, bs: int = 64) -> tuple[str, str, bool]:
+    g = ctx.gen(300 + next_n * 2 + two_d + h + bs)
+    lens = [max(n, next_n) if n else 0 for n in ctx.sizes.paged_ctx]
+    b = len(lens)
+    keys, bt, ref, kv = _paged_requests(ctx, g, lens, d, bs)
+    if two_d:  # per-token lengths: request r has d_r <= next_n new tokens, padding slots 0
+        rows = []
+        for n in lens:
+            dr = int(torch.randint(1, next_n + 1, (1,), generator=g)) if n else 0
+            rows.append([n - dr + j + 1 if j < dr else 0 for j in range(next_n)])
+        ctx_lens = torch.tensor(rows, dtype=torch.int32)
+    else:
+        ctx_lens = torch.tensor(lens, dtype=torch.int32)
+    lim = row_limits(ctx_lens, next_n)
+    qkeys = torch.stack([keys[r][max(0, int(lim[r * next_n + j]) - 1)] if lens[r] else torch.zeros(d)
+                         for r in range(b) for j in range(next_n)])
+    q8, w = _queries(g, b * next_n, h, d, ctx.fp8, qkeys)
+    q8 = q8.view(b, next_n, h, d)
+    width = bt.shape[1] * bs
+    want = fp8_paged_mqa_logits(q8, ref, w, ctx_lens, bt, backend="reference")
+    dev = ctx.device
+    clean = not two_d
+    out = torch.full((b * next_n, width), float("nan"), device=dev)
+    fp8_paged_mqa_logits(q8.to(dev), kv, w.to(dev), ctx_lens.to(dev), bt.to(dev), out=out, clean=clean,
+                         backend=ctx.backend)
+    ctx.sync()
+    inside = torch.arange(width)[None, :] < lim[:, None]
+    return _logits_verdict(ctx, *_logits_error(out, want, inside, clean))
+
+
+def _topk_rows_wrong(sel: torch.Tensor, logits: torch.Tensor, starts, ends) -> int:
+    """Rows of ``sel`` that break docs/spec.md §6 on ``logits`` (all CPU): short rows exact, long rows by the
+    multiset of selected values (NaN ranks as -inf)."""
+    topk = sel.shape[1]
+    wrong = 0
+    for i in range(sel.shape[0]):
+        s, e = int(starts[i]), int(ends[i])
+        n = max(0, e - s)
+        row = sel[i].long()
+        if n <= topk:
+            want = torch.cat([torch.arange(n), torch.full((topk - n,), -1)])
+            wrong += not torch.equal(row, want)
+            continue
+        if bool(((row < 0) | (row >= n)).any()) or row.unique().numel() != topk:
+            wrong += 1
+            continue
+        win = logits[i, s:e].double()
+        win = torch.where(torch.isnan(win), torch.full_like(win, float("-inf")), win)
+        got = torch.sort(win[row], descending=True).values
+        want = torch.sort(win, descending=True).values[:topk]
+        wrong += not torch.equal(got, want)
+    return wrong
+
+
+def case_topk(ctx: Ctx, topk: int, workspace: bool, special: bool) -> tuple[str, str, bool]:
+    g = ctx.gen(400 + topk + workspace + special)
+    w_, r = ctx.sizes.topk_width, ctx.sizes.topk_rows
+    if workspace:
+        r = max(3, r // 4)  # few rows: the Triton backend splits each row over several programs
+    x = torch.randn(r, w_, generator=g)
+    if special:  # ties, -inf and NaN inside the windows; row 2 has fewer finite cells than topk
+        x = (x * 4).round() / 4
+        x[x > 2.5] = float("-inf")
+        x[x == -2.75] = float("nan")
+        x[2, : topk - 30] = float("-inf")
+    lens = [w_, topk, topk + 1, 100, 0, w_ - topk // 2]
+    starts = torch.tensor([(0 if i % 2 == 0 else 7) for i in range(r)], dtype=torch.int32)
+    ln = torch.tensor([max(0, min(lens[i % len(lens)], w_ - int(starts[i]))) for i in range(r)], dtype=torch.int32)
+    ends = starts + ln
+    out_ref = torch.empty(r, topk, dtype=torch.int32)
+    top_k_per_row(x, starts, ends, out=out_ref, backend="reference")
+    ref_wrong = _topk_rows_wrong(out_ref, x, starts, ends)
+    dev = ctx.device
+    out = torch.full((r, topk), -7, dtype=torch.int32, device=dev)
+    ws = None
+    if workspace:
+        cap = topk_scratch_cap(IndexerLimits(max_model_len=w_, max_num_batched_tokens=r, max_num_seqs=r, topk=topk))
+        ws = torch.empty(r, TOPK_SCRATCH_COUNTERS + 2 * cap, dtype=torch.int32, device=dev)
+    top_k_per_row(x.to(dev), starts.to(dev), ends.to(dev), out=out, backend=ctx.backend, workspace=ws)
+    ctx.sync()
+    wrong = _topk_rows_wrong(out.cpu(), x, starts, ends)
+    text = f"{wrong} of {r} rows wrong" + (f" (reference: {ref_wrong})" if ref_wrong else "")
+    return text, "0 rows", wrong == 0 and ref_wrong == 0
+
+
+def _scores64(keys: torch.Tensor, q8: torch.Tensor, w: torch.Tensor, fp8) -> torch.Tensor:
+    """float64 docs/spec.md §5 scores of queries ``[t, H, D]`` against quantized ``keys`` ``[L, D]``: ``[t, L]``."""
+    k8, ks = quantize_k(keys, fp8_dtype=fp8)
+    kd = k8.double()
+    s = torch.einsum("thd,ld->thl", q8.double(), kd).clamp(min=0)
+    return torch.einsum("th,thl->tl", w.double(), s) * ks.double()[None, :]
+
+
+def case_step(ctx: Ctx, next_n: int, decode_lens: tuple[int, ...], prefill: tuple[tuple[int, int], ...],
+              pad_rows: int, h: int = 64, d: int = 128, bs: int = 64) -> tuple[str, str, bool]:
+    """One ``sparse_attn_indexer`` step: decode requests with ``decode_lens`` new tokens (contexts between a
+    quarter of ``step_ctx`` and ``step_ctx``), prefill requests ``(context in thousandths of step_ctx, new
+    tokens)``, ``pad_rows`` padding tokens; the prefill logits cap splits the longest prefill along its queries."""
+    g = ctx.gen(500 + next_n + len(decode_lens) + pad_rows)
+    topk, big = ctx.sizes.step_topk, ctx.sizes.step_ctx
+    dec_ctx = [int(torch.randint(big // 4, big, (1,), generator=g)) for _ in decode_lens]
+    qry = list(decode_lens) + [q for _, q in prefill]
+    seq = [max(s, q) for s, q in zip(dec_ctx + [c * big // 1000 for c, _ in prefill], qry)]
+    n_tok = sum(qry)
+    t = n_tok + pad_rows
+    keys, bt, ref, kv = _paged_requests(ctx, g, [s - q for s, q in zip(seq, qry)], d, bs)
+    # the block table must also cover this step's tokens: append fresh blocks after the cache's last one
+    max_blocks = max((s + bs - 1) // bs for s in seq)
+    nb_old = ref.shape[0]
+    bt_full = torch.zeros(len(seq), max_blocks, dtype=torch.int32)
+    nxt = nb_old
+    for r, (s, q) in enumerate(zip(seq, qry)):
+        have, need = (s - q + bs - 1) // bs, (s + bs - 1) // bs
+        bt_full[r, :have] = bt[r, :have]
+        bt_full[r, have:need] = torch.arange(nxt, nxt + need - have, dtype=torch.int32)
+        nxt += need - have
+    nb = nxt
+    ref_full = new_kv_cache(nb, bs, d)
+    ref_full[:nb_old] = ref
+    kv_full = new_kv_cache(nb, bs, d, device=ctx.device)
+    kv_full[:nb_old] = kv
+    # this step's tokens: keys, queries (correlated with their keys), weights; decode rows first
+    new_keys = [_keys(g, q, d) for q in qry]
+    hist = [torch.cat([keys[r], new_keys[r]]) for r in range(len(seq))]
+    q8, w = _queries(g, n_tok, h, d, ctx.fp8, torch.cat(new_keys))
+    if pad_rows:
+        q8 = torch.cat([q8, q8[:pad_rows]])
+        w = torch.cat([w, w[:pad_rows]])
+    k_new = torch.cat(new_keys)
+    slots = torch.cat([slots_from_block_table(bt_full[r : r + 1], torch.arange(s - q, s)[None, :], bs)[0]
+                       for r, (s, q) in enumerate(zip(seq, qry))])
+    longest = max(s * q for s, q in zip(seq[len(decode_lens):], qry[len(decode_lens):]))
+    lim = IndexerLimits(max_model_len=max(seq), max_num_batched_tokens=max(t, len(seq)), max_num_seqs=len(seq),
+                        next_n=next_n, n_heads=h, head_dim=d, topk=topk, block_size=bs, fp8_dtype=ctx.fp8,
+                        max_logits_bytes=max(4 * max(seq), longest * 4 // 3))
+    sentinel = 123456
+
+    def one(dev, backend, cache):
+        md = build_metadata(seq, qry, bt_full.to(dev), slots.to(dev), lim, num_blocks=nb)
+        out = torch.full((t + 2, topk), sentinel, dtype=torch.int32, device=dev)
+        sparse_attn_indexer(q8.to(dev), k_new.to(dev), w.to(dev), cache, md, allocate(lim, dev), out,
+                            backend=backend)
+        return md, out
+
+    md, _ = one(CPU, "reference", ref_full)  # the reference's cache bytes are the baseline
+    if sum(c.gather for c in md.prefill_chunks) == len(md.prefill_chunks) and len(prefill) > 0:
+        raise AssertionError("the case meant to split a prefill along its queries did not")
+    _, got = one(ctx.device, ctx.backend, kv_full)
+    ctx.sync()
+    got = got.cpu()
+    cache_text, cache_ok = _compare_cache(ctx, kv_full, ref_full, k_new, slots, "ue8m0")
+    # judge every real row by float64 scores of its window; padding rows -1; rows past T untouched
+    tol = 1e-5 if ctx.backend == "reference" or ctx.device.type == "cpu" else 1e-3
+    worst, wrong, row = 0.0, 0, 0
+    for r, (s, q) in enumerate(zip(seq, qry)):
+        sc = _scores64(hist[r], q8[row : row + q], w[row : row + q], ctx.fp8)
+        for j in range(q):
+            n = s - q + j + 1
+            sel = got[row + j].long()
+            if n <= topk:
+                wrong += not torch.equal(sel, torch.cat([torch.arange(n), torch.full((topk - n,), -1)]))
+            elif bool(((sel < 0) | (sel >= n)).any()) or sel.unique().numel() != topk:
+                wrong += 1
+            else:
+                vals = sc[j, :n]
+                kth = vals.topk(topk).values[-1]
+                short = float((kth - vals[sel]).max()) / max(float(vals.abs().max()), 1e-300)
+                worst = max(worst, short)
+                wrong += short > tol
+        row += q
+    pad_ok = bool((got[n_tok:t] == -1).all()) and bool((got[t:] == sentinel).all())
+    cache_bad = cache_text.split(" of ")[0]
+    text = f"{wrong}/{n_tok} rows wrong (worst {worst:.0e}), cache {cache_bad} B off"
+    if not pad_ok:
+        text += ", padding rows wrong"
+    return text, f"{tol:.0e}, 0 B", wrong == 0 and cache_ok and pad_ok
+
+
+# ---------------------------------------------------------------------------------------------- the list
+def cases(sizes: Sizes) -> list[tuple[str, str, Callable[[Ctx], tuple[str, str, bool]]]]:
+    """(op, case name, function of the context) for every row of the table."""
+    out = [
+        ("write_k_cache", "D=128 bs=64 ue8m0", lambda c: case_write(c, 128, 64, "ue8m0", 0, False)),
+        ("write_k_cache", "D=64 bs=16 plain scale, padded 4-D", lambda c: case_write(c, 64, 16, None, 36, True)),
+        ("write_k_cache", "D=128 bs=1 ue8m0", lambda c: case_write(c, 128, 1, "ue8m0", 0, False)),
+        ("gather_k_cache", f"D=128 bs=64 lens {list(sizes.gather_lens)}", lambda c: case_gather(c, 128, 64, 0)),
+        ("gather_k_cache", "D=64 bs=16 padded stride", lambda c: case_gather(c, 64, 16, 12)),
+        ("fp8_mqa_logits", "H=64 D=128 clean, 2 causal requests", lambda c: case_ragged(c, 64, 128, True)),
+        ("fp8_mqa_logits", "H=32 D=64 clean=False", lambda c: case_ragged(c, 32, 64, False)),
+    ]
+    for nn in (1, 2, 3, 4):
+        out.append(("fp8_paged_mqa_logits", f"next_n={nn} context_lens [B]",
+                    lambda c, nn=nn: case_paged(c, nn, False)))
+    for nn in (2, 3, 4):
+        out.append(("fp8_paged_mqa_logits", f"next_n={nn} context_lens [B, next_n], clean=False",
+                    lambda c, nn=nn: case_paged(c, nn, True)))
+    out.append(("fp8_paged_mqa_logits", "next_n=2 H=32 D=64 bs=16", lambda c: case_paged(c, 2, False, 32, 64, 16)))
+    out += [
+        ("top_k_per_row", "topk=2048", lambda c: case_topk(c, 2048, False, False)),
+        ("top_k_per_row", "topk=2048 split rows (workspace)", lambda c: case_topk(c, 2048, True, False)),
+        ("top_k_per_row", "topk=512 ties, -inf, NaN", lambda c: case_topk(c, 512, False, True)),
+        ("step", "next_n=2 packed decode + 2 prefills (split)",
+         lambda c: case_step(c, 2, (2, 1, 2, 1), ((500, 210), (300, 28)), 0)),
+        ("step", "next_n=4 uniform decode + prefill + 3 padding rows",
+         lambda c: case_step(c, 4, (4, 4), ((400, 90),), 3)),
+        ("step", "next_n=1 decode + prefill", lambda c: case_step(c, 1, (1, 1, 1), ((900, 130),), 0)),
+    ]
+    return out
+
+
+CHECKS = ("write_k_cache", "gather_k_cache", "fp8_mqa_logits", "fp8_paged_mqa_logits", "top_k_per_row", "step")
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto",
+                   help="device to check: cpu, cuda, cuda:N, or auto = cuda when a GPU is visible, else cpu "
+                        "(default: %(default)s)")
+    p.add_argument("--backend", default="all", choices=("all", *_dispatch.BACKENDS),
+                   help="backend to check against the CPU reference; all = every backend available on the device "
+                        "(on the CPU: triton under its interpreter; on a GPU also the reference itself) "
+                        "(default: %(default)s)")
+    p.add_argument("--op", default="all", choices=("all", *CHECKS),
+                   help="check one op (or the end-to-end step) only (default: %(default)s)")
+    p.add_argument("--size", default="auto", choices=("auto", "small", "full"),
+                   help="problem sizes: small (seconds under the CPU interpreter) or full (GPU-sized, contexts "
+                        "to 16K, top-k 2048 of 64K); auto = small on the CPU, full on a GPU (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the random inputs (default: a fresh one, printed so a run can be repeated)")
+
+
+def _backends(requested: str, device: torch.device) -> list[str]:
+    if requested != "all":
+        require_backend(requested, device)
+        return [requested]
+    if device.type == "cpu":  # auto never picks triton on the CPU; the interpreter makes it available here
+        why = _dispatch.unavailable_reason("triton", device)
+        if why is not None:
+            raise UsageError(f"nothing to check on the CPU besides the reference: {why}")
+        return ["triton"]
+    return list(_dispatch.available(device))
+
+
+def _prepare_interpreter(device: torch.device, requested: str) -> str | None:
+    """On the CPU, Triton kernels run under its interpreter, which must be switched on before triton imports."""
+    if device.type != "cpu" or requested not in ("all", "triton"):
+        return None
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "TRITON_INTERPRET=1 (Triton kernels run in its CPU interpreter)"
+    if "triton" in sys.modules:
+        return None  # too late to switch: the triton backend is then reported unavailable
+    os.environ["TRITON_INTERPRET"] = "1"
+    return "TRITON_INTERPRET=1 set for this process (Triton kernels run in its CPU interpreter)"
+
+
+def _versions() -> str:
+    parts = [f"torch {torch.__version__}"]
+    try:
+        import triton
+
+        parts.append(f"triton {triton.__version__}")
+    except Exception:  # noqa: BLE001 - triton is optional
+        parts.append("no triton")
+    return ", ".join(parts)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return "cpu"
+
+
+COLUMNS = (("op", 20), ("backend", 9), ("fp8", 8), ("case", 50), ("measured", 44), ("tolerance", 16), ("", 8))
+
+
+def _row(*cells) -> str:
+    return "  ".join(str(c).ljust(w) for c, (_, w) in zip(cells, COLUMNS)).rstrip()
+
+
+def run(args) -> int:
+    device = resolve_device(args.device)
+    note = _prepare_interpreter(device, args.backend)
+    backends = _backends(args.backend, device)
+    sizes = {"small": SMALL, "full": FULL}.get(args.size, SMALL if device.type == "cpu" else FULL)
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(3), "little")
+    todo = [c for c in cases(sizes) if args.op in ("all", c[0])]
+    print(f"sparse-indexer check on {_device_name(device)}: {', '.join(backends)} against the reference backend "
+          f"on the CPU ({_versions()})")
+    print(f"seed {seed} (repeat with --seed {seed}), {'small' if sizes is SMALL else 'full'} sizes"
+          + (f"; {note}" if note else ""))
+    for b in backends:
+        _, why = formats(b, device)
+        if why:
+            print(f"  {b}: {why}")
+    print()
+    print(_row(*(name for name, _ in COLUMNS)))
+    print(_row(*("-" * w for _, w in COLUMNS[:-1])))
+    results: list[Case] = []
+    t0 = time.perf_counter()
+    for b in backends:
+        for fp8 in formats(b, device)[0]:
+            ctx = Ctx(b, device, fp8, sizes, seed)
+            for op, name, fn in todo:
+                try:
+                    err, tol, ok = fn(ctx)
+                    status = "ok" if ok else "MISMATCH"
+                except NotImplementedError as e:
+                    err, tol, status = f"not implemented: {e}"[:44], "", "n/a"
+                except Exception as e:  # noqa: BLE001 - a crash is a failed case; the others still run
+                    err, tol, status = f"{type(e).__name__}: {e}".replace("\n", " ")[:44], "", "ERROR"
+                results.append(Case(op, name, err, tol, status))
+                print(_row(op, b, fp8_name(fp8), name, err, tol, status), flush=True)
+    bad = [r for r in results if r.status in ("MISMATCH", "ERROR")]
+    na = sum(r.status == "n/a" for r in results)
+    print(f"\n{len(results)} cases in {time.perf_counter() - t0:.1f} s: {len(results) - len(bad) - na} ok, "
+          f"{sum(r.status == 'MISMATCH' for r in results)} mismatched, {sum(r.status == 'ERROR' for r in results)} "
+          f"failed with an error" + (f", {na} not implemented by the backend" if na else ""))
+    if bad:
+        print(f"check FAILED (seed {seed}): the rows marked MISMATCH or ERROR above")
+        return 1
+    print("check passed")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sparse_indexer check", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    try:
+        return run(p.parse_args(argv))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
