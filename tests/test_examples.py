@@ -21,7 +21,7 @@ def _run(*args, env=None):
     return r.stdout
 
 
-@pytest.mark.parametrize("script", ["custom_engine.py", "cpu_unit_test.py"])
+@pytest.mark.parametrize("script", ["custom_engine.py", "cpu_unit_test.py", "quickstart.py"])
 def test_example_runs(script):
     assert "ok" in _run(f"examples/{script}")
 
@@ -30,6 +30,11 @@ def test_cpu_unit_test_example_on_triton_interpreter():
     pytest.importorskip("triton")
     out = _run("examples/cpu_unit_test.py", "triton", env={"TRITON_INTERPRET": "1"})
     assert "ok" in out
+
+
+def test_quickstart_on_triton_interpreter():
+    pytest.importorskip("triton")
+    assert "ok" in _run("examples/quickstart.py", "--backend", "triton", env={"TRITON_INTERPRET": "1"})
 
 
 def test_demo_command_verifies_every_step():
