@@ -76,14 +76,16 @@ def _plan(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every subcommand (``main`` parses with it; tests inspect its options)."""
     parser = argparse.ArgumentParser(prog="python -m sparse_indexer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     from . import check, demo
 
     demo.add_arguments(sub.add_parser("demo", help="simulated serving loop, checked in float64",
-                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+                                      description=demo.__doc__,
+                                      formatter_class=argparse.RawDescriptionHelpFormatter))
     check.add_arguments(sub.add_parser("check", help="self-check: every backend on a device against the reference",
                                        description=check.__doc__,
                                        formatter_class=argparse.RawDescriptionHelpFormatter))
@@ -96,8 +98,16 @@ def main(argv=None) -> int:
     bp = sub.add_parser("bench", help="GPU benchmark of every op and backend")
     if bench is not None:
         bench.add_arguments(bp)
-    args = parser.parse_args(argv)
+    else:
+        bp.set_defaults(bench_err=bench_err)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    from . import check, demo
+
     try:
         if args.cmd == "demo":
             return demo.run(args)
@@ -108,9 +118,11 @@ def main(argv=None) -> int:
         return 2
     if args.cmd == "plan":
         return _plan(args)
-    if bench is None:
-        print(f"bench is unavailable: {bench_err}", file=sys.stderr)
+    if getattr(args, "bench_err", None) is not None:
+        print(f"error: bench is unavailable: {args.bench_err}", file=sys.stderr)
         return 2
+    from . import bench
+
     return bench.run(args)
 
 

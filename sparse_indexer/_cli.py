@@ -23,7 +23,8 @@ def resolve_device(name: str) -> torch.device:
     try:
         dev = torch.device(name)
     except (RuntimeError, ValueError) as e:
-        raise UsageError(f"--device {name!r} is not a torch device ({e})") from None
+        why = str(e).split(" device type")[0]
+        raise UsageError(f"--device {name!r} is not a device name (cpu, cuda, cuda:N): {why}") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             build = f"ROCm {torch.version.hip}" if torch.version.hip else (

@@ -17,6 +17,7 @@ import torch
 from buffers import IndexerLimits, allocate, plan
 
 from . import _dispatch
+from ._cli import Progress, UsageError, require_backend, resolve_device
 from .fp8 import quantize_k, quantize_q
 from .indexer import sparse_attn_indexer
 from .kcache import new_kv_cache, slots_from_block_table
@@ -24,13 +25,32 @@ from .metadata import build_metadata
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", default="reference", help="reference | triton | aiter | auto (default reference)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--requests", type=int, default=3, help="number of requests (default 3)")
-    p.add_argument("--context", type=int, default=2400, help="prompt length of the longest request (default 2400)")
-    p.add_argument("--decode-steps", type=int, default=4, help="decode steps after the last prefill (default 4)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-check", action="store_true", help="skip the float64 check")
+    p.add_argument("--backend", default="reference", choices=("auto", *_dispatch.BACKENDS),
+                   help="backend of every op; auto = the best one available on the device (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    p.add_argument("--requests", type=_positive, default=3, help="number of requests (default: %(default)s)")
+    p.add_argument("--context", type=_positive, default=2400,
+                   help="prompt length of the longest request, in tokens (default: %(default)s)")
+    p.add_argument("--decode-steps", type=_non_negative, default=4,
+                   help="decode steps after the last prefill (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the random prompts, queries and schedule (default: %(default)s)")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the float64 check of every step (default: check)")
+
+
+def _positive(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _non_negative(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
 
 
 class _Request:
@@ -38,13 +58,6 @@ class _Request:
         self.rid, self.prompt = rid, prompt
         self.keys, self.q, self.w = keys, q, w  # full histories: [L, D] bf16, [L, H, D] fp8, [L, H] f32
         self.done = 0  # tokens whose keys are in the cache
-
-
-def _progress(i: int, n: int, msg: str) -> None:
-    width = 24
-    fill = int(width * i / max(1, n))
-    sys.stderr.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {i}/{n} {msg:<60}")
-    sys.stderr.flush()
 
 
 def _model_rows(req: _Request, positions: range, fp8_dtype) -> list[torch.Tensor]:
@@ -82,9 +95,16 @@ def _check(sel: torch.Tensor, rows: list[torch.Tensor], topk: int, rel_tol: floa
     return None
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def run(args) -> int:
-    dev = torch.device(args.device)
+    """Run the demo; raises :class:`~sparse_indexer._cli.UsageError` (nothing done yet) for a device or backend
+    that is not available."""
+    dev = resolve_device(args.device)
     backend = None if args.backend == "auto" else args.backend
+    require_backend(backend, dev)
     print(f"sparse-indexer demo: backend={args.backend} ({'/'.join(_dispatch.available(dev))} available on "
           f"{dev}), {args.requests} requests, context up to {args.context}, seed {args.seed}")
     g = torch.Generator().manual_seed(args.seed)
@@ -149,6 +169,7 @@ def run(args) -> int:
 
     failures = 0
     times = []
+    progress = Progress(len(steps))  # drawn only on a terminal
     # the reference accumulates exact FP8 products in float32 (~1e-7 relative); tensor-core kernels ~1e-4
     rel_tol = 1e-5 if args.backend == "reference" or dev.type == "cpu" else 1e-3
     for i, sched in enumerate(steps):
@@ -162,8 +183,8 @@ def run(args) -> int:
         k = torch.cat([r.keys[r.done : r.done + n] for r, n in sched]).to(dev)
         w = torch.cat([r.w[r.done : r.done + n] for r, n in sched]).to(dev)
         kind = f"{md.num_decodes} decode ({md.num_decode_tokens} tok) + {md.num_prefills} prefill " \
-               f"({md.num_prefill_tokens} tok, {len(md.prefill_chunks)} chunks)"
-        _progress(i, len(steps), kind)
+               f"({md.num_prefill_tokens} tok, {_plural(len(md.prefill_chunks), 'chunk')})"
+        progress.update(i, kind)
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -182,10 +203,10 @@ def run(args) -> int:
             failures += err is not None
         for r, n in sched:
             r.done += n
-        sys.stderr.write("\r" + " " * 100 + "\r")
+        progress.clear()
         print(f"  step {i + 1:2d}/{len(steps)}: {kind:<48} {dt * 1e3:8.1f} ms  {verdict}")
-    _progress(len(steps), len(steps), "done")
-    sys.stderr.write("\n")
+    progress.update(len(steps), "done")
+    progress.clear()
     total = sum(times)
     print(f"\n{len(steps)} steps, {sum(len(s) for s in steps)} request-steps, indexer time {total * 1e3:.1f} ms "
           f"(mean {total / max(1, len(steps)) * 1e3:.1f} ms/step); "
@@ -197,7 +218,11 @@ def run(args) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m sparse_indexer demo")
     add_arguments(p)
-    return run(p.parse_args(argv))
+    try:
+        return run(p.parse_args(argv))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
