@@ -165,13 +165,17 @@ def _decode_from_vllm(d, num_decode_tokens: int, width: int, next_n: int) -> Dec
       keys). Uniform when ``B * n == T_d`` and not ``requires_padding``: token ``t`` is slot ``t`` of the
       ``[B, n]`` grid.
     * flattened (off-CUDA at next_n > 2, adaptive verification): one row per token, ``seq_lens [T_d, 1]``,
-      ``block_table`` repeated per token, ``decode_lens`` all ones: the uniform case with ``n = 1``.
+      ``block_table`` repeated per token, ``decode_lens`` all ones.
     * padded for a FULL CUDA graph: padding requests (``d_b = 0``, ``L_b = 0``, ``seq_lens`` rows 0) at the
       end, padding tokens counted in ``T_d`` (their ``slot_mapping`` is -1), ``requires_padding`` set.
     * padded tokens without padding requests (FULL graphs of batches that are not uniform decodes): ``T_d``
       larger than the real tokens.
 
-    Otherwise (``requires_padding``, or ``B * n != T_d``) the real tokens ``t < S = sum(d_b)`` are packed
+    One slot per request (``n == 1``: native one-token decodes, flattened) is always uniform: row ``t`` is token
+    ``t`` for the first ``min(B, T_d)`` rows, since requests without a token (padding, window 0) come after those
+    with one; so the packing buffers, absent when ``next_n == 1``, are never needed there.
+
+    Otherwise (``n > 1`` with ``requires_padding``, or ``B * n != T_d``) the real tokens ``t < S = sum(d_b)`` are packed
     left-aligned into the ``[B, n]`` grid: token ``j < d_b`` of request ``b`` is slot ``b * n + j`` with
     window ``L_b - d_b + j + 1`` (docs/spec.md §7), ``L_b = seq_lens[b, -1]``. Slots ``j >= d_b`` have empty
     windows (their top-k rows are all -1). The result describes ``min(T_d, B * n)`` token rows (``S <= B * n``:
@@ -196,8 +200,10 @@ def _decode_from_vllm(d, num_decode_tokens: int, width: int, next_n: int) -> Dec
         nn = num_decode_tokens // b
     if bt.shape[0] < b:
         raise ValueError(f"decode.block_table has {bt.shape[0]} rows for {b} decode rows")
-    if not d.requires_padding and b * nn == num_decode_tokens:
-        ctx = seq_lens.to(torch.int32)
+    if nn == 1 or (not d.requires_padding and b * nn == num_decode_tokens):
+        # one token per row: token t is row t (requests without a token, vLLM's padding, come last)
+        b = min(b, num_decode_tokens) if nn == 1 else b
+        ctx = seq_lens[:b].to(torch.int32)
         return DecodeMetadata(
             num_reqs=b, next_n=nn, uniform=True, width=width, context_lens=ctx, block_table=bt[:b],
             row_starts=torch.zeros(b * nn, dtype=torch.int32, device=dev),

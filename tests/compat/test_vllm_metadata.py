@@ -1,7 +1,11 @@
-"""vLLM's indexer metadata -> ours: the step run on converted metadata equals the step on build_metadata.
+"""vLLM's indexer metadata -> ours, on the layouts vLLM 0.33's own builder never produces (the builder's layouts
+are tested in tests/compat/test_vllm_builder.py): 1-D decode ``seq_lens`` (earlier vLLM versions), native
+``[B, n]`` decode with mixed real decode lengths and ``requires_padding`` (0.33 splits or flattens such batches),
+with and without FULL-graph padding; and the shim's errors.
 
-Needs no vLLM: the metadata objects are namespaces with the field names of vLLM 0.33's dataclasses, filled with
-vLLM's conventions (tests/compat/vllm_batches.py). Reference backend, CPU.
+Needs no vLLM: the metadata objects are namespaces with the field names of vLLM 0.33's dataclasses
+(tests/compat/vllm_batches.py). Each step must match the float64 model and our own path on the same inputs.
+Reference backend, CPU.
 """
 
 from __future__ import annotations
@@ -10,8 +14,8 @@ import pytest
 import torch
 
 import sparse_indexer as si
-from sparse_indexer.compat.vllm import metadata_from_vllm
-from tests.compat.vllm_batches import make_batch, vllm_metadata
+from sparse_indexer.compat.vllm import VllmIndexer, metadata_from_vllm
+from tests.compat.vllm_batches import SEVEN, check_against_model, make_batch, run_ours, same_rows, vllm_metadata
 
 
 def limits(next_n=2, **kw):
@@ -21,46 +25,35 @@ def limits(next_n=2, **kw):
     return si.IndexerLimits(**base)
 
 
-def run_ours(batch, lim, md=None):
-    md = md or si.build_metadata(batch.seq_lens, batch.query_lens, batch.block_table, batch.slot_mapping, lim)
-    kv = batch.kv.clone()
-    out = torch.full((lim.max_num_batched_tokens, lim.topk), 7, dtype=torch.int32)
-    si.sparse_attn_indexer(batch.q_fp8, batch.k, batch.weights, kv, md, si.allocate(lim), out,
-                           backend="reference")
-    return out, kv
-
-
 CASES = {
-    # name: (seq_lens, query_lens, next_n, decode_mode, chunks)
-    "decode_1d": ([40, 17, 90], [1, 1, 1], 1, "native", None),
-    "decode_2d_uniform": ([40, 33, 90], [2, 2, 2], 2, "native", None),
-    "decode_padded": ([40, 33, 90, 25], [3, 1, 2, 3], 3, "native", None),
-    "decode_flat": ([40, 33, 90], [2, 1, 2], 2, "flat", None),
-    "prefill_one_chunk": ([30, 50], [30, 20], 1, "native", None),
-    "prefill_split_chunks": ([30, 50, 70], [30, 20, 9], 1, "native", [(0, 1, None), (1, 3, None)]),
-    "prefill_query_pieces": ([80], [60], 1, "native", [(0, 1, (0, 25)), (0, 1, (25, 50)), (0, 1, (50, 60))]),
-    "mixed": ([40, 61, 30, 75], [2, 1, 30, 12], 2, "native", [(2, 3, None), (3, 4, None)]),
-    "mixed_flat": ([40, 61, 30, 75], [2, 1, 30, 12], 2, "flat", None),
+    # name: (seq_lens, query_lens, next_n, 1-D seq_lens, padding requests, padding tokens)
+    "decode_1d_n1": ([40, 17, 90], [1, 1, 1], 1, True, 0, 0),
+    "decode_1d_n2": ([40, 33, 90], [2, 2, 2], 2, True, 0, 0),
+    "decode_1d_n2_padded": ([40, 33], [2, 2], 2, True, 1, 2),
+    "decode_1d_n1_padded": ([40, 33], [1, 1], 1, True, 2, 2),
+    "decode_native_mixed_lengths": ([40, 33, 90, 25], [3, 1, 2, 3], 3, False, 0, 0),
+    "decode_native_mixed_lengths_padded": ([40, 33, 90], [3, 1, 2], 3, False, 2, 4),
+    "decode_native_mixed_lengths_and_prefill": ([40, 61, 30, 75], [2, 1, 30, 12], 2, False, 0, 0),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_converted_metadata_gives_the_same_step(name):
-    seq, qry, nn, mode, chunks = CASES[name]
+    seq, qry, nn, one_d, pad_reqs, pad_tokens = CASES[name]
     lim = limits(next_n=nn)
-    batch = make_batch(seq, qry, lim, seed=len(name))
+    batch = make_batch(seq, qry, lim, seed=len(name), extra_rows=pad_tokens)
     expected, kv_expected = run_ours(batch, lim)
-    md = metadata_from_vllm(vllm_metadata(batch, nn, decode_mode=mode, chunks=chunks), lim)
-    actual, kv_actual = run_ours(batch, lim, md)
-    n = sum(qry)
+    vmd = vllm_metadata(batch, nn, one_d=one_d, pad_reqs=pad_reqs, pad_tokens=pad_tokens)
+    actual, kv_actual = run_ours(batch, lim, metadata_from_vllm(vmd, lim))
+    n, rows = batch.num_tokens, batch.q_fp8.shape[0]
     assert torch.equal(kv_actual, kv_expected)
-    # top-k positions come in any order (docs/spec.md §6): compare each row as a set
-    assert torch.equal(actual[:n].sort(1).values, expected[:n].sort(1).values)
-    assert (actual[n:] == 7).all()
-    assert (actual[:n] >= 0).any()
+    check_against_model(actual[:n], batch, lim.topk)
+    assert same_rows(actual, expected)
+    assert bool((actual[n:rows] == -1).all()) and bool((actual[rows:] == SEVEN).all())
 
 
 def test_padded_decode_fields():
+    """The packed decode of mixed lengths is the one build_metadata makes (slots, windows, pack/unpack maps)."""
     lim = limits(next_n=3)
     batch = make_batch([40, 33, 90, 25], [3, 1, 2, 3], lim)
     dm = metadata_from_vllm(vllm_metadata(batch, 3), lim).decode
@@ -70,6 +63,17 @@ def test_padded_decode_fields():
         assert torch.equal(getattr(dm, f).long(), getattr(ours, f).long()), f
 
 
+def test_padding_tokens_read_an_empty_slot():
+    """FULL-graph padding tokens unpack from a slot with an empty window, never past the last request."""
+    lim = limits(next_n=3)
+    batch = make_batch([40, 33, 90], [3, 1, 2], lim, extra_rows=4)
+    md = metadata_from_vllm(vllm_metadata(batch, 3, pad_reqs=2, pad_tokens=4), lim)
+    dm = md.decode
+    assert md.num_decode_tokens == 10 and dm.num_reqs == 5 and dm.unpack_src.shape == (10,)
+    assert bool((dm.unpack_src < dm.num_rows).all())
+    assert bool((dm.row_ends[dm.unpack_src[6:]] == 0).all())
+
+
 def test_unsupported_vllm_features_are_named():
     lim = limits(next_n=1)
     batch = make_batch([30, 50], [30, 20], lim)
@@ -77,13 +81,25 @@ def test_unsupported_vllm_features_are_named():
     vmd.prefill.chunks[0].pcp_deinterleave_idx = torch.zeros(1)
     with pytest.raises(NotImplementedError, match="pcp_deinterleave_idx"):
         metadata_from_vllm(vmd, lim)
+    dec = vllm_metadata(make_batch([30, 50], [1, 1], lim), 1)
+    dec.decode.indices = torch.arange(2, dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="indices"):
+        metadata_from_vllm(dec, lim)
+
+
+def test_chunks_must_follow_the_decode_rows():
+    lim = limits(next_n=2)
+    batch = make_batch([40, 30, 75], [2, 30, 12], lim)
+    vmd = vllm_metadata(batch, 2)
+    c = vmd.prefill.chunks[0]
+    c.token_start, c.token_end = c.token_start + 1, c.token_end + 1
+    with pytest.raises(ValueError, match="do not start at row 2"):
+        metadata_from_vllm(vmd, lim)
 
 
 def test_indexer_converts_each_steps_metadata_once():
     """Every layer of a step passes the same vLLM metadata object: the drop-in converts it once (its device
     tensors are made once per step, not per layer) and again for the next step's object."""
-    from sparse_indexer.compat.vllm import VllmIndexer
-
     lim = limits(3)
     batch = make_batch([40, 33, 90, 25], [3, 1, 2, 3], lim)
     op = VllmIndexer(max_num_seqs=lim.max_num_seqs, next_n=3, attn_metadata=lambda: None)

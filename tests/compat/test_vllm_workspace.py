@@ -13,8 +13,8 @@ from sparse_indexer.compat.vllm import (
     held_bytes,
     reserve,
 )
-from tests.compat.test_vllm_metadata import limits, run_ours
-from tests.compat.vllm_batches import make_batch, vllm_metadata
+from tests.compat.test_vllm_metadata import limits
+from tests.compat.vllm_batches import make_batch, run_ours, vllm_metadata
 
 ws = pytest.importorskip("vllm.v1.worker.workspace")
 

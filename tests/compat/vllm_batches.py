@@ -1,5 +1,13 @@
-"""Batches for the vLLM shim tests: our inputs, and vLLM-style metadata built with vLLM 0.33's conventions
-(``vllm/v1/attention/backends/mla/indexer.py``), as plain namespaces with the dataclasses' field names."""
+"""Batches for the vLLM shim tests: a K cache holding every request's earlier keys, one step's tensors, a float64
+model of the step's top-k (tests/oracle.py), and our own path (``build_metadata`` + ``sparse_attn_indexer``) on the
+same inputs.
+
+The vLLM metadata itself comes from vLLM's own builder (``tests/compat/vllm_builder.py``). The hand-built
+namespaces kept here (:func:`vllm_metadata`) cover only what vLLM 0.33's builder never produces and the shim still
+accepts: 1-D decode ``seq_lens`` (earlier vLLM versions), native ``[B, n]`` decode with mixed real decode lengths
+and ``requires_padding`` (0.33 splits such a batch into one decode length plus prefills, or flattens it), and
+fields of features the shim refuses (context parallelism, varlen decode).
+"""
 
 from __future__ import annotations
 
@@ -8,10 +16,20 @@ from types import SimpleNamespace
 import torch
 
 import sparse_indexer as si
+from tests import oracle
+
+SEVEN = 7  # what topk_out holds before a step: rows the step must not touch keep it
 
 
-def make_batch(seq_lens, query_lens, limits, *, seed=0, num_blocks=None):
-    """Random step: a K cache already holding every request's earlier keys, and this step's tensors."""
+def make_batch(seq_lens, query_lens, limits, *, seed=0, extra_rows=0, num_blocks=None):
+    """A random step of requests with context ``seq_lens`` (this step's tokens included) and ``query_lens`` new
+    tokens each, ordered as vLLM orders them (decodes first).
+
+    The cache (block-major, random permuted blocks, ``block_table [R, ceil(max_model_len / block_size)]``) holds
+    every request's earlier keys; ``keys[r]`` (``[seq_len, D]`` bfloat16) keeps its whole history for the model.
+    ``q_fp8``/``weights``/``k`` have ``extra_rows`` more rows than tokens (padding rows of a CUDA graph batch,
+    random contents); ``slot_mapping`` covers the real tokens only.
+    """
     g = torch.Generator().manual_seed(seed)
     bs, d, h = limits.block_size, limits.head_dim, limits.n_heads
     n_req = len(seq_lens)
@@ -26,23 +44,81 @@ def make_batch(seq_lens, query_lens, limits, *, seed=0, num_blocks=None):
         bt[r, :nb] = perm[i : i + nb]
         i += nb
     kv = si.new_kv_cache(num_blocks, bs, d)
-    # earlier context of every request
-    for r, (s, q) in enumerate(zip(seq_lens, query_lens)):
+    keys = [torch.randn(s, d, generator=g).to(torch.bfloat16) for s in seq_lens]
+    for r, (s, q) in enumerate(zip(seq_lens, query_lens)):  # earlier context of every request
         if s - q > 0:
-            pos = torch.arange(s - q)[None]
-            slots = si.slots_from_block_table(bt[r : r + 1], pos, bs)[0]
-            si.write_k_cache(torch.randn(s - q, d, generator=g), kv, slots, fp8_dtype=limits.fp8_dtype)
-    pos = torch.cat([torch.arange(s - q, s) for s, q in zip(seq_lens, query_lens)])
-    req = torch.cat([torch.full((q,), r) for r, q in enumerate(query_lens)])
-    slot_mapping = (bt.long()[req, pos // bs] * bs + pos % bs).to(torch.int64)
+            slots = si.slots_from_block_table(bt[r : r + 1], torch.arange(s - q)[None], bs)[0]
+            si.write_k_cache(keys[r][: s - q], kv, slots, fp8_dtype=limits.fp8_dtype, backend="reference")
     t = sum(query_lens)
-    q_fp8, q_scale = si.quantize_q(torch.randn(t, h, d, generator=g), fp8_dtype=limits.fp8_dtype)
-    weights = (torch.randn(t, h, generator=g) * h**-0.5 * d**-0.5 * q_scale).float()
-    k = torch.randn(t, d, generator=g).to(torch.bfloat16)
+    pos = torch.cat([torch.arange(s - q, s) for s, q in zip(seq_lens, query_lens)]).long()
+    req = torch.cat([torch.full((q,), r) for r, q in enumerate(query_lens)]).long()
+    slot_mapping = bt.long()[req, pos // bs] * bs + pos % bs
+    rows = t + extra_rows
+    q_fp8, q_scale = si.quantize_q(torch.randn(rows, h, d, generator=g), fp8_dtype=limits.fp8_dtype)
+    weights = (torch.randn(rows, h, generator=g) * h**-0.5 * d**-0.5 * q_scale).float()
+    k = torch.cat([torch.cat([keys[r][s - q :] for r, (s, q) in enumerate(zip(seq_lens, query_lens))]),
+                   torch.randn(extra_rows, d, generator=g).to(torch.bfloat16)])
     return SimpleNamespace(kv=kv, block_table=bt, slot_mapping=slot_mapping, q_fp8=q_fp8, weights=weights, k=k,
-                           seq_lens=list(seq_lens), query_lens=list(query_lens))
+                           keys=keys, seq_lens=list(seq_lens), query_lens=list(query_lens), num_tokens=t,
+                           fp8_dtype=limits.fp8_dtype)
 
 
+# ------------------------------------------------------------------------------------------------ the model
+def model_scores(batch) -> list[torch.Tensor]:
+    """float64 scores of every real token over its causal window (docs/spec.md §3, §5), in token order: keys
+    quantized by the oracle from ``batch.keys`` (ue8m0 scales, as the step writes them), queries decoded from
+    their FP8 bytes. Reads neither the cache nor anything the library computed."""
+    out = []
+    t = 0
+    for r, (s, q) in enumerate(zip(batch.seq_lens, batch.query_lens)):
+        vals, scale, _ = oracle.quantize(batch.keys[r], batch.fp8_dtype, "ue8m0")
+        for j in range(q):
+            lim = s - q + j + 1
+            qv = oracle.decode(batch.q_fp8[t])[None]  # [1, H, D]
+            out.append(oracle.scores(qv, vals[:lim], scale[:lim], batch.weights[t : t + 1])[0])
+            t += 1
+    return out
+
+
+def check_against_model(topk: torch.Tensor, batch, topk_width: int) -> None:
+    """Rows ``[0, num_tokens)`` of ``topk`` are a correct top-k of the model's scores (docs/spec.md §6): a window
+    of ``n <= topk`` gives ``0..n-1, -1...``; a longer one ``topk`` distinct positions whose scores are all at
+    least the model's k-th best (less ``1e-5 x`` the largest score: float32 logits against float64)."""
+    scores = model_scores(batch)
+    assert topk.shape[0] >= len(scores)
+    for i, s in enumerate(scores):
+        n, row = s.shape[0], topk[i]
+        if n <= topk_width:
+            want = torch.cat([torch.arange(n), torch.full((topk_width - n,), -1)]).int()
+            assert torch.equal(row, want), f"token {i} (window {n}): {row[:8].tolist()} != {want[:8].tolist()}"
+            continue
+        assert bool((row >= 0).all()) and bool((row < n).all()), f"token {i}: position outside [0, {n})"
+        assert row.unique().numel() == topk_width, f"token {i}: repeated positions"
+        kth = s.topk(topk_width).values[-1]
+        got = s[row.long()]
+        tol = 1e-5 * float(s.abs().max()) + 1e-30
+        assert bool((got >= kth - tol).all()), f"token {i}: selected score {float(got.min())} < k-th best {kth}"
+
+
+# ------------------------------------------------------------------------------------------------ our path
+def run_ours(batch, lim, md=None, *, backend="reference", rows=None):
+    """``build_metadata`` (from the real lengths) + ``sparse_attn_indexer`` on a copy of the cache; ``topk_out``
+    has ``max_num_batched_tokens`` rows, pre-filled with 7. Returns ``(topk_out, kv)``."""
+    md = md or si.build_metadata(batch.seq_lens, batch.query_lens, batch.block_table, batch.slot_mapping, lim)
+    rows = batch.q_fp8.shape[0] if rows is None else rows
+    kv = batch.kv.clone()
+    out = torch.full((lim.max_num_batched_tokens, lim.topk), SEVEN, dtype=torch.int32)
+    si.sparse_attn_indexer(batch.q_fp8[:rows], batch.k[:rows], batch.weights[:rows], kv, md, si.allocate(lim),
+                           out, backend=backend)
+    return out, kv
+
+
+def same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal as sets per row (docs/spec.md §6 allows any order)."""
+    return a.shape == b.shape and torch.equal(a.sort(1).values, b.sort(1).values)
+
+
+# ------------------------------------------------------------------------------------------------ hand-built
 def vllm_prefill_chunk(seq, qry, bt, start, end, qs=None):
     """``DeepseekV32IndexerPrefillChunkMetadata`` of requests ``[start, end)`` (absolute indices), optionally
     only queries ``qs = (q0, q1)`` of the chunk's concatenated queries (``build_prefill_chunk_metadata``)."""
@@ -67,45 +143,34 @@ def vllm_prefill_chunk(seq, qry, bt, start, end, qs=None):
     )
 
 
-def vllm_decode(seq, qry, bt, num_decodes, mode):
-    """``DeepSeekV32IndexerDecodeMetadata`` as ``_prepare_decode_tensors`` builds it.
-
-    mode ``"native"``: ``seq_lens`` ``[B]`` when the longest decode is 1 token, else ``[B, max_d]`` with
-    ``clamp(L - max_d + j + 1, 0)``; ``requires_padding`` when decode lengths differ (queries packed
-    left-aligned). mode ``"flat"``: one row per token, ``seq_lens[i] = L - d + j + 1``, block table repeated.
-    """
-    s = torch.tensor(seq[:num_decodes], dtype=torch.int32)
-    d = torch.tensor(qry[:num_decodes], dtype=torch.int32)
-    nd = int(d.sum())
-    if mode == "flat":
-        lens = torch.cat([torch.arange(L - dd + 1, L + 1) for L, dd in zip(s.tolist(), d.tolist())]).int()
-        return SimpleNamespace(block_table=torch.repeat_interleave(bt[:num_decodes], d.long(), dim=0),
-                               seq_lens=lens, decode_lens=torch.ones(nd, dtype=torch.int32), requires_padding=False,
-                               schedule_metadata=None, indices=None)
-    max_d, min_d = int(d.max()), int(d.min())
-    lens = s
-    if max_d > 1:
-        lens = (s[:, None] - max_d + 1 + torch.arange(max_d)[None]).clamp(min=0).int()
-    return SimpleNamespace(block_table=bt[:num_decodes], seq_lens=lens, decode_lens=d, requires_padding=min_d != max_d,
-                           schedule_metadata=None, indices=None)
-
-
-def vllm_metadata(batch, next_n, *, decode_mode="native", chunks=None):
-    """``DeepseekV32IndexerMetadata`` of a batch; ``chunks``: list of ``(start, end, (q0, q1) or None)`` over
-    absolute request indices (default: one chunk with every prefill request)."""
+def vllm_metadata(batch, next_n, *, one_d=False, pad_reqs=0, pad_tokens=0):
+    """A ``DeepseekV32IndexerMetadata`` namespace in layouts vLLM 0.33's builder does not produce: decode requests
+    (query length <= ``next_n``, first) of any mixed lengths in the native layout, ``seq_lens [B, max d]`` =
+    ``clamp(L - max_d + j + 1, 0)`` with ``requires_padding`` when the lengths differ, or ``[B]`` with
+    ``one_d``; ``pad_reqs`` padding requests (length 0) and ``pad_tokens`` padding tokens (slot -1) as for a
+    FULL CUDA graph; one prefill chunk with every prefill request."""
     seq, qry, bt = batch.seq_lens, batch.query_lens, batch.block_table
     nd_req = 0
     while nd_req < len(qry) and qry[nd_req] <= next_n:
         nd_req += 1
     nd_tok = sum(qry[:nd_req])
-    decode = vllm_decode(seq, qry, bt, nd_req, decode_mode) if nd_req else None
+    decode = None
+    if nd_req:
+        s = torch.tensor(seq[:nd_req] + [0] * pad_reqs, dtype=torch.int32)
+        d = torch.tensor(qry[:nd_req] + [0] * pad_reqs, dtype=torch.int32)
+        max_d = int(d.max())
+        lens = s if one_d else (s[:, None] - max_d + 1 + torch.arange(max_d)[None]).clamp(min=0).int()
+        dbt = torch.cat([bt[:nd_req], torch.zeros(pad_reqs, bt.shape[1], dtype=torch.int32)])
+        decode = SimpleNamespace(block_table=dbt, seq_lens=lens, decode_lens=d, requires_padding=int(d.min()) != max_d,
+                                 schedule_metadata=None, indices=None)
     prefill = None
     if nd_req < len(seq):
-        chunks = chunks if chunks is not None else [(nd_req, len(seq), None)]
-        prefill = SimpleNamespace(chunks=[vllm_prefill_chunk(seq, qry, bt, a, b, qs) for a, b, qs in chunks],
+        assert not pad_reqs and not pad_tokens, "padding goes with pure decode batches here"
+        prefill = SimpleNamespace(chunks=[vllm_prefill_chunk(seq, qry, bt, nd_req, len(seq))],
                                   max_prefill_seq_len=max(seq[nd_req:]), row_shard_sizes=None)
+    slots = torch.cat([batch.slot_mapping, torch.full((pad_tokens,), -1, dtype=torch.int64)])
     return SimpleNamespace(
-        seq_lens=torch.tensor(seq, dtype=torch.int32), max_seq_len=max(seq), slot_mapping=batch.slot_mapping,
-        num_decodes=nd_req, num_decode_tokens=nd_tok, num_prefills=len(seq) - nd_req,
+        seq_lens=torch.tensor(seq, dtype=torch.int32), max_seq_len=max(seq), slot_mapping=slots,
+        num_decodes=nd_req + pad_reqs, num_decode_tokens=nd_tok + pad_tokens, num_prefills=len(seq) - nd_req,
         num_prefill_tokens=sum(qry) - nd_tok, decode=decode, prefill=prefill, positions=None, block_table=bt,
     )

@@ -1,0 +1,172 @@
+"""vLLM 0.33's own ``DeepseekV32IndexerMetadataBuilder`` driven on the CPU, the way vLLM's GPU model runner drives
+it (``gpu_model_runner._build_attention_metadata``), including the padding of FULL CUDA graph batches.
+
+It runs on the CPU when the process starts with (tests/run.sh gives the builder tests their own process):
+
+* ``TRITON_INTERPRET=1``: the builder's two metadata kernels (uniform flattened decode, prefill chunk windows)
+  are Triton kernels; Triton's interpreter runs them on CPU tensors. Read when triton is imported.
+* ``CUDA_VISIBLE_DEVICES=""``: without an active GPU driver, ``vllm.triton_utils`` replaces triton by a
+  placeholder unless this variable is set and empty.
+* ``VLLM_SPARSE_INDEXER_MAX_LOGITS_MB=1``: the builder's logits budget for prefill chunks (512 MB by default),
+  so that small batches split into chunks.
+
+``python -m tests.compat.vllm_builder`` (with that environment) rewrites ``FIXTURE``: vLLM's metadata of padded
+decode steps for the GPU test (``tests/gpu/test_vllm_shim_gpu.py``), which runs where vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
+
+import torch
+
+import sparse_indexer as si
+
+ENV = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "VLLM_SPARSE_INDEXER_MAX_LOGITS_MB": "1"}
+FIXTURE = Path(__file__).with_name("vllm_padded_decode.json")
+LOGITS_MB = 1
+
+
+def env_problem() -> str | None:
+    """Why vLLM's builder cannot run in this process (``None``: it can)."""
+    bad = [f"{k}={v!r}" for k, v in ENV.items() if os.environ.get(k) != v]
+    if bad:
+        return "vLLM's builder on the CPU needs its own process started with " + " ".join(bad)
+    return None
+
+
+class Engine:
+    """One engine configuration: vLLM's builder for it and the matching :class:`IndexerLimits`.
+
+    vLLM side: a real ``VllmConfig`` (scheduler, attention with ``sparse_mla_prefill_workspace_factor``,
+    parallel, compilation: defaults), except ``model_config`` and ``speculative_config``, whose real classes
+    need a Hugging Face model: narrow namespaces with the fields the builder reads (``max_model_len`` and
+    ``architectures``; ``num_speculative_tokens`` and ``enable_adaptive_verification``). The indexer cache's
+    ``MLAAttentionSpec`` as ``DeepseekV32IndexerCache.get_kv_cache_spec`` makes it.
+
+    Our side: the limits :class:`~sparse_indexer.compat.vllm.VllmIndexer` derives from the op's arguments
+    (``prefill_k_tokens`` = vLLM's prefill workspace ``max_model_len * 8 * factor``, the same logits budget).
+    """
+
+    def __init__(self, next_n: int, *, max_model_len: int = 96, max_num_seqs: int = 8,
+                 max_num_batched_tokens: int = 64, block_size: int = 16, workspace_factor: int = 2,
+                 n_heads: int = 8, head_dim: int = 64, topk: int = 16):
+        from vllm.config import AttentionConfig, DeviceConfig, SchedulerConfig, VllmConfig
+        from vllm.platforms import current_platform
+        from vllm.v1.attention.backends.mla import indexer as vi
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole
+
+        self.next_n = next_n
+        cfg = VllmConfig(
+            scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                             max_model_len=max_model_len, is_encoder_decoder=False),
+            attention_config=AttentionConfig(sparse_mla_prefill_workspace_factor=workspace_factor),
+            device_config=DeviceConfig(device="cpu"),
+        )
+        cfg.model_config = SimpleNamespace(max_model_len=max_model_len, architectures=["DeepseekV32ForCausalLM"])
+        if next_n > 1:
+            cfg.speculative_config = SimpleNamespace(num_speculative_tokens=next_n - 1,
+                                                     enable_adaptive_verification=False)
+        self.vllm_config = cfg
+        spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, max_tp_shards=1, head_size=head_dim + 4,
+                                dtype=torch.uint8, cache_role=SparseCacheRole.INDEXER)
+        # vLLM's unspecified (CPU) platform raises NotImplementedError on num_compute_units. The builder only
+        # sizes its DeepGEMM schedule buffer with it ([SMs + 1, 2] int32), which is filled on CUDA only.
+        with mock.patch.object(current_platform, "num_compute_units", lambda device_id=0: 1):
+            self.builder = vi.DeepseekV32IndexerMetadataBuilder(
+                spec, ["model.layers.0.self_attn.indexer.k_cache"], cfg, torch.device("cpu"),
+                block_table_width=(max_model_len + block_size - 1) // block_size)
+        self.workspace_keys = vi.get_max_prefill_buffer_size(cfg)
+        self.limits = si.IndexerLimits(
+            max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+            next_n=next_n, n_heads=n_heads, head_dim=head_dim, topk=topk, block_size=block_size,
+            prefill_k_tokens=max(self.workspace_keys, max_model_len), max_logits_bytes=LOGITS_MB * 2**20,
+        )
+
+    def common_metadata(self, batch, *, pad_reqs: int = 0, pad_tokens: int = 0):
+        """``CommonAttentionMetadata`` of ``batch`` as the model runner fills it: ``pad_reqs`` padding requests
+        (query length 0: ``query_start_loc`` repeats its last entry; ``seq_lens`` 0; block table rows of the null
+        block 0) and ``pad_tokens`` padding tokens (counted in ``num_actual_tokens``, ``slot_mapping`` -1) for a
+        FULL CUDA graph; ``slot_mapping`` padded with -1 to the batch's query rows in any case."""
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        qry, seq = batch.query_lens, batch.seq_lens
+        qsl = [0]
+        for q in qry:
+            qsl.append(qsl[-1] + q)
+        qsl += [qsl[-1]] * pad_reqs
+        seqp = list(seq) + [0] * pad_reqs
+        bt = torch.cat([batch.block_table, torch.zeros(pad_reqs, batch.block_table.shape[1], dtype=torch.int32)])
+        rows = max(batch.q_fp8.shape[0], batch.num_tokens + pad_tokens)
+        slots = torch.full((rows,), -1, dtype=torch.int64)
+        slots[: batch.num_tokens] = batch.slot_mapping
+        i32 = lambda x: torch.tensor(x, dtype=torch.int32)
+        return CommonAttentionMetadata(
+            query_start_loc=i32(qsl), query_start_loc_cpu=i32(qsl), seq_lens=i32(seqp),
+            num_reqs=len(seqp), num_actual_tokens=batch.num_tokens + pad_tokens, max_query_len=max(qry),
+            max_seq_len=max(seq), block_table_tensor=bt, slot_mapping=slots, seq_lens_cpu_upper_bound=i32(seqp),
+            is_prefilling=torch.zeros(len(seqp), dtype=torch.bool),
+        )
+
+    def build(self, batch, *, pad_reqs: int = 0, pad_tokens: int = 0):
+        """vLLM's ``DeepseekV32IndexerMetadata`` of ``batch`` from the builder's real ``build()``."""
+        return self.builder.build(0, self.common_metadata(batch, pad_reqs=pad_reqs, pad_tokens=pad_tokens))
+
+
+# ------------------------------------------------------------------------------------------------ GPU fixture
+# Padded decode steps for the CUDA-graph test: per next_n, a capture step with B requests of next_n tokens each
+# (what vLLM captures: a uniform batch of the graph's size) and replay steps with fewer real requests, padded to B
+# by vLLM, with new lengths and block tables.
+FIXTURE_STEPS = {
+    # next_n: (capture (seq_lens, query_lens), replays [(seq_lens, query_lens), ...]) - B = 4 rows of requests
+    1: (([50, 37, 90, 64], [1] * 4), [([70, 20, 33], [1] * 3), ([95, 41], [1] * 2)]),
+    2: (([50, 37, 90, 64], [2] * 4), [([70, 20, 33], [2] * 3), ([95, 41], [2] * 2)]),
+    3: (([50, 37, 90, 64], [3] * 4), [([70, 20, 33], [3] * 3), ([95, 41], [3] * 2)]),
+}
+FIXTURE_B = 4
+FIXTURE_FIELDS = ("seq_lens", "decode_lens", "block_table")
+
+
+def _tensor_json(t: torch.Tensor) -> dict:
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "data": t.reshape(-1).tolist()}
+
+
+def fixture_steps() -> dict:
+    """vLLM's metadata of :data:`FIXTURE_STEPS` from the real builder, as JSON-able dicts."""
+    from tests.compat.vllm_batches import make_batch
+
+    out = {}
+    for nn, (capture, replays) in FIXTURE_STEPS.items():
+        eng = Engine(nn)
+        steps = []
+        for i, (seq, qry) in enumerate([capture, *replays]):
+            pad_reqs = FIXTURE_B - len(seq)
+            batch = make_batch(seq, qry, eng.limits, seed=100 * nn + i, num_blocks=40)
+            md = eng.build(batch, pad_reqs=pad_reqs, pad_tokens=pad_reqs * nn)
+            d = md.decode
+            steps.append({
+                "seq_lens": seq, "query_lens": qry, "num_decodes": md.num_decodes,
+                "num_decode_tokens": md.num_decode_tokens, "num_prefills": md.num_prefills,
+                "num_prefill_tokens": md.num_prefill_tokens, "requires_padding": bool(d.requires_padding),
+                "slot_mapping": _tensor_json(md.slot_mapping[: md.num_decode_tokens]),
+                **{f: _tensor_json(getattr(d, f)) for f in FIXTURE_FIELDS},
+            })
+        out[str(nn)] = {"limits": {"max_model_len": eng.limits.max_model_len, "block_size": eng.limits.block_size,
+                                   "num_blocks": 40}, "steps": steps}
+    return out
+
+
+def main() -> None:
+    problem = env_problem()
+    if problem:
+        raise SystemExit(problem)
+    FIXTURE.write_text(json.dumps(fixture_steps(), indent=1) + "\n")
+    print(f"wrote {FIXTURE}")
+
+
+if __name__ == "__main__":
+    main()
