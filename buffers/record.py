@@ -14,10 +14,27 @@ __all__ = ["Buffers", "BufferTooSmall"]
 OPTIONAL = ("qk", "q_pack", "w_pack", "topk_pack", "topk_scratch")
 
 
+SIZED_BY = {
+    "k_fp8": "raise IndexerLimits.prefill_k_tokens",
+    "k_scale": "raise IndexerLimits.prefill_k_tokens",
+    "logits": "raise IndexerLimits.max_logits_bytes (prefill chunks) or max_num_seqs * next_n * max_model_len "
+              "(decode)",
+    "qk": "plan with IndexerLimits(with_qk=True); its size follows max_num_seqs * next_n and max_model_len",
+    "q_pack": "raise IndexerLimits.max_num_seqs * next_n (planned only when next_n > 1)",
+    "w_pack": "raise IndexerLimits.max_num_seqs * next_n (planned only when next_n > 1)",
+    "topk_pack": "raise IndexerLimits.max_num_seqs * next_n (planned only when next_n > 1; topk columns)",
+    "topk_scratch": "raise IndexerLimits.max_num_seqs * next_n (its rows; its columns follow max_model_len and "
+                    "topk), or use a record built by buffers.allocate / Buffers.from_arena",
+    "workspace": "pass Buffers.topk_scratch_view(rows) of a plan with IndexerLimits.max_num_seqs * next_n >= rows",
+}
+"""What to change when a field is too small: a :class:`BufferTooSmall` says it."""
+
+
 class BufferTooSmall(ValueError):
     """A request needs more of a buffer field than the record holds.
 
     Attributes: ``field`` (the field's name), ``needed`` and ``available`` (in elements of the field's dtype).
+    The message names the limits that size the field (:data:`SIZED_BY`).
     """
 
     def __init__(self, field: str, needed: int, available: int, what: str = ""):
@@ -25,9 +42,9 @@ class BufferTooSmall(ValueError):
         self.needed = int(needed)
         self.available = int(available)
         extra = f" ({what})" if what else ""
+        fix = SIZED_BY.get(field, "raise the IndexerLimits that size it")
         super().__init__(
-            f"buffer {field!r} is too small{extra}: needs {self.needed} elements, holds {self.available}; "
-            f"raise the IndexerLimits that size it"
+            f"buffer {field!r} is too small{extra}: needs {self.needed} elements, holds {self.available}; {fix}"
         )
 
 

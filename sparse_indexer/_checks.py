@@ -102,5 +102,6 @@ def values_in(name: str, t: torch.Tensor, lo: int | None, hi: int | None, what: 
     if bool(bad.any()):
         idx = tuple(int(i) for i in bad.nonzero()[0])
         where = idx[0] if len(idx) == 1 else list(idx)
-        rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'})"
-        raise ValueError(f"{name}[{where}] = {int(t[idx])} is outside {rng}: {what}")
+        v = int(t[idx])
+        rng = f"is >= {hi}" if lo is None else f"is < {lo}" if hi is None else f"is outside [{lo}, {hi})"
+        raise ValueError(f"{name}[{where}] = {v} {rng}: {what}")

@@ -78,9 +78,14 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
             r = int(bad.nonzero()[0, 0])
             b_, j_ = divmod(r, next_n)
             where = f"context_lens[{b_}]" if context_lens.dim() == 1 else f"context_lens[{b_}, {j_}]"
+            n = int(lim[r])
+            crossed = [f"the W = {w} columns of out"] if n > w else []
+            if n > capacity:
+                crossed.append(f"what block_table covers (max_blocks * block_size = {block_table.shape[1]} * "
+                               f"{lay.block_size} = {capacity})")
             raise ValueError(f"{where} = {int(context_lens.view(-1)[r if context_lens.dim() == 2 else b_])} gives row "
-                             f"{r} (request {b_}, token {j_}) the window [0, {int(lim[r])}), beyond W = {w} or "
-                             f"max_blocks * block_size = {capacity}")
+                             f"{r} (request {b_}, token {j_}) the window [0, {n}), longer than "
+                             + " and ".join(crossed))
         need = lim.view(b, next_n).amax(1) if b else lim
         used = torch.arange(block_table.shape[1], device=dev)[None, :] < (
             (need + lay.block_size - 1) // lay.block_size)[:, None]
