@@ -108,9 +108,8 @@ class Ctx:
 
 # --------------------------------------------------------------------------------------------- formats
 def formats(backend: str, device: torch.device) -> tuple[list[torch.dtype], str | None]:
-    """FP8 formats ``backend`` is checked with on ``device``, and why another one is left out (or ``None``)."""
-    if backend == "reference":
-        return [FN, FNUZ], None
+    """FP8 formats ``backend`` is checked with on ``device`` (those the hardware has), and why the other one is
+    left out (or ``None``). The reference is only checked on a GPU (on the CPU it is the baseline)."""
     if device.type == "cpu":
         return [FN], "e4m3fnuz: not checked (Triton's CPU interpreter has no float8_e4m3fnuz)"
     from .ops.write_k_cache.aiter import NATIVE_FP8, gcn_arch
@@ -531,6 +530,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _backends(requested: str, device: torch.device) -> list[str]:
     if requested != "all":
+        if requested == "reference" and device.type == "cpu":
+            raise UsageError("--backend reference --device cpu: on the CPU the reference is the baseline itself; "
+                             "check it on a GPU, or check triton on the CPU")
         require_backend(requested, device)
         return [requested]
     if device.type == "cpu":  # auto never picks triton on the CPU; the interpreter makes it available here
