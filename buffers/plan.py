@@ -34,7 +34,7 @@ def topk_scratch_cap(lim: IndexerLimits) -> int:
 
 @attrs.frozen
 class PrefillExtremes:
-    """The largest prefill chunk that any step allowed by the limits can form (SPEC 8's chunk planner,
+    """The largest prefill chunk that any step allowed by the limits can form (docs/spec.md §8's chunk planner,
     :func:`sparse_indexer.metadata.plan_prefill_chunks`), each with a step that forms it.
 
     Attributes:
@@ -134,7 +134,7 @@ FIELDS = {
         lambda lim: torch.float32,
     ),
     # Non-uniform decode (requests with fewer than next_n new tokens) packs queries, weights and top-k rows
-    # into [max_num_seqs, next_n] slots (SPEC 7, step 4); only needed when next_n > 1. Every decode request of
+    # into [max_num_seqs, next_n] slots (docs/spec.md §7, step 4); only needed when next_n > 1. Every decode request of
     # the step is packed at once (sub-batches then read slices), so these hold all max_num_seqs * next_n rows.
     "q_pack": (
         lambda lim: (lim.max_decode_rows, lim.n_heads, lim.head_dim) if lim.next_n > 1 else None,

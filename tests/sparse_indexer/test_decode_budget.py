@@ -20,7 +20,7 @@ from tests.sparse_indexer.test_indexer import Scenario, check_topk, limits
 
 def same_selection(a: torch.Tensor, b: torch.Tensor, logits: torch.Tensor | None = None) -> None:
     """Row by row, the same top-k (positions in any order). Where the position sets differ, the multisets of the
-    unbudgeted run's ``logits`` at them must agree to 1e-6 of the row's largest score: SPEC 6 lets near-ties go
+    unbudgeted run's ``logits`` at them must agree to 1e-6 of the row's largest score: docs/spec.md §6 lets near-ties go
     either way, and the reference's float32 matmuls may round a cell's last bit differently for another batch
     shape (the Triton kernels compute every row alike)."""
     assert a.shape == b.shape
