@@ -1,0 +1,302 @@
+"""GPU measurements behind docs/memory.md (issue #13), in one run:
+
+1. ``decode``: the decode step (paged logits + top-k, ``indexer_decode`` as the step runs it, replayed from a CUDA
+   graph) at B=256, L=64K, next_n 1 and 2, without a budget and with ``max_decode_logits_bytes`` a quarter of the
+   decode logits (4 sub-batches), beside the read floor of its key cache measured in the same run (bytes / copy
+   bandwidth). Checks that both give the same top-k.
+2. ``prefill``: prefill throughput of a realistic mix (8K-token steps of 2-16 requests with 4K-128K contexts,
+   max_model_len 128K) through ``indexer_prefill`` for a sweep of the gather cap ``prefill_k_tokens`` (at a
+   generous logits cap) and of the logits cap ``max_logits_bytes`` (at a generous gather cap); picks the smallest
+   of each within 5% of the generous pair and times that pair too.
+
+Times are medians of CUDA-event timings with L2 flushed (a 256 MiB buffer zeroed) before each run; prefill
+timings include the host's per-chunk work, as an engine sees it. ``--smoke`` runs tiny shapes on the CPU (the
+reference backend, no graphs) to check the script. Writes ``memory_bench.json`` into ``--out``.
+
+    PYTHONPATH=. python3 scripts/memory_bench.py --out /tmp/mem
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import sparse_indexer as si  # noqa: E402
+from buffers import IndexerLimits, allocate, plan  # noqa: E402
+from sparse_indexer.indexer import decode_batch  # noqa: E402
+
+MiB = 1 << 20
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+class Timer:
+    def __init__(self, device: torch.device):
+        self.gpu = device.type == "cuda"
+        self.flush = torch.empty(256 * MiB, dtype=torch.uint8, device=device) if self.gpu else None
+
+    def median_ms(self, fn, iters: int, warmup: int = 1) -> float:
+        for _ in range(warmup):
+            fn()
+        if not self.gpu:
+            ts = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                fn()
+                ts.append((time.perf_counter() - t0) * 1e3)
+            return statistics.median(ts)
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(iters):
+            self.flush.zero_()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            ts.append(a.elapsed_time(b))
+        return statistics.median(ts)
+
+
+def fill_cache(kv: torch.Tensor, num_slots: int, d: int, backend: str, g: torch.Generator) -> None:
+    chunk = 1 << 20
+    for t0 in range(0, num_slots, chunk):
+        t1 = min(num_slots, t0 + chunk)
+        k = torch.randn(t1 - t0, d, generator=g).to(torch.bfloat16).to(kv.device)
+        si.write_k_cache(k, kv, torch.arange(t0, t1, device=kv.device), backend=backend)
+
+
+def queries(rows: int, h: int, d: int, dev, g):
+    q8, q_scale = si.quantize_q(torch.randn(rows, h, d, generator=g).to(dev))
+    w = (torch.randn(rows, h, generator=g).to(dev) * (h * d) ** -0.5 * q_scale).contiguous()
+    return q8, w
+
+
+def copy_floor_tb_s(dev, timer: Timer) -> float:
+    n = 1 << 30 if timer.gpu else 64 * MiB
+    src = torch.ones(n, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    t = timer.median_ms(lambda: dst.copy_(src), 10, 2)
+    return 2 * n / (t * 1e-3) / 1e12
+
+
+def mismatched_rows(a: torch.Tensor, b: torch.Tensor, logits: torch.Tensor) -> tuple[int, int]:
+    """(rows whose position sets differ, rows whose selected score multisets differ beyond 1e-6 of the max)."""
+    sa, sb = a.sort(1).values, b.sort(1).values
+    bad = (sa != sb).any(1).nonzero().flatten().tolist()
+    worse = 0
+    for r in bad:
+        ga, gb = sa[r][sa[r] >= 0].long(), sb[r][sb[r] >= 0].long()
+        va, vb = logits[r, ga].sort().values, logits[r, gb].sort().values
+        if va.shape != vb.shape or not torch.allclose(va, vb, rtol=0, atol=1e-6 * float(vb.abs().max())):
+            worse += 1
+    return len(bad), worse
+
+
+# ------------------------------------------------------------------------------------------------ decode
+def bench_decode(args, dev, timer, backend, floor) -> list[dict]:
+    B, L = (256, 65536) if not args.smoke else (8, 512)
+    h, d = (64, 128) if not args.smoke else (4, 64)
+    bs, topk = 64, 2048 if not args.smoke else 64
+    g = torch.Generator().manual_seed(0)
+    nb = B * L // bs
+    kv = si.new_kv_cache(nb, bs, d, device=dev)
+    fill_cache(kv, nb * bs, d, backend, g)
+    table = torch.randperm(nb, generator=g).view(B, L // bs).int().to(dev)
+    kv_bytes = B * L * (d + 4)
+    rows = []
+    for nn in (1, 2):
+        q, w = queries(B * nn, h, d, dev, g)
+        full = B * nn * L * 4
+        res = {}
+        for name, budget in (("none", None), ("quarter", full // 4)):
+            lim = IndexerLimits(max_model_len=L, max_num_batched_tokens=max(8192, B * nn), max_num_seqs=B, next_n=nn,
+                                n_heads=h, head_dim=d, topk=topk, block_size=bs, max_decode_logits_bytes=budget)
+            md = si.build_metadata([L] * B, [nn] * B, table, torch.full((B * nn,), -1, dtype=torch.int64, device=dev),
+                                   lim, num_blocks=nb)
+            bufs = allocate(lim, dev)
+            out = torch.zeros(B * nn, topk, dtype=torch.int32, device=dev)
+
+            def step(q=q, w=w, kv=kv, md=md, bufs=bufs, out=out):
+                si.indexer_decode(q, w, kv, md, bufs, out, backend=backend)
+
+            step()
+            fn = step
+            if timer.gpu:
+                torch.cuda.synchronize()
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    step()
+                torch.cuda.current_stream().wait_stream(s)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()
+                fn = graph.replay
+            t = timer.median_ms(fn, args.iters, 3)
+            fn()
+            if timer.gpu:
+                torch.cuda.synchronize()
+            rows_sb = min(B, decode_batch(md)) * nn
+            res[name] = dict(ms=t, sub_batches=math.ceil(B / decode_batch(md)), out=out.clone(),
+                             decode_mib=rows_sb * L * 4 / MiB, plan_mib=plan(lim).total_bytes / MiB,
+                             logits=bufs.logits_view(rows_sb, L).clone() if name == "none" else None)
+            del bufs
+        diff, worse = mismatched_rows(res["quarter"]["out"].cpu(), res["none"]["out"].cpu(),
+                                      res["none"]["logits"].cpu())
+        floor_ms = kv_bytes / (floor * 1e12) * 1e3
+        row = dict(B=B, L=L, next_n=nn, none_ms=res["none"]["ms"], quarter_ms=res["quarter"]["ms"],
+                   ratio=res["quarter"]["ms"] / res["none"]["ms"], sub_batches=res["quarter"]["sub_batches"],
+                   decode_logits_mib_none=res["none"]["decode_mib"],
+                   decode_logits_mib_quarter=res["quarter"]["decode_mib"],
+                   plan_mib_none=res["none"]["plan_mib"], plan_mib_quarter=res["quarter"]["plan_mib"],
+                   read_floor_ms=floor_ms, rows_with_other_positions=diff, rows_with_other_scores=worse)
+        log(f"decode B={B} L={L} next_n={nn}: none {row['none_ms']:.3f} ms, quarter budget "
+            f"({row['sub_batches']} sub-batches) {row['quarter_ms']:.3f} ms = {row['ratio']:.3f}x; "
+            f"read floor {floor_ms:.3f} ms; decode logits {row['decode_logits_mib_none']:.0f} -> "
+            f"{row['decode_logits_mib_quarter']:.0f} MiB; "
+            f"top-k rows differing {diff} (scores {worse})")
+        rows.append(row)
+        del q, w
+    del kv, table
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ prefill
+def mix(args, g) -> list[tuple[list[int], list[int]]]:
+    """8K-token steps of 2-16 requests with 4K-128K contexts (log-uniform), queries split at random."""
+    T, lo, hi = (8192, 4096, 131072) if not args.smoke else (256, 64, 512)
+    steps = []
+    for n in (2, 3, 4, 5, 6, 8, 12, 16):
+        seq = [int(math.exp(math.log(lo) + (math.log(hi) - math.log(lo)) * float(u)))
+               for u in torch.rand(n, generator=g)]
+        share = torch.rand(n, generator=g) + 0.2
+        qry = [max(2, int(T * float(s) / float(share.sum()))) for s in share]
+        qry = [min(q, s) for q, s in zip(qry, seq)]
+        i = 0
+        while sum(qry) != T:  # fix the total to exactly T tokens, each 2 <= q <= s
+            j = i % n
+            if sum(qry) < T and qry[j] < seq[j]:
+                qry[j] += min(seq[j] - qry[j], T - sum(qry))
+            elif sum(qry) > T and qry[j] > 2:
+                qry[j] -= min(qry[j] - 2, sum(qry) - T)
+            i += 1
+        steps.append((seq, qry))
+    return steps
+
+
+def bench_prefill(args, dev, timer, backend) -> dict:
+    L, T = (131072, 8192) if not args.smoke else (512, 256)
+    h, d = (64, 128) if not args.smoke else (4, 64)
+    bs, topk = 64, 2048 if not args.smoke else 64
+    g = torch.Generator().manual_seed(1)
+    steps = mix(args, g)
+    most = max(sum((s + bs - 1) // bs for s in seq) for seq, _ in steps)
+    kv = si.new_kv_cache(most, bs, d, device=dev)
+    fill_cache(kv, most * bs, d, backend, g)
+    inputs = []
+    for seq, qry in steps:
+        nblk = [(s + bs - 1) // bs for s in seq]
+        table = torch.zeros(len(seq), (L + bs - 1) // bs, dtype=torch.int32)
+        o = 0
+        for r, n in enumerate(nblk):
+            table[r, :n] = torch.arange(o, o + n, dtype=torch.int32)
+            o += n
+        q, w = queries(sum(qry), h, d, dev, g)
+        inputs.append((seq, qry, table.to(dev), q, w))
+    scale = 1 if not args.smoke else 1 / 256
+    k_sweep = [int(x * scale) for x in (131072, 196608, 262144, 393216, 524288, 1048576, 2097152)]
+    c_sweep = [max(1, int(x * scale)) * MiB for x in (64, 128, 256, 512, 1024, 2048, 4096)]
+    k_gen, c_gen = k_sweep[-1], c_sweep[-1]
+    results = {}
+
+    def run(k_cap: int, c_cap: int) -> dict:
+        key = (k_cap, c_cap)
+        if key in results:
+            return results[key]
+        lim = IndexerLimits(max_model_len=L, max_num_batched_tokens=T, max_num_seqs=256, n_heads=h, head_dim=d,
+                            topk=topk, block_size=bs, prefill_k_tokens=max(L, k_cap), max_logits_bytes=c_cap)
+        bufs = allocate(lim, dev)
+        out = torch.zeros(T, topk, dtype=torch.int32, device=dev)
+        total, chunks = 0.0, 0
+        for seq, qry, table, q, w in inputs:
+            md = si.build_metadata(seq, qry, table, torch.full((T,), -1, dtype=torch.int64, device=dev), lim,
+                                   num_blocks=kv.shape[0])
+            chunks += len(md.prefill_chunks)
+            total += timer.median_ms(
+                lambda q=q, w=w, md=md, bufs=bufs, out=out: si.indexer_prefill(q, w, kv, md, bufs, out,
+                                                                               backend=backend),
+                args.prefill_iters, 1)
+        p = plan(lim)
+        r = dict(prefill_k_tokens=lim.prefill_k_tokens, max_logits_mib=c_cap / MiB, ms=total, chunks=chunks,
+                 tokens_per_s=len(inputs) * T / (total * 1e-3),
+                 k_fp8_mib=(p["k_fp8"].nbytes + p["k_scale"].nbytes) / MiB,
+                 logits_mib=p["logits"].nbytes / MiB, plan_mib=p.total_bytes / MiB)
+        log(f"prefill K={lim.prefill_k_tokens} C={c_cap / MiB:.0f} MiB: {total:.2f} ms for {len(inputs)} steps "
+            f"({chunks} chunks), {r['tokens_per_s'] / 1e3:.1f} K tok/s; plan {r['plan_mib']:.0f} MiB "
+            f"(keys {r['k_fp8_mib']:.0f}, logits {r['logits_mib']:.0f})")
+        del bufs, out
+        if timer.gpu:
+            torch.cuda.empty_cache()
+        results[key] = r
+        return r
+
+    base = run(k_gen, c_gen)
+    k_rows = [run(k, c_gen) for k in k_sweep]
+    c_rows = [run(k_gen, c) for c in c_sweep]
+    k_best = next(r for r in k_rows if r["ms"] <= 1.05 * base["ms"])
+    c_best = next(r for r in c_rows if r["ms"] <= 1.05 * base["ms"])
+    pair = run(k_best["prefill_k_tokens"], int(c_best["max_logits_mib"] * MiB))
+    log(f"prefill choice: K={k_best['prefill_k_tokens']} C={c_best['max_logits_mib']:.0f} MiB: "
+        f"{pair['ms']:.2f} ms = {pair['ms'] / base['ms']:.3f}x the generous pair")
+    return dict(steps=[dict(seq=s, qry=q) for s, q in steps], generous=base, k_sweep=k_rows, c_sweep=c_rows,
+                choice=pair, ratio=pair["ms"] / base["ms"])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=".", help="folder for memory_bench.json (default: .)")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, reference backend")
+    p.add_argument("--iters", type=int, default=20, help="timed runs of each decode step (default 20)")
+    p.add_argument("--prefill-iters", type=int, default=3, help="timed runs of each prefill step (default 3)")
+    p.add_argument("--only", choices=("decode", "prefill"), default=None, help="run one part (default both)")
+    args = p.parse_args(argv)
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    backend = "reference" if args.smoke else "triton"
+    if not args.smoke and not torch.cuda.is_available():
+        print("memory_bench needs a CUDA GPU (or --smoke)", file=sys.stderr)
+        return 2
+    timer = Timer(dev)
+    out = dict(device=torch.cuda.get_device_name() if timer.gpu else "cpu", torch=torch.__version__)
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        pass
+    floor = copy_floor_tb_s(dev, timer)
+    out["copy_tb_s"] = floor
+    log(f"{out}; copy bandwidth {floor:.2f} TB/s")
+    if args.only in (None, "decode"):
+        out["decode"] = bench_decode(args, dev, timer, backend, floor)
+    if args.only in (None, "prefill"):
+        out["prefill"] = bench_prefill(args, dev, timer, backend)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "memory_bench.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
