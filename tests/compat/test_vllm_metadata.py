@@ -16,6 +16,7 @@ import torch
 import sparse_indexer as si
 from sparse_indexer.compat.vllm import VllmIndexer, metadata_from_vllm
 from tests.compat.vllm_batches import SEVEN, check_against_model, make_batch, run_ours, same_rows, vllm_metadata
+from tests.compat.vllm_graph import check_padded_decode_replay
 
 
 def limits(next_n=2, **kw):
@@ -108,3 +109,11 @@ def test_indexer_converts_each_steps_metadata_once():
     assert op._metadata(step1, lim) is md
     step2 = vllm_metadata(batch, 3)
     assert op._metadata(step2, lim) is not md
+
+
+@pytest.mark.parametrize("next_n", [1, 2, 3])
+@pytest.mark.parametrize("capture_step", [0, 1], ids=["capture_uniform", "capture_padded"])
+def test_padded_decode_replay_on_cpu(next_n, capture_step):
+    """The CUDA-graph test's steps (vLLM's builder output, tests/compat/vllm_padded_decode.json) on the CPU: the
+    metadata of the captured step's flags over persistent tensors holding each new step gives the eager result."""
+    check_padded_decode_replay("cpu", next_n, capture_step)

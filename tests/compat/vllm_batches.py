@@ -21,14 +21,15 @@ from tests import oracle
 SEVEN = 7  # what topk_out holds before a step: rows the step must not touch keep it
 
 
-def make_batch(seq_lens, query_lens, limits, *, seed=0, extra_rows=0, num_blocks=None):
+def make_batch(seq_lens, query_lens, limits, *, seed=0, extra_rows=0, num_blocks=None, layout_only=False):
     """A random step of requests with context ``seq_lens`` (this step's tokens included) and ``query_lens`` new
     tokens each, ordered as vLLM orders them (decodes first).
 
     The cache (block-major, random permuted blocks, ``block_table [R, ceil(max_model_len / block_size)]``) holds
     every request's earlier keys; ``keys[r]`` (``[seq_len, D]`` bfloat16) keeps its whole history for the model.
     ``q_fp8``/``weights``/``k`` have ``extra_rows`` more rows than tokens (padding rows of a CUDA graph batch,
-    random contents); ``slot_mapping`` covers the real tokens only.
+    random contents); ``slot_mapping`` covers the real tokens only. ``layout_only``: block table and slots only
+    (no cache, keys or step tensors).
     """
     g = torch.Generator().manual_seed(seed)
     bs, d, h = limits.block_size, limits.head_dim, limits.n_heads
@@ -43,24 +44,27 @@ def make_batch(seq_lens, query_lens, limits, *, seed=0, extra_rows=0, num_blocks
         nb = (s + bs - 1) // bs
         bt[r, :nb] = perm[i : i + nb]
         i += nb
+    t = sum(query_lens)
+    pos = torch.cat([torch.arange(s - q, s) for s, q in zip(seq_lens, query_lens)]).long()
+    req = torch.cat([torch.full((q,), r) for r, q in enumerate(query_lens)]).long()
+    slot_mapping = bt.long()[req, pos // bs] * bs + pos % bs
+    rows = t + extra_rows
+    layout = SimpleNamespace(block_table=bt, slot_mapping=slot_mapping, seq_lens=list(seq_lens),
+                             query_lens=list(query_lens), num_tokens=t, rows=rows, fp8_dtype=limits.fp8_dtype)
+    if layout_only:
+        return layout
     kv = si.new_kv_cache(num_blocks, bs, d)
     keys = [torch.randn(s, d, generator=g).to(torch.bfloat16) for s in seq_lens]
     for r, (s, q) in enumerate(zip(seq_lens, query_lens)):  # earlier context of every request
         if s - q > 0:
             slots = si.slots_from_block_table(bt[r : r + 1], torch.arange(s - q)[None], bs)[0]
             si.write_k_cache(keys[r][: s - q], kv, slots, fp8_dtype=limits.fp8_dtype, backend="reference")
-    t = sum(query_lens)
-    pos = torch.cat([torch.arange(s - q, s) for s, q in zip(seq_lens, query_lens)]).long()
-    req = torch.cat([torch.full((q,), r) for r, q in enumerate(query_lens)]).long()
-    slot_mapping = bt.long()[req, pos // bs] * bs + pos % bs
-    rows = t + extra_rows
     q_fp8, q_scale = si.quantize_q(torch.randn(rows, h, d, generator=g), fp8_dtype=limits.fp8_dtype)
     weights = (torch.randn(rows, h, generator=g) * h**-0.5 * d**-0.5 * q_scale).float()
     k = torch.cat([torch.cat([keys[r][s - q :] for r, (s, q) in enumerate(zip(seq_lens, query_lens))]),
                    torch.randn(extra_rows, d, generator=g).to(torch.bfloat16)])
-    return SimpleNamespace(kv=kv, block_table=bt, slot_mapping=slot_mapping, q_fp8=q_fp8, weights=weights, k=k,
-                           keys=keys, seq_lens=list(seq_lens), query_lens=list(query_lens), num_tokens=t,
-                           fp8_dtype=limits.fp8_dtype)
+    layout.__dict__.update(kv=kv, q_fp8=q_fp8, weights=weights, k=k, keys=keys)
+    return layout
 
 
 # ------------------------------------------------------------------------------------------------ the model

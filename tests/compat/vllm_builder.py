@@ -101,7 +101,7 @@ class Engine:
         qsl += [qsl[-1]] * pad_reqs
         seqp = list(seq) + [0] * pad_reqs
         bt = torch.cat([batch.block_table, torch.zeros(pad_reqs, batch.block_table.shape[1], dtype=torch.int32)])
-        rows = max(batch.q_fp8.shape[0], batch.num_tokens + pad_tokens)
+        rows = max(batch.rows, batch.num_tokens + pad_tokens)
         slots = torch.full((rows,), -1, dtype=torch.int64)
         slots[: batch.num_tokens] = batch.slot_mapping
         i32 = lambda x: torch.tensor(x, dtype=torch.int32)
@@ -120,14 +120,17 @@ class Engine:
 # ------------------------------------------------------------------------------------------------ GPU fixture
 # Padded decode steps for the CUDA-graph test: per next_n, a capture step with B requests of next_n tokens each
 # (what vLLM captures: a uniform batch of the graph's size) and replay steps with fewer real requests, padded to B
-# by vLLM, with new lengths and block tables.
-FIXTURE_STEPS = {
-    # next_n: (capture (seq_lens, query_lens), replays [(seq_lens, query_lens), ...]) - B = 4 rows of requests
-    1: (([50, 37, 90, 64], [1] * 4), [([70, 20, 33], [1] * 3), ([95, 41], [1] * 2)]),
-    2: (([50, 37, 90, 64], [2] * 4), [([70, 20, 33], [2] * 3), ([95, 41], [2] * 2)]),
-    3: (([50, 37, 90, 64], [3] * 4), [([70, 20, 33], [3] * 3), ([95, 41], [3] * 2)]),
-}
+# by vLLM, with new lengths and block tables. Shapes of a real engine (block size 64, H = 64, D = 128).
+FIXTURE_ENGINE = dict(max_model_len=4096, block_size=64, max_num_seqs=8, max_num_batched_tokens=64, n_heads=64,
+                      head_dim=128, topk=512)
+FIXTURE_NUM_BLOCKS = 4 * 4096 // 64 + 8
 FIXTURE_B = 4
+FIXTURE_STEPS = {
+    # next_n: [(seq_lens, query_lens) of the capture step, then of each replay step]
+    nn: [([3000, 377, 4096, 1200], [nn] * 4), ([4096, 2100, 33], [nn] * 3), ([95, 3500], [nn] * 2),
+         ([700, 1500, 2500, 600], [nn] * 4)]
+    for nn in (1, 2, 3)
+}
 FIXTURE_FIELDS = ("seq_lens", "decode_lens", "block_table")
 
 
@@ -140,31 +143,42 @@ def fixture_steps() -> dict:
     from tests.compat.vllm_batches import make_batch
 
     out = {}
-    for nn, (capture, replays) in FIXTURE_STEPS.items():
-        eng = Engine(nn)
-        steps = []
-        for i, (seq, qry) in enumerate([capture, *replays]):
+    for nn, steps in FIXTURE_STEPS.items():
+        eng = Engine(nn, **FIXTURE_ENGINE)
+        rows = []
+        for i, (seq, qry) in enumerate(steps):
             pad_reqs = FIXTURE_B - len(seq)
-            batch = make_batch(seq, qry, eng.limits, seed=100 * nn + i, num_blocks=40)
+            batch = make_batch(seq, qry, eng.limits, seed=100 * nn + i, num_blocks=FIXTURE_NUM_BLOCKS,
+                               extra_rows=pad_reqs * nn, layout_only=True)
             md = eng.build(batch, pad_reqs=pad_reqs, pad_tokens=pad_reqs * nn)
             d = md.decode
-            steps.append({
-                "seq_lens": seq, "query_lens": qry, "num_decodes": md.num_decodes,
+            rows.append({
+                "seq_lens_of_requests": seq, "query_lens": qry, "num_decodes": md.num_decodes,
                 "num_decode_tokens": md.num_decode_tokens, "num_prefills": md.num_prefills,
                 "num_prefill_tokens": md.num_prefill_tokens, "requires_padding": bool(d.requires_padding),
                 "slot_mapping": _tensor_json(md.slot_mapping[: md.num_decode_tokens]),
+                "request_block_table": _tensor_json(batch.block_table),
                 **{f: _tensor_json(getattr(d, f)) for f in FIXTURE_FIELDS},
             })
-        out[str(nn)] = {"limits": {"max_model_len": eng.limits.max_model_len, "block_size": eng.limits.block_size,
-                                   "num_blocks": 40}, "steps": steps}
+        out[str(nn)] = {"engine": FIXTURE_ENGINE, "num_blocks": FIXTURE_NUM_BLOCKS, "steps": rows}
     return out
+
+
+def fixture_json(steps: dict) -> str:
+    """The fixture's text: one line per step."""
+    lines = ["{"]
+    for i, (nn, v) in enumerate(steps.items()):
+        lines.append(f' "{nn}": {{"engine": {json.dumps(v["engine"])}, "num_blocks": {v["num_blocks"]}, "steps": [')
+        lines += [f"  {json.dumps(st)}" + ("," if j < len(v["steps"]) - 1 else "") for j, st in enumerate(v["steps"])]
+        lines.append(" ]}" + ("," if i < len(steps) - 1 else ""))
+    return "\n".join(lines + ["}"]) + "\n"
 
 
 def main() -> None:
     problem = env_problem()
     if problem:
         raise SystemExit(problem)
-    FIXTURE.write_text(json.dumps(fixture_steps(), indent=1) + "\n")
+    FIXTURE.write_text(fixture_json(fixture_steps()))
     print(f"wrote {FIXTURE}")
 
 
