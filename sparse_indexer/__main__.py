@@ -14,66 +14,12 @@ import sys
 
 import torch
 
-from buffers import IndexerLimits, plan
-
 from ._cli import UsageError
+from .plan_report import add_arguments as _plan_args  # the plan subcommand and its printing
+from .plan_report import run as _plan
+from .plan_report import vllm_reservations  # noqa: F401 - re-exported
 
 MiB = 2**20
-
-
-def vllm_reservations(lim: IndexerLimits) -> list[tuple[str, int]]:
-    """What vLLM's rules reserve for the same limits: the prefill gather of ``max_model_len * 40`` tokens of
-    ``D + 4`` bytes, the decode logits ``max_num_seqs * next_n * max_model_len`` float32, the 512 MiB cap of
-    prefill logits."""
-    gather = lim.max_model_len * 40 * (lim.head_dim + 4)
-    decode = lim.max_num_seqs * lim.next_n * lim.max_model_len * 4
-    prefill_logits = 512 * MiB
-    return [
-        ("prefill K gather (max_model_len*40 tokens x (D+4) B)", gather),
-        ("decode logits (max_num_seqs*next_n*max_model_len x 4 B)", decode),
-        ("prefill logits cap", prefill_logits),
-        ("total (all reserved separately)", gather + decode + prefill_logits),
-    ]
-
-
-def _plan_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-model-len", type=int, default=163840)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--next-n", type=int, default=2)
-    p.add_argument("--heads", type=int, default=64)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--topk", type=int, default=2048)
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--prefill-k-tokens", type=int, default=None, help="default max_model_len * 40")
-    p.add_argument("--max-logits-mib", type=int, default=512)
-    p.add_argument("--with-qk", action="store_true", help="also plan the per-head qk buffer (aiter stage1)")
-
-
-def _plan(args) -> int:
-    kw = dict(
-        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs, next_n=args.next_n, n_heads=args.heads, head_dim=args.head_dim,
-        topk=args.topk, block_size=args.block_size, max_logits_bytes=args.max_logits_mib * MiB,
-        with_qk=args.with_qk,
-    )
-    if args.prefill_k_tokens is not None:
-        kw["prefill_k_tokens"] = args.prefill_k_tokens
-    lim = IndexerLimits(**kw)
-    p = plan(lim)
-    print(f"limits: {lim}\n")
-    print("sparse-indexer plan (one arena, fields reused between prefill chunks and decode):")
-    print(p)
-    print("\nvLLM's rules for the same limits:")
-    rows = vllm_reservations(lim)
-    w = max(len(n) for n, _ in rows)
-    for name, b in rows:
-        print(f"  {name:<{w}}  {b:>14,d} B  {b / MiB:>10.1f} MiB")
-    ours = p.total_bytes
-    theirs = rows[-1][1]
-    print(f"\nplan total {ours / MiB:.1f} MiB vs vLLM {theirs / MiB:.1f} MiB "
-          f"({(theirs - ours) / MiB:+.1f} MiB saved, {ours / theirs:.2f}x)")
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
