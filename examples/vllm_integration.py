@@ -54,11 +54,12 @@ kv_direct = kv.clone()
 si.sparse_attn_indexer(q_fp8, k, weights, kv_direct, md, bufs, topk_out, backend="reference")
 direct = topk_out[:t].clone()
 
-# 2b. through the drop-in op, with vLLM's indexer metadata (here a namespace with its field names)
+# 2b. through the drop-in op, with vLLM's indexer metadata (here a namespace with its field names, laid out as
+# vLLM 0.33's DeepseekV32IndexerMetadataBuilder lays it out: decode seq_lens [B, 1] at one token per request)
 i32 = lambda x: torch.tensor(x, dtype=torch.int32)
 vllm_md = SimpleNamespace(
     slot_mapping=slot_mapping, num_decodes=2, num_decode_tokens=2, num_prefills=1, num_prefill_tokens=20,
-    decode=SimpleNamespace(block_table=block_table[:2], seq_lens=i32([40, 90]), decode_lens=i32([1, 1]),
+    decode=SimpleNamespace(block_table=block_table[:2], seq_lens=i32([[40], [90]]), decode_lens=i32([1, 1]),
                            requires_padding=False),
     prefill=SimpleNamespace(chunks=[SimpleNamespace(
         block_table=block_table[2:], cu_seq_lens=i32([0, 30]), cu_seqlen_ks=i32([0] * 20),
@@ -71,4 +72,20 @@ op(torch.empty(t, 1), "layers.0.indexer", kv, q_fp8, k, weights, limits.head_dim
 assert torch.equal(topk_out[:t].sort(1).values, direct.sort(1).values) and torch.equal(kv, kv_direct)
 assert held_bytes() == p.total_bytes  # nothing grew while locked
 print("decode token 1 selects", topk_out[1, :8].tolist(), "...")
+
+# 3. a decode step padded for a FULL CUDA graph of 3 requests, as vLLM pads it: a padding request (query and
+# sequence length 0, null block 0) and its token (slot -1) get a -1 row and write nothing to the cache
+padded_md = SimpleNamespace(
+    slot_mapping=torch.cat([slot_mapping[:2], torch.tensor([-1])]), num_decodes=3, num_decode_tokens=3,
+    num_prefills=0, num_prefill_tokens=0, prefill=None,
+    decode=SimpleNamespace(block_table=torch.cat([block_table[:2], torch.zeros(1, 8, dtype=torch.int32)]),
+                           seq_lens=i32([[40], [90], [0]]), decode_lens=i32([1, 1, 0]), requires_padding=True),
+)
+op = VllmIndexer(max_num_seqs=limits.max_num_seqs, max_logits_bytes=limits.max_logits_bytes, backend="reference",
+                 attn_metadata=lambda: {"layers.0.indexer": padded_md})
+kv_before = kv.clone()
+op(torch.empty(3, 1), "layers.0.indexer", kv, q_fp8[:3], k[:3], weights[:3], limits.head_dim, "ue8m0",
+   limits.topk, limits.head_dim, limits.max_model_len, limits.prefill_k_tokens, topk_out)
+assert torch.equal(topk_out[:2].sort(1).values, direct[:2].sort(1).values) and (topk_out[2] == -1).all()
+assert torch.equal(kv, kv_before)  # the decode tokens' keys were already written in step 2; the padding wrote none
 print("ok")
