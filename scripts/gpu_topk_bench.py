@@ -26,7 +26,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--anchors", default=".anchors/vllm_topk")
 ap.add_argument("--sections", default="check,topk,dist,step")
 ap.add_argument("--smoke", action="store_true")
-ap.add_argument("--sweep", default="512x1,1024x1,512x2,512x4,1024x2,1024x4,512x8,1024x8,512x16")
+ap.add_argument("--sweep", default="256x1,512x1,1024x1,512x2,1024x2,512x4,1024x4,1024x8,1024x16")
 args = ap.parse_args()
 SMOKE = args.smoke
 dev = "cpu" if SMOKE else "cuda"
@@ -220,7 +220,7 @@ def _():
     shapes = [(16, 3000, 256), (12, 70000, K), (40, 9000, 512), (5, 20000, 1), (6, 30000, 4096), (9, 12000, 3000)]
     if SMOKE:
         shapes = [(6, 3000, 256)]
-    configs = [None] if SMOKE else [None, *SWEEP, (256, 1), (1024, 16)]
+    configs = [None] if SMOKE else [None, *SWEEP, (256, 1), (1024, 16), (512, 1, False), (1024, 4, False)]
     total_bad = 0
     for r, w, topk in shapes:
         for kind in ("full", "ragged", "starts", "short", "causal"):
@@ -235,8 +235,10 @@ def _():
                         si.top_k_per_row(x, s, e, out=out, backend="reference")
                     elif cfg is None:
                         si.top_k_per_row(x, s, e, out=out, backend="cuda")
+                    elif len(cfg) == 3 and w > tkc.cap_for(topk):
+                        continue
                     else:
-                        tkc.launch(x, s, e, out, nt=cfg[0], cs=cfg[1])
+                        tkc.launch(x, s, e, out, nt=cfg[0], cs=cfg[1], small=cfg[2] if len(cfg) == 3 else None)
                     b = ref_check(x, s, e, out)
                     total_bad += b
                     if b:
@@ -296,6 +298,10 @@ def time_topk(case, x, s, e, *, sweep=False, anchors=("persistent", "cooperative
     if not SMOKE:
         d["cuda_launch"] = bench(lambda: tkc.launch(x, s, e, out, nt=cfg[0], cs=cfg[1]))
         add(case, "  same, kernel launch only (no checks/dispatch)", d["cuda_launch"])
+        ph = [bench(lambda st=st: tkc.launch(x, s, e, out, nt=cfg[0], cs=cfg[1], stop=st)) for st in (3, 4, 1, 2)]
+        d["cuda_phases"] = ph
+        add(case, f"  phases: bounds {ph[0]:.1f}, +sample load {ph[1]:.1f}, +threshold {ph[2]:.1f}, +filter "
+            f"{ph[3]:.1f}, +select", d["cuda_launch"])
     if graph:
         sets = [x] + [x[torch.randperm(r, device=dev)] for _ in range(5)]
         outs = [torch.empty_like(out) for _ in sets]
@@ -303,6 +309,11 @@ def time_topk(case, x, s, e, *, sweep=False, anchors=("persistent", "cooperative
                                                                          check_values=False)
                                     for x_, o in zip(sets, outs)])
         add(case, "  graph x6 sets", d["cuda_graph"])
+    if sweep and not SMOKE and w <= tkc.cap_for(K):  # every row sampled instead of selected in shared memory
+        for nt in (256, 512, 1024):
+            t = bench(lambda nt=nt: tkc.launch(x, s, e, out, nt=nt, cs=1, small=False))
+            d[f"cuda_{nt}x1_sampled"] = t
+            add(case, f"  cuda nt={nt} cs=1 sampled (not small)", t)
     if sweep and not SMOKE:
         for nt, cs in SWEEP:
             try:

@@ -1,6 +1,7 @@
 """Run every Triton kernel once on small DeepSeek-like shapes (for compute-sanitizer memcheck/racecheck).
 
-Usage on a GPU machine: ``compute-sanitizer --tool memcheck python3 scripts/sanitize_kernels.py``.
+Usage on a GPU machine: ``compute-sanitizer --tool memcheck python3 scripts/sanitize_kernels.py``
+(``--cuda-topk-only``: only the CUDA top-k kernel, every path and cluster size).
 Checks each result against the reference backend and exits 1 on a mismatch.
 """
 
@@ -16,6 +17,11 @@ import sparse_indexer as si
 def main() -> int:
     torch.manual_seed(0)
     dev = "cuda"
+    if "--cuda-topk-only" in sys.argv:
+        ok = _cuda_topk(dev)
+        torch.cuda.synchronize()
+        print("ALL OK" if ok else "MISMATCH")
+        return 0 if ok else 1
     h, d, bs, nn = 64, 128, 64, 2
     lens = [300, 1, 0, 2100]
     b = len(lens)

@@ -53,18 +53,18 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
         raise ValueError(f"out.shape[1] (topk) must be >= 1, got {out.shape[1]}")
     C.no_alias("out", out, logits=logits, row_starts=row_starts, row_ends=row_ends)
     if C.want_value_checks(check_values, row_starts, row_ends):
-        nonempty = row_ends > row_starts
+        nonempty = lambda: row_ends > row_starts  # noqa: E731 - built only when a value is out of range
         C.values_in("row_starts", row_starts, 0, None, "window starts must be >= 0", mask=nonempty)
-        C.values_in("row_ends", row_ends, None, w + 1, f"window ends must be <= W = {w}", mask=nonempty)
-    extra = {}
-    if workspace is not None:
-        C.tensor("workspace", workspace, ndim=2, dtypes=torch.int32, device=dev, last_contiguous=True)
-        rows, cols = workspace.shape
-        if rows < r or cols < MIN_WORKSPACE_COLS:
-            raise BufferTooSmall("workspace", r * max(cols, MIN_WORKSPACE_COLS), workspace.numel(),
-                                 f"top-k workspace of shape {tuple(workspace.shape)}: needs >= {r} rows of "
-                                 f">= {MIN_WORKSPACE_COLS} int32")
-        C.no_alias("workspace", workspace, logits=logits, row_starts=row_starts, row_ends=row_ends, topk_out=out)
-        extra["workspace"] = workspace
-    library.call("top_k_per_row", backend, dev, logits, row_starts, row_ends, out=out, **extra)
+        C.values_in("row_ends", row_ends, None, w + 1, lambda: f"window ends must be <= W = {w}", mask=nonempty)
+    if workspace is None:
+        library.call("top_k_per_row", backend, dev, logits, row_starts, row_ends, out=out)
+        return out
+    C.tensor("workspace", workspace, ndim=2, dtypes=torch.int32, device=dev, last_contiguous=True)
+    rows, cols = workspace.shape
+    if rows < r or cols < MIN_WORKSPACE_COLS:
+        raise BufferTooSmall("workspace", r * max(cols, MIN_WORKSPACE_COLS), workspace.numel(),
+                             f"top-k workspace of shape {tuple(workspace.shape)}: needs >= {r} rows of "
+                             f">= {MIN_WORKSPACE_COLS} int32")
+    C.no_alias("workspace", workspace, logits=logits, row_starts=row_starts, row_ends=row_ends, topk_out=out)
+    library.call("top_k_per_row", backend, dev, logits, row_starts, row_ends, out=out, workspace=workspace)
     return out

@@ -71,8 +71,21 @@ def cap_for(topk: int) -> int:
     return max(4096, 4 * topk)
 
 
-def smem_bytes(topk: int) -> int:
-    return 4 * (SM_WORDS + 2 * cap_for(topk) + topk)
+def layout(topk: int, width: int, small: bool | None = None) -> tuple[int, int, int, int]:
+    """``(cap, sample words, small_max, dynamic shared bytes)`` of a launch over rows of at most ``width`` cells.
+
+    ``small`` (default: ``width <= cap_for(topk)``): every window of the launch fits the candidate buffer and
+    is selected in shared memory without sampling; the launch then gets only the counters, the histogram and
+    ``width`` key slots, so more CTAs share an SM. Otherwise windows up to ``cap`` cells are still selected
+    that way and longer ones sample a threshold first."""
+    cap = cap_for(topk)
+    if small is None:
+        small = width <= cap
+    if small:
+        if width > cap:
+            raise ValueError(f"small layout needs width <= {cap}, got {width}")
+        return max(width, 1), 0, width, 4 * (SM_WORDS - SMAX + max(width, 1))
+    return cap, SMAX, 0 if width <= cap else cap, 4 * (SM_WORDS + 2 * cap + topk)
 
 
 def _cache_dir() -> pathlib.Path:
@@ -134,14 +147,17 @@ def _sm_count(index: int) -> int:
 
 
 @functools.cache
-def _kernel(index: int, nt: int, cs: int, smem: int):
-    """The loaded ``CUkernel`` for device ``index`` with ``smem`` dynamic shared bytes allowed."""
+def _kernel(index: int, nt: int, cs: int):
+    """The loaded ``CUkernel`` for device ``index``, allowed the device's whole opt-in shared memory (a limit
+    only: each launch's occupancy follows the dynamic shared bytes it asks for)."""
     from cuda.bindings import driver
 
     torch.cuda.init()
     lib = _check(driver.cuLibraryLoadData(_compile(_arch(index), nt, cs), [], [], 0, [], [], 0), "cuLibraryLoadData")
     kern = _check(driver.cuLibraryGetKernel(lib, b"si_top_k_per_row"), "cuLibraryGetKernel")
     dev = _check(driver.cuDeviceGet(index), "cuDeviceGet")
+    smem = _check(driver.cuDeviceGetAttribute(
+        driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev), "cuDeviceGetAttribute")
     A = driver.CUfunction_attribute
     _check(driver.cuKernelSetAttribute(A.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem, kern, dev),
            "cuKernelSetAttribute(max dynamic shared)")
@@ -151,53 +167,72 @@ def _kernel(index: int, nt: int, cs: int, smem: int):
     return lib, kern
 
 
-def config(rows: int, width: int, device: torch.device) -> tuple[int, int]:
+@functools.lru_cache(maxsize=256)
+def config(rows: int, width: int, device: torch.device, topk: int = 2048) -> tuple[int, int]:
     """``(threads per CTA, CTAs per row)`` for a call of ``rows`` rows of ``width`` cells (shapes only).
 
-    Few rows are split over a cluster of CTAs (up to 8 on sm_90, none before) in pieces of at least
-    :data:`MIN_SPLIT_CELLS`, so that about two CTAs per SM run; many rows take one CTA each."""
+    Measured on an H200 (scripts/gpu_topk_bench.py sweep, docs/benchmarks.md): up to one row per SM, 1024
+    threads and the rows split over clusters (sm_90+) of 8 CTAs while ``8 rows`` fit half the SMs, of 4 likewise,
+    of 2 while ``2 rows`` fit the SMs (larger clusters wait for a free group of SMs in one GPC), each piece at
+    least :data:`MIN_SPLIT_CELLS` cells; more rows one CTA each, 512 threads (256 when every window fits shared
+    memory: more rows in flight per SM)."""
     index = torch.device(device).index or 0
-    major = torch.cuda.get_device_capability(index)[0]
-    nt = 512
-    slots = 2 * _sm_count(index)
+    sms = _sm_count(index)
+    if rows > sms:
+        return (256 if width <= cap_for(topk) else 512), 1
     cs = 1
-    if major >= 9:
-        while cs < 8 and rows * cs * 2 <= slots and width // (cs * 2) >= MIN_SPLIT_CELLS:
-            cs *= 2
-    return nt, cs
+    if torch.cuda.get_device_capability(index)[0] >= 9:
+        for c, budget in ((8, sms // 2), (4, sms // 2), (2, sms)):
+            if rows * c <= budget and width // c >= MIN_SPLIT_CELLS:
+                cs = c
+                break
+    return 1024, cs
 
 
 _ARGTYPES = (ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-             ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_int)
+             ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int)
 
 
-def launch(logits, row_starts, row_ends, out, *, nt: int, cs: int) -> None:
-    """One launch of the kernel with ``nt`` threads and ``cs`` CTAs per row (arguments already checked)."""
+@functools.lru_cache(maxsize=256)
+def _launch_config(index: int, nt: int, cs: int, grid: int, smem: int, stream: int):
+    """A ``CUlaunchConfig`` (cached: building one costs microseconds of host time per call)."""
     from cuda.bindings import driver
 
-    r = logits.shape[0]
-    topk = out.shape[1]
-    if r == 0:
-        return
-    index = logits.device.index or 0
-    smem = smem_bytes(topk)
-    _, kern = _kernel(index, nt, cs, smem)
     cfg = driver.CUlaunchConfig()
-    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = r * cs, 1, 1
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid, 1, 1
     cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = nt, 1, 1
     cfg.sharedMemBytes = smem
-    cfg.hStream = driver.CUstream(torch.cuda.current_stream(logits.device).cuda_stream)
-    attr = driver.CUlaunchAttribute()
-    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cs, 1, 1
+    cfg.hStream = driver.CUstream(stream)
     if cs > 1:
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cs, 1, 1
         cfg.attrs = [attr]
         cfg.numAttrs = 1
     else:
         cfg.numAttrs = 0
+    return cfg
+
+
+def launch(logits, row_starts, row_ends, out, *, nt: int, cs: int, stop: int = 0, small: bool | None = None) -> None:
+    """One launch of the kernel with ``nt`` threads and ``cs`` CTAs per row (arguments already checked).
+
+    ``stop`` (timing of the phases only; ``out`` is then not written): 3 returns after reading the window
+    bounds, 4 after loading the sample, 1 after the sample threshold, 2 after the filter pass. ``small``: see
+    :func:`layout`."""
+    from cuda.bindings import driver
+
+    r, w = logits.shape
+    topk = out.shape[1]
+    if r == 0:
+        return
+    index = logits.device.index or 0
+    cap, samp, small_max, smem = layout(topk, w, small)
+    _, kern = _kernel(index, nt, cs)
+    cfg = _launch_config(index, nt, cs, r * cs, smem, torch.cuda.current_stream(logits.device).cuda_stream)
     vec_ok = int(logits.data_ptr() % 16 == 0)
     args = (logits.data_ptr(), logits.stride(0), row_starts.data_ptr(), row_ends.data_ptr(), out.data_ptr(),
-            out.stride(0), topk, cap_for(topk), vec_ok)
+            out.stride(0), topk, cap, samp, small_max, vec_ok, stop)
     _check(driver.cuLaunchKernelEx(cfg, kern, (args, _ARGTYPES), 0), "cuLaunchKernelEx")
 
 
@@ -207,9 +242,9 @@ def top_k_per_row(logits, row_starts, row_ends, *, out, workspace=None) -> None:
     if logits.device.type != "cuda" or torch.version.hip is not None:
         raise NotImplementedError(f"the CUDA top-k runs on NVIDIA GPUs, not {logits.device}")
     topk = out.shape[1]
-    if topk > MAX_TOPK:
+    if topk > MAX_TOPK:  # the candidate and tie buffers would not fit shared memory
         raise NotImplementedError(f"the CUDA top-k takes topk <= {MAX_TOPK}, got {topk}")
     if logits.shape[0] == 0:
         return
-    nt, cs = config(logits.shape[0], logits.shape[1], logits.device)
+    nt, cs = config(logits.shape[0], logits.shape[1], logits.device, topk)
     launch(logits, row_starts, row_ends, out, nt=nt, cs=cs)

@@ -7,12 +7,15 @@
 // Keys: an order-preserving uint32 of the float32 value; -inf and NaN map to 0 (below every finite value), -0.0 to
 // the key of +0.0. A row of len n (window [start, start + n)):
 //   * n <= k: out = 0, 1, ..., n - 1, -1, ... (the logits are not read).
-//   * n <= cap: the leader loads the window's keys into shared memory and radix-selects among them.
+//   * n <= small_max (<= cap, a launch argument): the leader loads the window's keys into shared memory and
+//     radix-selects among them.
 //   * otherwise: every CTA of the cluster computes the same threshold key T from a strided sample of the window
 //     (the r-th largest of S sampled keys, r a few binomial sigmas above the expected rank of the k-th largest).
-//     One pass over the window (each CTA its contiguous share, 16-byte loads) appends cells with key > T to the
-//     leader's candidate buffer (cap slots) and the positions of cells with key == T to its tie buffer (k slots),
-//     slots reserved by one warp-aggregated atomic per warp and element slot. Then the leader:
+//     One pass over the window (each CTA its contiguous share, 16-byte loads, 16 cells per thread in flight)
+//     stages cells with key > T in the CTA's own candidate buffer (cap slots) and the positions of cells with
+//     key == T in its tie buffer (k slots); slots come from a warp scan of per-thread counts and one shared
+//     atomic per warp and 16 cells. After a cluster barrier every CTA appends its staged cells to the leader's
+//     buffers (offsets from the other CTAs' counts, read through distributed shared memory). Then the leader:
 //       - gt = count(key > T) >= k and gt <= cap: radix select (11/11/10-bit digits) among the candidates;
 //       - gt < k <= gt + count(key == T): all candidates plus the first k - gt ties;
 //       - otherwise (the sample missed, or the candidates overflowed): radix select over the whole window in
@@ -39,6 +42,9 @@ typedef unsigned long long u64;
 #define MINB 1  // CTAs per SM the register budget is sized for
 #endif
 
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 131072  // of its share a CTA asks L2 for before sampling
+#endif
 #define NB 2048  // histogram bins (11-bit digits)
 #define NW (NT / 32)
 #define FULL 0xffffffffu
@@ -48,7 +54,6 @@ typedef unsigned long long u64;
 #define OFF_HIST 16
 #define OFF_WSUM (OFF_HIST + NB)
 #define OFF_SAMP (OFF_WSUM + 32)
-#define OFF_CKEY (OFF_SAMP + SMAX)
 // counters
 #define C_GT 0    // cells with key > T (candidates, may exceed cap)
 #define C_EQ 1    // cells with key == T (ties, may exceed k)
@@ -73,20 +78,19 @@ __device__ __forceinline__ u32 lanemask_lt() {
     return m;
 }
 
-// ---- the leader's shared memory as seen from any CTA of the cluster (32-bit shared-window addresses)
+// ---- distributed shared memory (clusters); CS == 1 needs none of it
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 #if CS > 1
-__device__ __forceinline__ u32 leader_addr(const void* p) {
+__device__ __forceinline__ u32 map_rank(const void* p, u32 rank) {
     u32 r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(r) : "r"(smem_addr(p)));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_addr(p)), "r"(rank));
     return r;
 }
-__device__ __forceinline__ u32 remote_add(u32 addr, u32 v) {
-    u32 old;
-    asm volatile("atom.relaxed.cluster.shared::cluster.add.u32 %0, [%1], %2;" : "=r"(old) : "r"(addr), "r"(v)
-                 : "memory");
-    return old;
+__device__ __forceinline__ u32 remote_ld(u32 addr) {
+    u32 v;
+    asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+    return v;
 }
 __device__ __forceinline__ void remote_st(u32 addr, u32 v) {
     asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
@@ -100,15 +104,6 @@ __device__ __forceinline__ u32 cluster_rank() {
     return r;
 }
 #else
-__device__ __forceinline__ u32 leader_addr(const void* p) { return smem_addr(p); }
-__device__ __forceinline__ u32 remote_add(u32 addr, u32 v) {
-    u32 old;
-    asm volatile("atom.shared.add.u32 %0, [%1], %2;" : "=r"(old) : "r"(addr), "r"(v) : "memory");
-    return old;
-}
-__device__ __forceinline__ void remote_st(u32 addr, u32 v) {
-    asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
-}
 __device__ __forceinline__ void cluster_sync() { __syncthreads(); }
 __device__ __forceinline__ u32 cluster_rank() { return 0; }
 #endif
@@ -162,21 +157,24 @@ __device__ void find_digit(const u32* hist, u32 kr, u32* wsum, u32* ctr) {
 // Block-wide radix select of the kr-th largest (1 <= kr <= m) of the keys load(0..m). Result: every key > hi is
 // among the kr largest, and *krem of the keys in [lo, hi] complete them (lo == hi unless the select stopped early
 // because a digit bin held exactly the keys still needed, then krem is that bin's full count).
+// first_done: the caller already built the first pass's histogram (top 11 bits of every key) in hist.
 template <class Load>
 __device__ void radix_select(Load load, int m, u32 kr, u32* hist, u32* wsum, u32* ctr, u32* lo, u32* hi,
-                             u32* krem) {
+                             u32* krem, bool first_done = false) {
     u32 prefix = 0, mask = 0;
 #pragma unroll 1
     for (int pass = 0; pass < 3; ++pass) {
         const int shift = pass == 0 ? 21 : (pass == 1 ? 10 : 0);
         const u32 dmask = pass < 2 ? 0x7ffu : 0x3ffu;
-        for (int i = threadIdx.x; i < NB; i += NT) hist[i] = 0;
-        __syncthreads();
-        for (int i = threadIdx.x; i < m; i += NT) {
-            u32 key = load(i);
-            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & dmask], 1u);
+        if (pass > 0 || !first_done) {
+            for (int i = threadIdx.x; i < NB; i += NT) hist[i] = 0;
+            __syncthreads();
+            for (int i = threadIdx.x; i < m; i += NT) {
+                u32 key = load(i);
+                if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & dmask], 1u);
+            }
+            __syncthreads();
         }
-        __syncthreads();
         find_digit(hist, kr, wsum, ctr);
         const u32 d = ctr[C_D], above = ctr[C_ABOVE], cnt = ctr[C_CNT];
         kr -= above;
@@ -187,6 +185,33 @@ __device__ void radix_select(Load load, int m, u32 kr, u32* hist, u32* wsum, u32
     *lo = prefix;
     *hi = prefix | ~mask;
     *krem = kr;
+}
+
+// Block-wide: a threshold key T with at least r of the m sample keys samp[0..m) at or above it: the lower edge of
+// the digit bin that holds the r-th largest, refined by the next digit only while more than rlimit sample keys
+// lie at or above that edge (so one 11-bit pass usually suffices).
+__device__ u32 sample_threshold(const u32* samp, int m, u32 r, u32 rlimit, u32* hist, u32* wsum, u32* ctr) {
+    u32 prefix = 0, mask = 0, kr = r, at = 0;
+#pragma unroll 1
+    for (int pass = 0; pass < 3; ++pass) {
+        const int shift = pass == 0 ? 21 : (pass == 1 ? 10 : 0);
+        const u32 dmask = pass < 2 ? 0x7ffu : 0x3ffu;
+        for (int i = threadIdx.x; i < NB; i += NT) hist[i] = 0;
+        __syncthreads();
+        for (int i = threadIdx.x; i < m; i += NT) {
+            u32 key = samp[i];
+            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & dmask], 1u);
+        }
+        __syncthreads();
+        find_digit(hist, kr, wsum, ctr);
+        const u32 d = ctr[C_D], above = ctr[C_ABOVE], cnt = ctr[C_CNT];
+        kr -= above;
+        at += above;
+        prefix |= d << shift;
+        mask |= dmask << shift;
+        if (at + cnt <= rlimit || cnt == kr) break;
+    }
+    return prefix;
 }
 
 // Block-wide: write the positions of the kr largest of the keys load(0..m) to orow (classes from radix_select).
@@ -215,49 +240,61 @@ __device__ void collect(Load load, Pos pos, int m, int k, u32 lo, u32 hi, u32 kr
     }
 }
 
-struct Sink {
-    u32 ctr, ckey, cpos, tpos;  // the leader's shared-window addresses
-    u32 cap, k;
-};
-
-// One cell (warp-uniform call): key > T -> candidate, key == T -> tie (slots in the leader's buffers).
-__device__ __forceinline__ void push(const Sink& s, bool valid, u32 key, u32 t, int pos) {
-    bool ge = valid && key >= t;
-    u32 b = __ballot_sync(FULL, ge);
-    if (b == 0) return;
-    bool gt = ge && key > t;
-    bool eq = ge && key == t;
-    u32 bg = __ballot_sync(FULL, gt), be = b & ~bg;
-    u32 lt = lanemask_lt();
-    if (bg) {
-        u32 base = 0;
-        if (lane_id() == 0) base = remote_add(s.ctr + 4 * C_GT, (u32)__popc(bg));
-        base = __shfl_sync(FULL, base, 0);
-        u32 slot = base + __popc(bg & lt);
-        if (gt && slot < s.cap) {
-            remote_st(s.ckey + 4 * slot, key);
-            remote_st(s.cpos + 4 * slot, (u32)pos);
-        }
+// Warp-uniform call: stage this thread's NC cells (keys, positions, validity bits) in the CTA's own buffers:
+// key > t -> candidate (key, position), key == t -> tie (position). Slots: a warp scan of the per-thread counts
+// and one 64-bit shared atomic per warp on the packed (candidates, ties) counter ctr[0..1].
+template <int NC, class PosF>
+__device__ __forceinline__ void stage(const u32 (&key)[NC], PosF pos, u32 valid, u32 t, u32* ctr, u32* ckey,
+                                      u32* cpos, u32* tpos, u32 cap, u32 k) {
+    u32 mg = 0, me = 0;
+#pragma unroll
+    for (int j = 0; j < NC; ++j) {
+        bool v = (valid >> j) & 1u;
+        mg |= (u32)(v && key[j] > t) << j;
+        me |= (u32)(v && key[j] == t) << j;
     }
-    if (be) {
-        u32 base = 0;
-        if (lane_id() == 0) base = remote_add(s.ctr + 4 * C_EQ, (u32)__popc(be));
-        base = __shfl_sync(FULL, base, 0);
-        u32 slot = base + __popc(be & lt);
-        if (eq && slot < s.k) remote_st(s.tpos + 4 * slot, (u32)pos);
+    const u32 cnt = (u32)__popc(mg) | ((u32)__popc(me) << 16);  // <= 16 each: no carry in a warp sum
+    if (__ballot_sync(FULL, cnt != 0) == 0) return;
+    u32 incl = cnt;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        u32 y = __shfl_up_sync(FULL, incl, o);
+        if ((int)lane_id() >= o) incl += y;
+    }
+    u64 base = 0;
+    if (lane_id() == 31)
+        base = atomicAdd(reinterpret_cast<unsigned long long*>(ctr),
+                         (unsigned long long)(incl & 0xffffu) | ((unsigned long long)(incl >> 16) << 32));
+    base = __shfl_sync(FULL, base, 31);
+    const u32 excl = incl - cnt;
+    u32 og = (u32)base + (excl & 0xffffu);
+    u32 oe = (u32)(base >> 32) + (excl >> 16);
+#pragma unroll
+    for (int j = 0; j < NC; ++j) {
+        if ((mg >> j) & 1u) {
+            if (og < cap) {
+                ckey[og] = key[j];
+                cpos[og] = (u32)pos(j);
+            }
+            ++og;
+        }
+        if ((me >> j) & 1u) {
+            if (oe < k) tpos[oe] = (u32)pos(j);
+            ++oe;
+        }
     }
 }
 
 extern "C" __global__ void __launch_bounds__(NT, MINB)
 si_top_k_per_row(const float* __restrict__ logits, long long stride_l, const int* __restrict__ starts,
                  const int* __restrict__ ends, int* __restrict__ out, long long stride_o, int k, int cap,
-                 int vec_ok) {
+                 int samp_words, int small_max, int vec_ok, int stop) {
     extern __shared__ __align__(16) u32 sm[];
     u32* ctr = sm + OFF_CTR;
     u32* hist = sm + OFF_HIST;
     u32* wsum = sm + OFF_WSUM;
     u32* samp = sm + OFF_SAMP;
-    u32* ckey = sm + OFF_CKEY;
+    u32* ckey = samp + samp_words;  // samp_words = 0 when every window of the launch fits in cap
     u32* cpos = ckey + cap;
     u32* tpos = cpos + cap;
 
@@ -274,82 +311,137 @@ si_top_k_per_row(const float* __restrict__ logits, long long stride_l, const int
             for (int i = threadIdx.x; i < k; i += NT) orow[i] = i < n ? i : -1;
         return;
     }
-    if (n <= cap) {  // small row: the leader selects among all its cells in shared memory
+    if (n <= small_max) {  // small row (small_max <= cap): the leader selects among all its cells in shared memory
         if (rank != 0) return;
         if (threadIdx.x < 16) ctr[threadIdx.x] = 0;
-        for (int i = threadIdx.x; i < n; i += NT) ckey[i] = fkey(__ldg(base + i));
+        for (int i = threadIdx.x; i < NB; i += NT) hist[i] = 0;
+        __syncthreads();
+        for (int i = threadIdx.x; i < n; i += NT) {  // keys to shared memory, with the first radix histogram
+            const u32 key = fkey(__ldg(base + i));
+            ckey[i] = key;
+            atomicAdd(&hist[key >> 21], 1u);
+        }
         __syncthreads();
         u32 lo, hi, krem;
         auto ld = [&](int i) { return ckey[i]; };
-        radix_select(ld, n, (u32)k, hist, wsum, ctr, &lo, &hi, &krem);
+        radix_select(ld, n, (u32)k, hist, wsum, ctr, &lo, &hi, &krem, true);
         collect(ld, [](int i) { return i; }, n, k, lo, hi, krem, ctr, orow);
         return;
     }
 
-    // ---- threshold from a strided sample (identical in every CTA of the cluster)
-    if (rank == 0 && threadIdx.x < 16) ctr[threadIdx.x] = 0;
-    const int S = n <= 65536 ? (SMAX < 2048 ? SMAX : 2048) : SMAX;
-    for (int j = threadIdx.x; j < S; j += NT) samp[j] = fkey(__ldg(base + (int)(((long long)j * n) / S)));
-    __syncthreads();
-    const float kk = (float)k * (float)S / (float)n;
-    int r = (int)ceilf(kk + 3.5f * sqrtf(kk) + 4.0f);
-    r = r < 1 ? 1 : (r > S ? S : r);
-    u32 t_lo, t_hi, t_rem;
-    radix_select([&](int i) { return samp[i]; }, S, (u32)r, hist, wsum, ctr, &t_lo, &t_hi, &t_rem);
-    const u32 T = t_lo;
-    cluster_sync();  // the leader's counters are zeroed before anyone adds to them
-
-    // ---- filter: this CTA's share of the window into the leader's candidate / tie buffers
-    Sink s;
-    s.ctr = leader_addr(ctr);
-    s.ckey = leader_addr(ckey);
-    s.cpos = leader_addr(cpos);
-    s.tpos = leader_addr(tpos);
-    s.cap = (u32)cap;
-    s.k = (u32)k;
-    // 16-byte loads over the 4-aligned middle [a0, a1) of the window (cell indices, relative to start)
+    // 16-byte loads over the 4-aligned middle [a0, a1) of the window (cell indices, relative to start); this
+    // CTA reads quads [q0, q1) of it
     const long long abs0 = (long long)row * stride_l + start;  // element offset of cell 0
     int a0 = vec_ok ? (int)((4 - (abs0 & 3)) & 3) : n;
     if (a0 > n) a0 = n;
-    int a1 = vec_ok ? a0 + ((n - a0) & ~3) : n;
+    const int a1 = vec_ok ? a0 + ((n - a0) & ~3) : n;
     const int nq = (a1 - a0) >> 2;  // quads in the middle
     const int qper = (nq + CS - 1) / CS;
     const int q0 = (int)rank * qper;
     const int q1 = q0 + qper < nq ? q0 + qper : nq;
+    if (stop == 3) return;
+    {  // start pulling this CTA's share (its first PREFETCH_BYTES) into L2 while the sample is drawn
+        const char* p0 = reinterpret_cast<const char*>(base + a0 + 4 * q0);
+        long long bytes = 16LL * (q1 > q0 ? q1 - q0 : 0);
+        bytes = bytes < PREFETCH_BYTES ? bytes : PREFETCH_BYTES;
+        for (long long off = 128LL * threadIdx.x; off < bytes; off += 128LL * NT)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(p0 + off));
+    }
+
+    // ---- threshold from a strided sample (identical in every CTA of the cluster)
+    if (threadIdx.x < 16) ctr[threadIdx.x] = 0;
+    const int S = n <= 65536 ? (SMAX < 2048 ? SMAX : 2048) : SMAX;
+    for (int j = threadIdx.x; j < S; j += NT) samp[j] = fkey(__ldg(base + (int)(((long long)j * n) / S)));
+    __syncthreads();
+    if (stop == 4) return;
+    const float kk = (float)k * (float)S / (float)n;
+    int r = (int)ceilf(kk + 3.0f * sqrtf(kk) + 3.0f);
+    r = r < 1 ? 1 : (r > S ? S : r);
+    const u32 T = sample_threshold(samp, S, (u32)r, 2u * (u32)r, hist, wsum, ctr);
+    if (stop == 1) return;
+
+    // ---- filter: this CTA's share of the window, staged in its own buffers
+    const u32 ucap = (u32)cap, uk = (u32)k;
     const float4* qb = reinterpret_cast<const float4*>(base + a0);
     constexpr int U = 4;  // quads in flight per thread
     for (int qi = q0; qi < q1; qi += NT * U) {  // warp-uniform
         float4 v[U];
+        u32 key[4 * U];
+        u32 valid = 0;
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             int q = qi + u * NT + threadIdx.x;
             v[u] = q < q1 ? __ldg(qb + q) : make_float4(0.f, 0.f, 0.f, 0.f);
+            valid |= (q < q1 ? 0xfu : 0u) << (4 * u);
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            int q = qi + u * NT + threadIdx.x;
-            bool ok = q < q1;
-            int p = a0 + 4 * q;
-            push(s, ok, fkey(v[u].x), T, p);
-            push(s, ok, fkey(v[u].y), T, p + 1);
-            push(s, ok, fkey(v[u].z), T, p + 2);
-            push(s, ok, fkey(v[u].w), T, p + 3);
+            key[4 * u] = fkey(v[u].x);
+            key[4 * u + 1] = fkey(v[u].y);
+            key[4 * u + 2] = fkey(v[u].z);
+            key[4 * u + 3] = fkey(v[u].w);
         }
+        const int p0 = a0 + 4 * (qi + (int)threadIdx.x);  // cell 4u + c sits at p0 + 4 NT u + c
+        stage<4 * U>(key, [&](int j) { return p0 + 4 * NT * (j >> 2) + (j & 3); }, valid, T, ctr, ckey, cpos, tpos,
+                     ucap, uk);
     }
-    if (rank == CS - 1) {  // edge cells: [0, a0) and [a1, n) (all cells when vec_ok == 0)
+    {  // scalar cells: the (<= 6) edges of the aligned middle, or the whole window (split by rank) without it
         const int ne = a0 + (n - a1);
-        for (int e0 = 0; e0 < ne; e0 += NT) {  // warp-uniform
-            int e = e0 + threadIdx.x;
-            int p = e < a0 ? e : a1 + (e - a0);
-            bool ok = e < ne;
-            push(s, ok, ok ? fkey(__ldg(base + p)) : 0u, T, p);
+        const int per = vec_ok ? ne : (ne + CS - 1) / CS;
+        const int e0 = vec_ok ? (rank == CS - 1 ? 0 : ne) : (int)rank * per;
+        const int e1 = e0 + per < ne ? e0 + per : ne;
+        for (int e = e0; e < e1; e += NT) {  // warp-uniform
+            const int i = e + threadIdx.x;
+            const int p = i < a0 ? i : a1 + (i - a0);
+            const bool ok = i < e1;
+            u32 kk1[1] = {ok ? fkey(__ldg(base + p)) : 0u};
+            stage<1>(kk1, [&](int) { return p; }, ok ? 1u : 0u, T, ctr, ckey, cpos, tpos, ucap, uk);
         }
     }
-    cluster_sync();  // every push has landed in the leader
-    if (rank != 0) return;
+    __syncthreads();
+    u32 gt = ctr[C_GT], eq = ctr[C_EQ];
+#if CS > 1
+    cluster_sync();  // A: every CTA's staged counts are final
+    if (threadIdx.x < 32) {  // this CTA's offsets in the leader's buffers, and the totals (lane c: rank c)
+        const u32 c = threadIdx.x;
+        u32 g = 0, e = 0;
+        if (c < CS) {
+            g = remote_ld(map_rank(&ctr[C_GT], c));
+            e = remote_ld(map_rank(&ctr[C_EQ], c));
+        }
+        u32 bg = c < rank ? g : 0u, be = c < rank ? e : 0u, tg = g, te = e;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            bg += __shfl_xor_sync(FULL, bg, o);
+            be += __shfl_xor_sync(FULL, be, o);
+            tg += __shfl_xor_sync(FULL, tg, o);
+            te += __shfl_xor_sync(FULL, te, o);
+        }
+        if (c == 0) {
+            ctr[4] = bg;
+            ctr[5] = be;
+            ctr[6] = tg;
+            ctr[7] = te;
+        }
+    }
+    __syncthreads();
+    if (rank != 0) {  // append to the leader (rank 0 staged in place)
+        const u32 bg = ctr[4], be = ctr[5];
+        const u32 ng = gt < ucap ? gt : ucap, ne2 = eq < uk ? eq : uk;
+        const u32 rk = map_rank(ckey, 0), rp = map_rank(cpos, 0), rt = map_rank(tpos, 0);
+        for (u32 i = threadIdx.x; i < ng && bg + i < ucap; i += NT) {
+            remote_st(rk + 4 * (bg + i), ckey[i]);
+            remote_st(rp + 4 * (bg + i), cpos[i]);
+        }
+        for (u32 i = threadIdx.x; i < ne2 && be + i < uk; i += NT) remote_st(rt + 4 * (be + i), tpos[i]);
+    }
+    gt = ctr[6];
+    eq = ctr[7];
+    cluster_sync();  // B: every append has landed in the leader
+#endif
+    if (stop == 2 || rank != 0) return;
 
     // ---- the leader: exact selection
-    const u32 gt = ctr[C_GT], eq = ctr[C_EQ];
     u32 lo, hi, krem;
     if (gt >= (u32)k && gt <= (u32)cap) {
         auto ld = [&](int i) { return ckey[i]; };

@@ -302,3 +302,87 @@ def test_step_uses_topk_scratch_and_checks_it(backend):
             si.sparse_attn_indexer(sc.q, sc.k, sc.w, sc.kv, md, b, out, backend=backend)
         assert info.value.field == "topk_scratch"
         assert torch.equal(sc.kv, kv0) and bool((out == 7).all())
+
+
+# the value distributions of issue #10 (the CUDA and Triton kernels are timed and checked on the GPU on the same
+# ones: scripts/gpu_topk_bench.py, tests/gpu/test_topk_cuda_gpu.py)
+DISTRIBUTIONS = ("gaussian", "logits", "ints0-3", "all-equal", "heavy", "sorted", "95%-inf", "nan+inf")
+
+
+def distribution(name: str, r: int, w: int, g: torch.Generator) -> torch.Tensor:
+    """``[r, w]`` float32 logits of one of :data:`DISTRIBUTIONS` (``logits``: the paged logits op's output)."""
+    x = torch.randn(r, w, generator=g)
+    if name == "gaussian":
+        return x
+    if name == "logits":
+        import sparse_indexer as si
+
+        bs, d, h = 16, 64, 4
+        nb = r * ((w + bs - 1) // bs)
+        kv = si.new_kv_cache(nb, bs, d)
+        si.write_k_cache(torch.randn(nb * bs, d, generator=g), kv, torch.arange(nb * bs), backend="reference")
+        bt = torch.randperm(nb, generator=g).int().view(r, -1)
+        q = (torch.randn(r, 1, h, d, generator=g) * 2).to(torch.float8_e4m3fn)
+        wt = torch.randn(r, h, generator=g)
+        return si.fp8_paged_mqa_logits(q, kv, wt, torch.full((r,), w, dtype=torch.int32), bt,
+                                       backend="reference")
+    if name == "ints0-3":
+        return torch.randint(0, 4, (r, w), generator=g).float()
+    if name == "all-equal":
+        return torch.full((r, w), 0.5)
+    if name == "heavy":
+        return torch.exp(4 * x)
+    if name == "sorted":
+        return x.sort(dim=1).values
+    if name == "95%-inf":
+        return torch.where(torch.rand(r, w, generator=g) < 0.95, NINF, x)
+    if name == "nan+inf":
+        u = torch.rand(r, w, generator=g)
+        x = torch.where(u < 0.01, NAN, x)
+        x = torch.where((u >= 0.01) & (u < 0.015), INF, x)
+        return torch.where((u >= 0.015) & (u < 0.03), NINF, x)
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("dist", DISTRIBUTIONS)
+def test_value_distributions(backend, dist):
+    """Every distribution, full / ragged / short windows, with and without the workspace (split path)."""
+    g = gen(11)
+    w, topk = 3000, 256
+    x = distribution(dist, 4, w, g)
+    starts, ends = [0, 0, 17, 5], [w, 2500, 2999, 200]
+    for ws in (None, torch.empty(4, 32 + 2 * 1024, dtype=torch.int32)):
+        out = torch.full((4, topk), 7, dtype=torch.int32)
+        top_k_per_row(x, int32(starts), int32(ends), out=out, backend=backend, workspace=ws)
+        assert_topk(out, x, starts, ends)
+
+
+def test_cuda_backend_reported_unavailable_off_nvidia():
+    """The CUDA backend is never faked: on the CPU it is unavailable (explicitly: an error naming why) and
+    ``auto`` never tries it; for ops it does not implement ``auto`` skips it."""
+    import sparse_indexer as si
+    from sparse_indexer import _dispatch
+
+    assert "cuda" in si.BACKENDS
+    assert "cuda" not in si.available("cpu")
+    assert "NVIDIA" in _dispatch.unavailable_reason("cuda", torch.device("cpu"))
+    x = torch.randn(2, 50)
+    out = torch.empty(2, 4, dtype=torch.int32)
+    with pytest.raises(si.BackendUnavailable, match="cuda"):
+        top_k_per_row(x, int32([0, 0]), int32([50, 50]), out=out, backend="cuda")
+    assert _dispatch.PARTIAL_BACKENDS["cuda"] == ("top_k_per_row",)
+
+
+def test_cuda_backend_layout():
+    """Shared-memory layout of the CUDA kernel (host arithmetic only; the kernel is checked on the GPU)."""
+    from sparse_indexer.ops.top_k_per_row import cuda as tkc
+
+    cap, samp, small_max, smem = tkc.layout(2048, 65536)
+    assert (cap, samp, small_max) == (8192, tkc.SMAX, 8192)
+    assert smem == 4 * (tkc.SM_WORDS + 2 * 8192 + 2048) <= 227 * 1024
+    cap, samp, small_max, smem = tkc.layout(2048, 8192)  # every window fits: no sample, keys only
+    assert (cap, samp, small_max) == (8192, 0, 8192) and smem < 48 * 1024
+    assert tkc.layout(2048, 8192, small=False)[2] == 0  # every long row sampled
+    assert 4 * (tkc.SM_WORDS + 2 * tkc.cap_for(tkc.MAX_TOPK) + tkc.MAX_TOPK) <= 227 * 1024
+    with pytest.raises(ValueError, match="small layout"):
+        tkc.layout(2048, 9000, small=True)

@@ -1,0 +1,214 @@
+"""GPU checks of the CUDA top_k_per_row backend (NVRTC kernel) against the reference backend (docs/spec.md §6):
+every value distribution and window shape, every launch configuration and its exact fallback, topk up to the
+backend's limit (and the auto fallback above it), and a CUDA-graph replay of the decode step with new lengths.
+Run: ``PYTHONPATH=. python3 -m pytest tests/gpu/test_topk_cuda_gpu.py``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import sparse_indexer as si
+from tests.sparse_indexer.ops.test_top_k_per_row import DISTRIBUTIONS
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def _cuda():
+    from sparse_indexer.ops.top_k_per_row import cuda as tkc
+
+    why = tkc.unavailable_reason() if torch.cuda.is_available() and torch.version.hip is None else "not NVIDIA"
+    if why:
+        pytest.skip(f"CUDA top-k backend unavailable: {why}")
+    return tkc
+
+
+def _dist(name, r, w, g):
+    x = torch.randn(r, w, device=DEV, generator=g)
+    if name == "gaussian":
+        return x
+    if name == "logits":  # the paged logits op's output on random FP8 queries and keys
+        bs, d, h = 64, 128, 64
+        nb = r * ((w + bs - 1) // bs)
+        kv = si.new_kv_cache(nb, bs, d, device=DEV)
+        si.write_k_cache(torch.randn(nb * bs, d, device=DEV, generator=g), kv, torch.arange(nb * bs, device=DEV))
+        bt = torch.randperm(nb, device=DEV, generator=g).int().view(r, -1)
+        q = (torch.randn(r, 1, h, d, device=DEV, generator=g) * 2).to(torch.float8_e4m3fn)
+        wt = torch.randn(r, h, device=DEV, generator=g) / math.sqrt(h * d)
+        return si.fp8_paged_mqa_logits(q, kv, wt, torch.full((r,), w, dtype=torch.int32, device=DEV), bt)
+    if name == "ints0-3":
+        return torch.randint(0, 4, (r, w), device=DEV, generator=g).float()
+    if name == "all-equal":
+        return torch.full((r, w), 0.5, device=DEV)
+    if name == "heavy":
+        return torch.exp(4 * x)
+    if name == "sorted":
+        return x.sort(dim=1).values
+    if name == "95%-inf":
+        return torch.where(torch.rand(r, w, device=DEV, generator=g) < 0.95, float("-inf"), x)
+    if name == "nan+inf":
+        u = torch.rand(r, w, device=DEV, generator=g)
+        x = torch.where(u < 0.01, float("nan"), x)
+        x = torch.where((u >= 0.01) & (u < 0.015), float("inf"), x)
+        return torch.where((u >= 0.015) & (u < 0.03), float("-inf"), x)
+    if name == "adv-overflow":  # big cells the sample never sees: the candidates overflow -> exact fallback
+        y = x * 1e-3
+        for o in (1, 2, 3):
+            y[:, o::32] += 10 + x[:, o::32]
+        return y
+    if name == "adv-miss":  # only the sampled cells are big: the threshold is too high -> exact fallback
+        y = x * 1e-3
+        y[:, ::32] += 10 + x[:, ::32]
+        return y
+    raise ValueError(name)
+
+
+def _windows(kind, r, w, topk, g):
+    z = torch.zeros(r, dtype=torch.int32, device=DEV)
+    if kind == "full":
+        return z, torch.full((r,), w, dtype=torch.int32, device=DEV)
+    if kind == "ragged":  # decode: [0, L_r)
+        return z, torch.randint(w // 2, w + 1, (r,), device=DEV, dtype=torch.int32, generator=g)
+    if kind == "causal":  # prefill: [0, (j + 1) w / r)
+        return z, ((torch.arange(r, device=DEV) + 1) * w // r).int()
+    if kind == "short":  # every window <= topk, some empty
+        return z, torch.randint(0, topk + 1, (r,), device=DEV, dtype=torch.int32, generator=g)
+    s = torch.randint(0, w // 3, (r,), device=DEV, dtype=torch.int32, generator=g)  # "starts": [ks, ke)
+    e = torch.randint(w // 3, w + 1, (r,), device=DEV, dtype=torch.int32, generator=g)
+    e[::5] = s[::5]  # empty
+    e[1::5] = torch.clamp(s[1::5] + topk, max=w)  # exactly topk
+    return s, e
+
+
+def _check(x, s, e, out):
+    """Short rows exact; long rows distinct in-window positions with the reference's value multiset."""
+    ref = torch.empty_like(out)
+    si.top_k_per_row(x.contiguous(), s, e, out=ref, backend="reference")
+    n = (e - s).clamp(min=0)
+    lg = n > out.shape[1]
+    assert torch.equal(out[~lg], ref[~lg])
+    o, rf, xs, st, nn = out[lg].long(), ref[lg].long(), x[lg], s[lg].long(), n[lg]
+    if o.numel() == 0:
+        return
+    assert bool(((o >= 0) & (o < nn[:, None])).all())
+    assert not bool((o.sort(dim=1).values.diff(dim=1) == 0).any())
+
+    def vals(idx):
+        v = xs.gather(1, idx + st[:, None]).double()
+        return torch.where(torch.isnan(v) | (v == float("-inf")), -1e300, v).sort(dim=1).values
+
+    assert torch.equal(vals(o), vals(rf))
+
+
+@pytest.mark.parametrize("kind", ["full", "ragged", "causal", "short", "starts"])
+@pytest.mark.parametrize("dist", DISTRIBUTIONS)
+@pytest.mark.parametrize("rows,width,topk", [(64, 65536, 2048), (300, 9000, 2048), (7, 70001, 512)])
+def test_cuda_topk_matches_reference(rows, width, topk, dist, kind):
+    _cuda()
+    g = torch.Generator(device=DEV).manual_seed(rows + width)
+    x = _dist(dist, rows, width + 1, g)[:, 1:]  # unaligned rows and an odd stride (scalar edges)
+    s, e = _windows(kind, rows, width, topk, g)
+    out = torch.full((rows, topk), -7, dtype=torch.int32, device=DEV)
+    si.top_k_per_row(x, s, e, out=out, backend="cuda")
+    _check(x, s, e, out)
+
+
+@pytest.mark.parametrize("nt,cs,small", [(256, 1, None), (512, 1, None), (1024, 1, None), (1024, 2, None),
+                                         (1024, 4, None), (512, 8, None), (1024, 16, None), (512, 1, False)])
+@pytest.mark.parametrize("dist", ["gaussian", "ints0-3", "nan+inf", "adv-overflow", "adv-miss"])
+def test_cuda_topk_every_config(nt, cs, small, dist):
+    """Every thread count and cluster size, the sampled path for small rows, and both exact fallbacks."""
+    tkc = _cuda()
+    if cs > 1 and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("thread-block clusters need sm_90")
+    g = torch.Generator(device=DEV).manual_seed(nt + cs)
+    for w in (65536, 6000):
+        x = _dist(dist, 9, w, g)
+        s, e = _windows("starts" if w == 6000 else "full", 9, w, 2048, g)
+        out = torch.full((9, 2048), -7, dtype=torch.int32, device=DEV)
+        tkc.launch(x, s, e, out, nt=nt, cs=cs, small=small)
+        _check(x, s, e, out)
+
+
+@pytest.mark.parametrize("topk", [1, 100, 3000, 4096, 5000])
+def test_cuda_topk_sizes(topk):
+    """topk up to the backend's limit; above it ``auto`` falls back (to Triton) and an explicit request raises."""
+    tkc = _cuda()
+    g = torch.Generator(device=DEV).manual_seed(topk)
+    x = torch.randn(20, 40000, device=DEV, generator=g)
+    s, e = _windows("starts", 20, 40000, topk, g)
+    out = torch.full((20, topk), -7, dtype=torch.int32, device=DEV)
+    if topk > tkc.MAX_TOPK:
+        with pytest.raises(NotImplementedError, match="topk"):
+            si.top_k_per_row(x, s, e, out=out, backend="cuda")
+        si.top_k_per_row(x, s, e, out=out)  # auto
+    else:
+        si.top_k_per_row(x, s, e, out=out, backend="cuda")
+    _check(x, s, e, out)
+
+
+def test_auto_picks_cuda_on_nvidia():
+    _cuda()
+    assert si.available(DEV)[:2] in (("cuda", "triton"), ("aiter", "cuda"))
+    from sparse_indexer import _dispatch
+
+    assert _dispatch.candidates("top_k_per_row", None, torch.device(DEV))[0] == "cuda"
+    assert "cuda" not in _dispatch.candidates("fp8_paged_mqa_logits", None, torch.device(DEV))
+
+
+def test_decode_step_graph_replay_with_new_lengths():
+    """The decode step (paged logits + CUDA top-k, auto backend) captured once in a CUDA graph, replayed with new
+    context lengths and queries: every replay's selection equals the reference top-k of that step's logits."""
+    _cuda()
+    from buffers import IndexerLimits, allocate
+
+    b, nn, L, bs, d, h = 8, 2, 20000, 64, 128, 64
+    lim = IndexerLimits(max_model_len=L, max_num_batched_tokens=b * nn, max_num_seqs=b, next_n=nn, topk=2048,
+                        prefill_k_tokens=L)
+    mb = (L + bs - 1) // bs
+    g = torch.Generator(device="cpu").manual_seed(9)
+    kv = si.new_kv_cache(b * mb, bs, d, device=DEV)
+    si.write_k_cache(torch.randn(b * mb * bs, d, generator=g).to(DEV), kv, torch.arange(b * mb * bs, device=DEV))
+    bt = torch.randperm(b * mb, generator=g).int().view(b, mb).to(DEV)
+    bufs = allocate(lim, DEV)
+    q = torch.empty(b * nn, h, d, dtype=torch.float8_e4m3fn, device=DEV)
+    w = torch.empty(b * nn, h, device=DEV)
+    out = torch.full((b * nn, lim.topk), -7, dtype=torch.int32, device=DEV)
+
+    def inputs(seq):
+        q.copy_((torch.randn(b * nn, h, d, generator=g) * 2).to(torch.float8_e4m3fn).to(DEV))
+        w.copy_((torch.randn(b * nn, h, generator=g) / math.sqrt(h * d)).to(DEV))
+        pos = torch.cat([torch.arange(s - nn, s) for s in seq])
+        req = torch.arange(b).repeat_interleave(nn)
+        slots = (bt.cpu().long()[req, pos // bs] * bs + pos % bs).to(DEV)
+        return si.build_metadata(seq, [nn] * b, bt, slots, lim)
+
+    md = inputs([L] * b)
+
+    def step():
+        si.indexer_decode(q, w, kv, md, bufs, out)
+
+    step()
+    torch.cuda.synchronize()
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st):
+        step()
+    torch.cuda.current_stream().wait_stream(st)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for trial in range(3):
+        seq = [int(v) for v in torch.randint(nn, L + 1, (b,), generator=g)]
+        seq[0] = 2048 - trial  # a window <= topk
+        md2 = inputs(seq)
+        md.decode.context_lens.copy_(md2.decode.context_lens)  # the captured step reads these tensors
+        md.decode.row_ends.copy_(md2.decode.row_ends)
+        out.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        logits = bufs.logits_view(b * nn, md.decode.width)
+        _check(logits, md.decode.row_starts, md.decode.row_ends, out)
