@@ -1,4 +1,10 @@
-"""Argument checks shared by the public entry points. Every check runs before anything is written."""
+"""Argument checks shared by the public entry points. Every check runs before anything is written.
+
+The success path of every check reads tensor metadata only (no tensor op, no string built): messages are
+formatted when a check fails. The value checks (:func:`values_in`, opt-in on GPUs) first test the whole
+tensor's range with one reduction and fall back to the exact, masked test only when that range is out of
+bounds, so a passing check costs one ``aminmax``.
+"""
 
 from __future__ import annotations
 
@@ -8,28 +14,51 @@ from .fp8 import FP8_DTYPES
 
 INDEX_DTYPES = (torch.int32,)
 
+_Tensor = torch.Tensor
+_Device = torch.device
+_is_compiling = torch.compiler.is_compiling
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_functional = getattr(torch, "_is_functional_tensor", None)
+
+
+def _dtype_error(name: str, t: torch.Tensor, dtypes) -> TypeError:
+    want = dtypes[0] if isinstance(dtypes, tuple) and len(dtypes) == 1 else dtypes
+    return TypeError(f"{name} must have dtype {want}, got {t.dtype}")
+
+
+def _shape_error(name: str, t: torch.Tensor, shape) -> ValueError:
+    want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+    return ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
+
 
 def tensor(name: str, t, *, ndim: int | None = None, dtypes=None, device=None, shape=None,
            last_contiguous: bool = False, contiguous: bool = False) -> torch.Tensor:
     """Check one tensor argument; ``shape`` may hold ``None`` wildcards. Returns ``t``."""
-    if not isinstance(t, torch.Tensor):
+    if not isinstance(t, _Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
     if dtypes is not None:
-        dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
-        if t.dtype not in dtypes:
-            want = dtypes[0] if len(dtypes) == 1 else dtypes
-            raise TypeError(f"{name} must have dtype {want}, got {t.dtype}")
-    if device is not None and t.device != torch.device(device):
-        raise ValueError(f"{name} is on {t.device}, expected {device} (the device of the other inputs)")
+        if type(dtypes) is tuple:
+            if t.dtype not in dtypes:
+                raise _dtype_error(name, t, dtypes)
+        elif t.dtype != dtypes:
+            raise _dtype_error(name, t, dtypes)
+    if device is not None:
+        if type(device) is not _Device:
+            device = _Device(device)
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, expected {device} (the device of the other inputs)")
     if shape is not None:
-        if len(shape) != t.dim() or any(s is not None and s != a for s, a in zip(shape, t.shape)):
-            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-            raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
+        have = t.shape
+        if len(shape) != len(have):
+            raise _shape_error(name, t, shape)
+        for s, a in zip(shape, have):
+            if s is not None and s != a:
+                raise _shape_error(name, t, shape)
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
-    if last_contiguous and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+    if last_contiguous and t.dim() and t.shape[-1] > 1 and t.stride()[-1] != 1:
         raise ValueError(f"{name} must have unit stride in its last dimension, got strides {t.stride()}")
     return t
 
@@ -39,41 +68,44 @@ def fp8(name: str, t, **kw) -> torch.Tensor:
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
-    if t.numel() == 0:
-        return (0, 0)
+    """Byte range ``[start, end)`` that ``t`` can touch (``(0, 0)`` when empty); strides are never negative."""
+    extent = 1
+    for s, st in zip(t.shape, t.stride()):
+        if s == 0:
+            return (0, 0)
+        extent += (s - 1) * st
     start = t.data_ptr()
-    extent = sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride())) + 1
     return start, start + extent * t.element_size()
 
 
 def no_alias(out_name: str, out: torch.Tensor, **inputs) -> None:
     """Raise if ``out``'s bytes overlap any input's bytes (byte ranges, so disjoint views of one arena pass)."""
-    if out.device.type == "meta" or is_traced(out):
+    if is_traced(out):
         return
     o0, o1 = _span(out)
     if o0 == o1:
         return
+    dev = out.device
     for name, t in inputs.items():
-        if t is None or t.device != out.device:
+        if t is None:
             continue
         i0, i1 = _span(t)
-        if i0 < o1 and o0 < i1:
+        if i0 < o1 and o0 < i1 and t.device == dev:
             raise ValueError(f"{out_name} overlaps the memory of input {name}; outputs must not alias inputs")
 
 
 def is_traced(t: torch.Tensor) -> bool:
     """True for fake, meta, functional or functorch-wrapped tensors, and while Dynamo traces."""
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         return True
-    if t.device.type == "meta":
+    if t.is_meta or _functorch_wrapped(t):
         return True
-    from torch._subclasses.fake_tensor import FakeTensor
+    if type(t) is not _Tensor:
+        from torch._subclasses.fake_tensor import FakeTensor
 
-    if isinstance(t, FakeTensor):
-        return True
-    if torch._C._functorch.is_functorch_wrapped_tensor(t):
-        return True
-    return torch._is_functional_tensor(t) if hasattr(torch, "_is_functional_tensor") else False
+        if isinstance(t, FakeTensor):
+            return True
+    return _functional(t) if _functional is not None else False
 
 
 def want_value_checks(check_values: bool | None, *tensors: torch.Tensor) -> bool:
@@ -83,15 +115,29 @@ def want_value_checks(check_values: bool | None, *tensors: torch.Tensor) -> bool
     builds its metadata on the host (as :func:`sparse_indexer.sparse_attn_indexer` does) has checked it already.
     ``True`` forces the checks (one device sync), ``False`` skips them.
     """
-    if any(t is not None and is_traced(t) for t in tensors):
+    if check_values is not None and not check_values:
         return False
+    for t in tensors:
+        if t is not None and is_traced(t):
+            return False
     if check_values is None:
-        return all(t is None or t.device.type == "cpu" for t in tensors)
-    return bool(check_values)
+        return all(t is None or t.is_cpu for t in tensors)
+    return True
 
 
 def values_in(name: str, t: torch.Tensor, lo: int | None, hi: int | None, what: str, mask=None) -> None:
-    """Raise unless ``lo <= t < hi`` for every element (where ``mask``); names the first offender."""
+    """Raise unless ``lo <= t < hi`` for every element (where ``mask``); names the first offender.
+
+    ``mask`` is a bool tensor of ``t``'s shape, or a function returning one, and ``what`` a string or a function
+    returning one: both are only built when some value lies outside the range (one ``aminmax`` of ``t``
+    decides that first)."""
+    if t.numel() == 0:
+        return
+    tmin, tmax = torch.aminmax(t)
+    if (lo is None or int(tmin) >= lo) and (hi is None or int(tmax) < hi):
+        return
+    if callable(mask):
+        mask = mask()
     bad = torch.zeros_like(t, dtype=torch.bool)
     if lo is not None:
         bad |= t < lo
@@ -104,4 +150,5 @@ def values_in(name: str, t: torch.Tensor, lo: int | None, hi: int | None, what: 
         where = idx[0] if len(idx) == 1 else list(idx)
         v = int(t[idx])
         rng = f"is >= {hi}" if lo is None else f"is < {lo}" if hi is None else f"is outside [{lo}, {hi})"
+        what = what() if callable(what) else what
         raise ValueError(f"{name}[{where}] = {v} {rng}: {what}")

@@ -14,6 +14,7 @@ import importlib
 import inspect
 import os
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -105,28 +106,62 @@ def _params(fn: Callable) -> frozenset[str]:
     return frozenset(inspect.signature(fn).parameters)
 
 
-def _accepted(fn: Callable, kwargs: dict) -> dict:
-    drop = [k for k in OPTIONAL_SCRATCH if k in kwargs and k not in _params(fn)]
-    return {k: v for k, v in kwargs.items() if k not in drop} if drop else kwargs
+class _Route(NamedTuple):
+    """One candidate of a resolved call: the backend, its implementation (``None`` when it does not import:
+    ``error`` says why) and the optional scratch keywords the implementation does not take."""
+
+    name: str
+    fn: Callable | None
+    error: BaseException | None
+    drop: frozenset
+
+
+@functools.cache
+def _routes(op: str, backend: str | None, device_type: str, interpret: bool | None, reason: Callable,
+            impl: Callable) -> tuple[_Route, ...]:
+    """The candidates of one (op, backend, device type), resolved once.
+
+    Keyed by everything the resolution reads: the environment switch (``TRITON_INTERPRET``) and the
+    functions that decide availability and import implementations (so a replaced one, e.g. a test's
+    monkeypatch, is never served from an entry made with the original). Raises what :func:`candidates` raises
+    (not cached)."""
+    routes = []
+    for name in candidates(op, backend, torch.device(device_type)):
+        try:
+            fn = impl(op, name)
+        except (ImportError, AttributeError) as e:
+            routes.append(_Route(name, None, e, frozenset()))
+            continue
+        drop = frozenset(k for k in OPTIONAL_SCRATCH if k not in _params(fn))
+        routes.append(_Route(name, fn, None, drop))
+    return tuple(routes)
 
 
 def call(op: str, backend: str | None, device: torch.device, *args, **kwargs):
-    """Run ``op`` on the first candidate backend that accepts the case."""
-    names = candidates(op, backend, device)
+    """Run ``op`` on the first candidate backend that accepts the case.
+
+    The candidates of ``(op, backend, device.type)`` are resolved once (:func:`_routes`); a call then costs a
+    dictionary look-up before the implementation runs."""
+    if backend is not None and type(backend) is not str:
+        candidates(op, backend, device)  # raises the error that names the argument (and keeps it unhashed)
+    dev_type = device.type if isinstance(device, torch.device) else torch.device(device).type
+    # TRITON_INTERPRET only decides whether Triton runs on a non-CUDA device (reading it costs ~0.5 us)
+    interp = _interpret() if backend == "triton" and dev_type != "cuda" else None
+    routes = _routes(op, backend, dev_type, interp, unavailable_reason, implementation)
     explicit = not (backend is None or backend == "auto")
     last = None
-    for name in names:
-        try:
-            fn = implementation(op, name)
-        except (ImportError, AttributeError) as e:
+    for r in routes:
+        if r.fn is None:
             if explicit:
-                raise BackendUnavailable(f"backend {name!r} has no implementation of {op}: {e}") from e
-            last = e
+                raise BackendUnavailable(f"backend {r.name!r} has no implementation of {op}: {r.error}") from r.error
+            last = r.error
             continue
+        kw = {k: v for k, v in kwargs.items() if k not in r.drop} if r.drop and kwargs else kwargs
         try:
-            return fn(*args, **_accepted(fn, kwargs))
+            return r.fn(*args, **kw)
         except NotImplementedError as e:
             if explicit:
                 raise
             last = e
+    names = tuple(r.name for r in routes)
     raise BackendUnavailable(f"no backend among {names} handles this {op} call: {last}")

@@ -27,12 +27,26 @@ implementation of every op does nothing: an op that returns ``None`` has no outp
 touches real memory.
 
 The public functions (``sparse_indexer.write_k_cache`` and the others) check their arguments and then call
-:func:`call`, which goes through ``torch.ops.sparse_indexer.<op>`` -- so ``torch.compile`` sees one opaque
-node per op -- except under ``torch.func`` transforms (``functionalize``, ``vmap``), which do not accept
-mutating custom ops: there the pure-torch reference implementation runs directly.
+:func:`call`, which picks one of three routes:
 
-Eager overhead of this registration (``torch.library.custom_op``) is measured by
-``tests/sparse_indexer/test_library.py::test_eager_overhead`` and recorded in ``docs/memory.md``.
+* **through the custom op** ``torch.ops.sparse_indexer.<op>`` whenever anything could be watching or
+  transforming the call: ``torch.compile``/``torch.export`` tracing (Dynamo), a ``TorchDispatchMode``
+  (``FakeTensorMode``, ``make_fx``'s proxy mode, ``FunctionalTensorMode``, ``SchemaCheckMode``, user modes), a
+  ``TorchFunctionMode`` other than ``torch.device(...)``'s, ``torch.jit.trace``, tensor subclasses (FakeTensor,
+  FunctionalTensor, DTensor, ``nn.Parameter``, ...), meta tensors, or autograd (grad mode on and an input that
+  requires grad). So ``torch.compile(fullgraph=True)`` sees one opaque node per call, and every mode sees the op;
+* **the reference implementation directly** under ``torch.func`` transforms (``functionalize``, ``vmap``),
+  which do not accept mutating custom ops;
+* **the backend implementation directly** otherwise (:func:`runs_directly`: plain eager with plain tensors,
+  the case of an engine's eager layers). The custom-op dispatch (argument re-binding, the autograd and
+  ADInplaceOrView kernels, the Python implementation's wrapper) costs tens of microseconds per call and does
+  nothing for a plain eager call of an op that returns ``None``; the result is the same bytes. Under the
+  autograd profiler the call is wrapped in ``record_function("sparse_indexer::<op>")``, so traces still name
+  the op.
+
+``tests/sparse_indexer/test_library.py`` checks each route (the op is seen under compile, every dispatch mode,
+``torch.jit.trace``, subclasses, meta tensors and autograd; the implementation runs in plain eager) and
+``tests/sparse_indexer/test_host_overhead.py`` bounds the added cost of the public function.
 """
 
 from __future__ import annotations
@@ -43,7 +57,7 @@ import torch
 
 from . import _dispatch
 
-__all__ = ["NAMESPACE", "OPS", "call", "functorch_active", "op"]
+__all__ = ["NAMESPACE", "OPS", "call", "functorch_active", "op", "runs_directly"]
 
 NAMESPACE = "sparse_indexer"
 OPS = _dispatch.OPS
@@ -139,11 +153,63 @@ def functorch_active(*tensors) -> bool:
     return False
 
 
-def call(name: str, backend: str | None, device: torch.device, *args, **kwargs) -> None:
-    """Run op ``name`` on checked arguments: the custom op, or the reference under ``torch.func`` transforms.
+_is_compiling = torch.compiler.is_compiling
+_dispatch_modes = torch._C._len_torch_dispatch_stack  # user and infra (fake, proxy, functional) modes
+_function_mode_on = torch._C._is_torch_function_mode_enabled
+_functorch_level = torch._C._functorch.peek_interpreter_stack
+_jit_tracing = torch._C._get_tracing_state
+_grad_on = torch.is_grad_enabled
+_profiling = torch._C._autograd._profiler_enabled
 
-    ``args``/``kwargs`` follow the implementation signature of ``sparse_indexer/ops/<name>/reference.py``.
+
+def _device_modes_only() -> bool:
+    """Every active ``TorchFunctionMode`` is a ``torch.device(...)`` context (it only fills in the device of
+    factory calls, and every implementation passes ``device=`` explicitly)."""
+    from torch.utils._device import DeviceContext
+
+    return all(isinstance(torch._C._get_function_stack_at(i), DeviceContext)
+               for i in range(torch._C._len_torch_function_stack()))
+
+
+def runs_directly(device: torch.device, tensors) -> bool:
+    """Whether a call on ``tensors`` (``None`` entries allowed) may run the backend implementation directly.
+
+    True only in plain eager mode, where the custom op would do nothing but dispatch: not while Dynamo traces,
+    no dispatch mode (user or infra: fake, proxy, functional), no torch-function mode other than
+    ``torch.device(...)``, no ``torch.func`` transform, no ``torch.jit.trace``, every tensor exactly a
+    ``torch.Tensor`` (no subclass), not on the meta device, and no input that autograd would record.
     """
+    if _is_compiling() or _dispatch_modes() or _functorch_level() is not None or _jit_tracing() is not None:
+        return False
+    if _function_mode_on() and not _device_modes_only():
+        return False
+    if device.type == "meta":
+        return False
+    grad = _grad_on()
+    for t in tensors:
+        if t is None:
+            continue
+        if type(t) is not Tensor or (grad and t.requires_grad):
+            return False
+    return True
+
+
+_RECORD_NAMES = {name: f"{NAMESPACE}::{name}" for name in OPS}
+
+
+def call(name: str, backend: str | None, device: torch.device, *args, **kwargs) -> None:
+    """Run op ``name`` on checked arguments by one of the routes of the module docstring.
+
+    ``args``/``kwargs`` follow the implementation signature of ``sparse_indexer/ops/<name>/reference.py``;
+    ``device`` is the device of every tensor argument (the public function checked it).
+    """
+    if runs_directly(device, (*args, *kwargs.values())):
+        if _profiling():
+            with torch.autograd.profiler.record_function(_RECORD_NAMES[name]):
+                _dispatch.call(name, None if backend == "auto" else backend, device, *args, **kwargs)
+            return
+        _dispatch.call(name, None if backend == "auto" else backend, device, *args, **kwargs)
+        return
     if functorch_active(*args, *kwargs.values()):
         if backend not in (None, "auto", "reference"):
             raise _dispatch.BackendUnavailable(

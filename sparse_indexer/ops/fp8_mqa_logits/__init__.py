@@ -45,9 +45,10 @@ def fp8_mqa_logits(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, 
         C.no_alias("out", out, q=q, k_fp8=k_fp8, k_scale=k_scale, weights=weights, cu_seqlen_ks=cu_seqlen_ks,
                    cu_seqlen_ke=cu_seqlen_ke)
     if C.want_value_checks(check_values, cu_seqlen_ks, cu_seqlen_ke):
-        nonempty = cu_seqlen_ke > cu_seqlen_ks
+        nonempty = lambda: cu_seqlen_ke > cu_seqlen_ks  # noqa: E731 - built only when a value is out of range
         C.values_in("cu_seqlen_ks", cu_seqlen_ks, 0, None, "window starts must be >= 0", mask=nonempty)
-        C.values_in("cu_seqlen_ke", cu_seqlen_ke, None, n + 1, f"window ends must be <= N = {n}", mask=nonempty)
-    library.call("fp8_mqa_logits", backend, dev, q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke,
-                   out=out, clean=bool(clean))
+        C.values_in("cu_seqlen_ke", cu_seqlen_ke, None, n + 1, lambda: f"window ends must be <= N = {n}",
+                    mask=nonempty)
+    library.call("fp8_mqa_logits", backend, dev, q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out=out,
+                 clean=bool(clean))
     return out

@@ -19,6 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..._launch import Launcher
 from ..._triton_compat import fix_interpreter
 
 fix_interpreter()  # Triton 3.6's interpreter under NumPy >= 2.4 (sparse_indexer/_triton_compat.py)
@@ -106,26 +107,42 @@ def _mqa_logits_kernel(
 CONFIG = {"BLOCK_Q": 8, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
 
 
-def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, out, clean, config=None) -> None:
-    """See :func:`sparse_indexer.fp8_mqa_logits`; arguments are checked."""
+_LAUNCH = Launcher(_mqa_logits_kernel)
+_PLANS: dict = {}  # (H, D, clean) -> (BLOCK_Q, constexprs and options) of the default CONFIG
+
+
+def _plan(h: int, d: int, clean: bool, config) -> tuple[int, dict]:
     cfg = dict(CONFIG, **(config or {}))
-    m, h, d = q.shape
-    n = k_fp8.shape[0]
-    if m == 0 or n == 0:
-        return
-    block_q = cfg["BLOCK_Q"]
     hp = max(16, triton.next_power_of_2(h))
     dp = max(32, triton.next_power_of_2(d))
     if dp > 256:
         raise NotImplementedError(f"triton fp8_mqa_logits handles D <= 256, got {d=}")
-    block_q = max(1, min(block_q, 256 // hp))
-    grid = (triton.cdiv(m, block_q),)
-    _mqa_logits_kernel[grid](
+    block_q = max(1, min(cfg["BLOCK_Q"], 256 // hp))
+    kwargs = dict(H=h, HP=hp, D=d, DP=dp, BLOCK_Q=block_q, BLOCK_N=cfg["BLOCK_N"], CLEAN=bool(clean),
+                  FILL_N=cfg.get("FILL_N", max(64, 1024 // block_q)), num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])
+    return block_q, kwargs
+
+
+def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, out, clean, config=None) -> None:
+    """See :func:`sparse_indexer.fp8_mqa_logits`; arguments are checked. ``config`` overrides :data:`CONFIG`."""
+    m, h, d = q.shape
+    n = k_fp8.shape[0]
+    if m == 0 or n == 0:
+        return
+    if config is None:
+        key = (h, d, clean)
+        plan = _PLANS.get(key)
+        if plan is None:
+            plan = _PLANS[key] = _plan(h, d, clean, None)
+    else:
+        plan = _plan(h, d, clean, config)
+    block_q, kwargs = plan
+    qs = q.stride()
+    _LAUNCH[(triton.cdiv(m, block_q),)](
         out, q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke,
         m, n,
-        out.stride(0), q.stride(0), q.stride(1), k_fp8.stride(0), k_scale.stride(0), weights.stride(0),
-        cu_seqlen_ks.stride(0), cu_seqlen_ke.stride(0),
-        H=h, HP=hp, D=d, DP=dp, BLOCK_Q=block_q, BLOCK_N=cfg["BLOCK_N"], CLEAN=bool(clean),
-        FILL_N=cfg.get("FILL_N", max(64, 1024 // block_q)),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        out.stride()[0], qs[0], qs[1], k_fp8.stride()[0], k_scale.stride()[0], weights.stride()[0],
+        cu_seqlen_ks.stride()[0], cu_seqlen_ke.stride()[0],
+        **kwargs,
     )

@@ -50,7 +50,8 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     C.fp8("q", q, ndim=4, last_contiguous=True)
     b, next_n, h, d = q.shape
     dev = q.device
-    lay = cache_layout(kv_cache)
+    kv3 = as_3d(kv_cache)
+    lay = cache_layout(kv3)
     C.tensor("kv_cache", kv_cache, device=dev)
     if lay.head_dim != d:
         raise ValueError(f"kv_cache holds D={lay.head_dim} but q has D={d}")
@@ -71,7 +72,25 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
         C.no_alias("out", out, q=q, kv_cache=kv_cache, weights=weights, context_lens=context_lens,
                    block_table=block_table)
     w = out.shape[1]
-    if C.want_value_checks(check_values, context_lens, block_table):
+    if C.want_value_checks(check_values, context_lens, block_table) and context_lens.numel():
+        _check_values(context_lens, block_table, next_n, w, capacity, lay)
+    extra = {}
+    if qk is not None:
+        C.tensor("qk", qk, dtypes=torch.float32, device=dev, shape=(h, b * next_n, w), last_contiguous=True)
+        C.no_alias("qk", qk, q=q, kv_cache=kv_cache, weights=weights, context_lens=context_lens,
+                   block_table=block_table, logits_out=out)
+        extra["qk"] = qk
+    library.call("fp8_paged_mqa_logits", backend, dev, q, kv3, weights, context_lens, block_table,
+                 out=out, clean=bool(clean), **extra)
+    return out
+
+
+def _check_values(context_lens, block_table, next_n: int, w: int, capacity: int, lay) -> None:
+    """Row limits within ``min(W, capacity)`` and the block ids they use within the cache (reads values)."""
+    b = block_table.shape[0]
+    dev = block_table.device
+    # the largest row limit is the largest length (1-D: the last token's limit is context_lens[b] itself)
+    if int(context_lens.max()) > min(w, capacity):
         lim = row_limits(context_lens, next_n)
         bad = lim > min(w, capacity)
         if bool(bad.any()):
@@ -86,17 +105,11 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
             raise ValueError(f"{where} = {int(context_lens.view(-1)[r if context_lens.dim() == 2 else b_])} gives row "
                              f"{r} (request {b_}, token {j_}) the window [0, {n}), longer than "
                              + " and ".join(crossed))
-        need = lim.view(b, next_n).amax(1) if b else lim
-        used = torch.arange(block_table.shape[1], device=dev)[None, :] < (
+
+    def used():
+        need = row_limits(context_lens, next_n).view(b, next_n).amax(1)
+        return torch.arange(block_table.shape[1], device=dev)[None, :] < (
             (need + lay.block_size - 1) // lay.block_size)[:, None]
-        C.values_in("block_table", block_table, 0, lay.num_blocks,
-                    f"block ids must be in [0, num_blocks={lay.num_blocks})", mask=used)
-    extra = {}
-    if qk is not None:
-        C.tensor("qk", qk, dtypes=torch.float32, device=dev, shape=(h, b * next_n, w), last_contiguous=True)
-        C.no_alias("qk", qk, q=q, kv_cache=kv_cache, weights=weights, context_lens=context_lens,
-                   block_table=block_table, logits_out=out)
-        extra["qk"] = qk
-    library.call("fp8_paged_mqa_logits", backend, dev, q, as_3d(kv_cache), weights, context_lens, block_table,
-                 out=out, clean=bool(clean), **extra)
-    return out
+
+    C.values_in("block_table", block_table, 0, lay.num_blocks,
+                lambda: f"block ids must be in [0, num_blocks={lay.num_blocks})", mask=used)

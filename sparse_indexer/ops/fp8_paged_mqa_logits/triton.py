@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._launch import Launcher
 from ..._triton_compat import fix_interpreter
-from ...kcache import cache_layout
 
 fix_interpreter()  # Triton 3.6's interpreter under NumPy >= 2.4 (sparse_indexer/_triton_compat.py)
 
@@ -286,11 +286,39 @@ def _pow2(x: int) -> bool:
     return x > 0 and (x & (x - 1)) == 0
 
 
-def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean, config=None) -> None:
-    """See :func:`sparse_indexer.fp8_paged_mqa_logits`; ``kv_cache`` is the 3-D view, arguments are checked."""
-    b, next_n, h, d = q.shape
+_LAUNCH = Launcher(_paged_logits_kernel)
+_PLANS: dict = {}  # specialization of the default configuration -> (constexprs and options, programs, per SM)
+
+
+def _plan(args, q, context_lens, next_n: int, h: int, d: int, bs: int, b: int, cl_2d: bool, clean: bool,
+          config) -> tuple[dict, int, int | None]:
+    """Constexprs and launch options, and the persistent grid (from the compiled kernel's occupancy)."""
     cfg = {**CONFIG, **CONFIG_BY_NEXT_N.get(next_n, {}), **(config or {})}
-    nb, bs, _ = kv_cache.shape
+    block_n = cfg["BLOCK_N"]
+    nn_pad = triton.next_power_of_2(next_n)
+    kwargs = dict(NEXT_N=next_n, NN_PAD=nn_pad, H=h, HP=max(16, triton.next_power_of_2(h)), D=d, BS=bs,
+                  BLOCK_N=block_n, BLOCK_B=max(16, triton.next_power_of_2(b)), CL_2D=cl_2d, CLEAN=bool(clean),
+                  FILL_N=cfg.get("FILL_N", max(128, 1024 // nn_pad)), SPLIT=bool(cfg.get("SPLIT", False)),
+                  KSC_PF=int(cfg.get("KSC_PF", 0)) if bs >= block_n and not cfg.get("SPLIT", False) else 0,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if cfg.get("maxnreg"):
+        kwargs["maxnreg"] = cfg["maxnreg"]  # register cap per thread: more programs per SM
+    if q.device.type != "cuda":
+        return kwargs, 3, None  # interpreter: small, but enough for pieces that span requests
+    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    key = (dev, q.dtype, args[2].dtype, context_lens.dtype, args[5].dtype, tuple(sorted(kwargs.items())))
+    per_sm = cfg["programs_per_sm"]
+    occ = _occupancy(key, args, kwargs)
+    if occ is not None:
+        per_sm = min(per_sm, occ)
+    return kwargs, _num_sms(dev) * per_sm, per_sm
+
+
+def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean, config=None) -> None:
+    """See :func:`sparse_indexer.fp8_paged_mqa_logits`; ``kv_cache`` is the 3-D view, arguments are checked.
+    ``config`` overrides :data:`CONFIG` (then nothing is cached)."""
+    b, next_n, h, d = q.shape
+    nb, bs, width = kv_cache.shape
     w = out.shape[1]
     if not (_pow2(d) and _pow2(bs)) or d < 32:
         raise NotImplementedError(f"triton fp8_paged_mqa_logits needs power-of-two D >= 32 and block_size, "
@@ -300,33 +328,23 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
     if b == 0 or w == 0:
         return
     max_blocks = block_table.shape[1]
-    cap = min(w, max_blocks * bs)
-    block_n = cfg["BLOCK_N"]
-    stride_blk = cache_layout(kv_cache).block_stride
-    kv = kv_cache.view(q.dtype)
     cl_2d = context_lens.dim() == 2
-    stride_cln = context_lens.stride(1) if cl_2d else 0
-    nn_pad = triton.next_power_of_2(next_n)
-    args = [out, q, kv, weights, context_lens, block_table, b, w, cap,
-            out.stride(0), q.stride(0), q.stride(1), q.stride(2), weights.stride(0), context_lens.stride(0), stride_cln,
-            block_table.stride(0), stride_blk, 1]
-    kwargs = dict(NEXT_N=next_n, NN_PAD=nn_pad, H=h, HP=max(16, triton.next_power_of_2(h)), D=d, BS=bs,
-                  BLOCK_N=block_n, BLOCK_B=max(16, triton.next_power_of_2(b)), CL_2D=cl_2d, CLEAN=bool(clean),
-                  FILL_N=cfg.get("FILL_N", max(128, 1024 // nn_pad)), SPLIT=bool(cfg.get("SPLIT", False)),
-                  KSC_PF=int(cfg.get("KSC_PF", 0)) if bs >= block_n and not cfg.get("SPLIT", False) else 0,
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if cfg.get("maxnreg"):
-        kwargs["maxnreg"] = cfg["maxnreg"]  # register cap per thread: more programs per SM
-    if q.device.type == "cuda":
-        dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-        key = (dev, q.dtype, kv.dtype, context_lens.dtype, block_table.dtype, tuple(sorted(kwargs.items())))
-        per_sm = cfg["programs_per_sm"]
-        occ = _occupancy(key, args, kwargs)
-        if occ is not None:
-            per_sm = min(per_sm, occ)
-        num_programs = _num_sms(dev) * per_sm
-        LAST_LAUNCH["programs_per_sm"] = per_sm
+    cls = context_lens.stride()
+    qs = q.stride()
+    args = [out, q, kv_cache.view(q.dtype), weights, context_lens, block_table, b, w, min(w, max_blocks * bs),
+            out.stride()[0], qs[0], qs[1], qs[2], weights.stride()[0], cls[0], cls[1] if cl_2d else 0,
+            block_table.stride()[0], kv_cache.stride()[0] if nb > 1 else bs * width,  # CacheLayout.block_stride
+            1]
+    if config is None:
+        key = (q.device, q.dtype, context_lens.dtype, block_table.dtype, next_n, h, d, bs, triton.next_power_of_2(b),
+               cl_2d, clean)
+        plan = _PLANS.get(key)
+        if plan is None:
+            plan = _PLANS[key] = _plan(args, q, context_lens, next_n, h, d, bs, b, cl_2d, clean, None)
     else:
-        num_programs = 3  # interpreter: small, but enough for pieces that span requests
+        plan = _plan(args, q, context_lens, next_n, h, d, bs, b, cl_2d, clean, config)
+    kwargs, num_programs, per_sm = plan
+    if per_sm is not None:
+        LAST_LAUNCH["programs_per_sm"] = per_sm
     args[-1] = num_programs
-    _paged_logits_kernel[(num_programs,)](*args, **kwargs)
+    _LAUNCH[(num_programs,)](*args, **kwargs)

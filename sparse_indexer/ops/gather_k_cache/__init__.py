@@ -24,7 +24,8 @@ def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_len
         out_k: ``[N, D]`` fp8 (the cache's format), ``N >= cu_seq_lens[R]``; rows beyond are not touched.
         out_scale: ``[N]`` float32.
     """
-    lay = cache_layout(kv_cache)
+    kv3 = as_3d(kv_cache)
+    lay = cache_layout(kv3)
     dev = kv_cache.device
     C.tensor("block_table", block_table, ndim=2, dtypes=C.INDEX_DTYPES, device=dev, last_contiguous=True)
     r = block_table.shape[0]
@@ -37,16 +38,15 @@ def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_len
     if C.want_value_checks(check_values, block_table, cu_seq_lens):
         if int(cu_seq_lens[0]) != 0:
             raise ValueError(f"cu_seq_lens[0] must be 0, got {int(cu_seq_lens[0])}")
-        lens = cu_seq_lens[1:].long() - cu_seq_lens[:-1].long()
-        C.values_in("cu_seq_lens diffs", lens, 0, lay.block_size * block_table.shape[1] + 1,
-                    f"request lengths must be >= 0 and fit max_blocks * block_size = "
-                    f"{lay.block_size * block_table.shape[1]}")
+        cap = lay.block_size * block_table.shape[1]
+        lens = cu_seq_lens.long().diff()
+        C.values_in("cu_seq_lens diffs", lens, 0, cap + 1,
+                    lambda: f"request lengths must be >= 0 and fit max_blocks * block_size = {cap}")
         total = int(cu_seq_lens[-1]) if r else 0
         if total > out_k.shape[0]:
             raise ValueError(f"cu_seq_lens[-1] = {total} exceeds the {out_k.shape[0]} rows of out_k")
-        used = torch.arange(block_table.shape[1], device=dev)[None, :] < (
+        used = lambda: torch.arange(block_table.shape[1], device=dev)[None, :] < (  # noqa: E731 - only on failure
             (lens + lay.block_size - 1) // lay.block_size)[:, None]
         C.values_in("block_table", block_table, 0, lay.num_blocks,
-                    f"block ids must be in [0, num_blocks={lay.num_blocks})", mask=used)
-    library.call("gather_k_cache", backend, dev, as_3d(kv_cache), block_table, cu_seq_lens,
-                   out_k=out_k, out_scale=out_scale)
+                    lambda: f"block ids must be in [0, num_blocks={lay.num_blocks})", mask=used)
+    library.call("gather_k_cache", backend, dev, kv3, block_table, cu_seq_lens, out_k=out_k, out_scale=out_scale)

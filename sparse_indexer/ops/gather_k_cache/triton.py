@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._launch import Launcher
 from ..._triton_compat import fix_interpreter
-from ...kcache import cache_layout
 
 fix_interpreter()  # Triton 3.6's interpreter under NumPy >= 2.4 (sparse_indexer/_triton_compat.py)
 
@@ -57,6 +57,9 @@ def _gather_k_cache_kernel(
         tl.store(out_scale_ptr + row, tl.load(sptr, mask=pm), mask=pm)
 
 
+_LAUNCH = Launcher(_gather_k_cache_kernel)
+
+
 def gather_k_cache(kv_cache, block_table, cu_seq_lens, *, out_k, out_scale) -> None:
     """See :func:`sparse_indexer.gather_k_cache`; ``kv_cache`` is the 3-D view, arguments are checked."""
     r, max_blocks = block_table.shape
@@ -68,9 +71,9 @@ def gather_k_cache(kv_cache, block_table, cu_seq_lens, *, out_k, out_scale) -> N
         raise NotImplementedError(f"the Triton gather_k_cache handles at most {_MAX_GRID_Y} requests, got {r}")
     if r == 0 or max_blocks == 0:
         return
-    block_stride = cache_layout(kv_cache).block_stride
+    block_stride = kv_cache.stride()[0] if nb > 1 else bs * width  # CacheLayout.block_stride of the checked view
     tiles = triton.cdiv(max_blocks * bs, _BLOCK_T)
-    _gather_k_cache_kernel[(tiles, r)](
-        out_k.view(torch.uint8).view(torch.int32), out_scale, kv_cache, block_table, cu_seq_lens,
-        block_table.stride(0), block_stride, BS=bs, D=d, BLOCK_T=_BLOCK_T, num_warps=4,
+    _LAUNCH[(tiles, r)](
+        out_k.view(torch.int32), out_scale, kv_cache, block_table, cu_seq_lens, block_table.stride()[0], block_stride,
+        BS=bs, D=d, BLOCK_T=_BLOCK_T, num_warps=4,
     )

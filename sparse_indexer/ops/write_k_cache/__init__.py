@@ -30,7 +30,8 @@ def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.T
     """
     C.tensor("k", k, ndim=2, dtypes=(torch.bfloat16, torch.float16, torch.float32), last_contiguous=True)
     dev = k.device
-    lay = cache_layout(kv_cache)
+    kv3 = as_3d(kv_cache)
+    lay = cache_layout(kv3)
     C.tensor("kv_cache", kv_cache, device=dev)
     C.tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64, torch.int32), device=dev,
              contiguous=True)
@@ -43,8 +44,7 @@ def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.T
     if fp8_dtype not in FP8_DTYPES:
         raise ValueError(f"fp8_dtype must be one of {FP8_DTYPES}, got {fp8_dtype!r}")
     C.no_alias("kv_cache", kv_cache, k=k, slot_mapping=slot_mapping)
-    if C.want_value_checks(check_values, k, slot_mapping) and slot_mapping.numel():
+    if C.want_value_checks(check_values, k, slot_mapping):
         C.values_in("slot_mapping", slot_mapping, None, lay.num_slots,
-                    f"slots must be < num_blocks * block_size = {lay.num_slots} (negative = skip)")
-    library.call("write_k_cache", backend, dev, k, as_3d(kv_cache), slot_mapping,
-                   scale_fmt=scale_fmt, fp8_dtype=fp8_dtype)
+                    lambda: f"slots must be < num_blocks * block_size = {lay.num_slots} (negative = skip)")
+    library.call("write_k_cache", backend, dev, k, kv3, slot_mapping, scale_fmt=scale_fmt, fp8_dtype=fp8_dtype)

@@ -15,11 +15,12 @@ import triton
 import triton.language as tl
 
 from ..._dispatch import _interpret
+from ..._launch import Launcher
 from ..._triton_compat import fix_interpreter
 from ...fp8 import K_SCALE_FLOOR, QUANT_MAX
-from ...kcache import cache_layout
 
 fix_interpreter()  # Triton 3.6's interpreter under NumPy >= 2.4 (sparse_indexer/_triton_compat.py)
+_SOFT_FP8 = _interpret()  # Triton decides at import whether kernels are interpreted; so does this flag
 
 __all__ = ["write_k_cache"]
 
@@ -98,6 +99,9 @@ def _write_k_cache_kernel(
     tl.store(sptr, scale, mask=ok)
 
 
+_LAUNCH = Launcher(_write_k_cache_kernel)
+
+
 def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *, scale_fmt,
                   fp8_dtype) -> None:
     """See :func:`sparse_indexer.write_k_cache`; ``kv_cache`` is the 3-D view, arguments are checked."""
@@ -108,10 +112,9 @@ def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.T
         raise NotImplementedError(f"the Triton write_k_cache needs a power-of-two head dim, got D={d}")
     if s == 0:
         return
-    block_stride = cache_layout(kv_cache).block_stride
-    grid = (triton.cdiv(s, _BLOCK_T),)
-    _write_k_cache_kernel[grid](
-        kv_cache, k, slot_mapping, s, k.stride(0), block_stride,
+    block_stride = kv_cache.stride()[0] if nb > 1 else bs * width  # CacheLayout.block_stride of the checked view
+    _LAUNCH[(triton.cdiv(s, _BLOCK_T),)](
+        kv_cache, k, slot_mapping, s, k.stride()[0], block_stride,
         BS=bs, D=d, QMAX=QUANT_MAX[fp8_dtype], FLOOR=K_SCALE_FLOOR, UE8M0=scale_fmt == "ue8m0",
-        FNUZ=fp8_dtype == torch.float8_e4m3fnuz, SOFT_FP8=_interpret(), BLOCK_T=_BLOCK_T, num_warps=4,
+        FNUZ=fp8_dtype == torch.float8_e4m3fnuz, SOFT_FP8=_SOFT_FP8, BLOCK_T=_BLOCK_T, num_warps=4,
     )
