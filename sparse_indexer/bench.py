@@ -6,8 +6,17 @@ One run measures the Triton backend, the reference backend on the same device an
   ``(64, 1, 64K), (64, 2, 64K), (128, 1, 32K), (256, 1, 16K), (32, 1, 128K)``, ``H=64, D=128``, block 64;
 * prefill logits (``fp8_mqa_logits``, ``clean=False``): 8K queries, causal over 8K and 64K keys (query ``j``
   of ``M`` attends keys ``[0, N - M + j + 1)``);
-* top-k (``top_k_per_row``, topk 2048) on decode 64 x 64K and prefill 8K x 64K windows;
+* top-k (``top_k_per_row``, topk 2048): decode 64 x 64K (full rows, ragged windows, with the planned workspace
+  as the step passes it and without), 16 x 64K, 1 x 64K; prefill 8K x 64K (tail windows ``[0, 56K + j]`` and
+  causal ``[0, 8 (j + 1))``) and 8K x 8K causal; 64 x 64K on every value distribution of
+  :data:`TOPK_DISTRIBUTIONS`;
+* the decode step (``indexer_decode``: paged logits + top-k as the step runs them), eager and replayed in a CUDA
+  graph: ``(B, next_n, L)`` in ``(64, 1, 64K), (64, 2, 64K), (256, 1, 16K), (1, 1, 64K), (4, 1, 64K),
+  (16, 1, 64K)``; backend ``cuda`` there means ``auto`` (Triton logits, CUDA top-k);
 * ``write_k_cache`` and ``gather_k_cache`` of 64K tokens.
+
+``--anchors DIR`` times vLLM's CUDA top-k kernels (a measuring instrument loaded from ``DIR/vllm_topk.py``,
+never imported otherwise) beside ours on the same top-k inputs.
 
 Each row holds the median time (CUDA events around the op only, L2 flushed by zeroing a 256 MiB buffer before
 every iteration), the achieved TB/s or TFLOP/s of the op's traffic/FLOP model and its fraction of a floor
@@ -36,7 +45,7 @@ import torch
 
 from buffers import IndexerLimits, plan
 
-from ._dispatch import BACKENDS, BackendUnavailable, unavailable_reason
+from ._dispatch import BACKENDS, PARTIAL_BACKENDS, BackendUnavailable, unavailable_reason
 from .fp8 import fp8_name, quantize_k, quantize_q
 from .kcache import new_kv_cache
 from .ops.fp8_mqa_logits import fp8_mqa_logits
@@ -47,8 +56,11 @@ from .ops.write_k_cache import write_k_cache
 
 __all__ = ["CaseSpec", "add_arguments", "case_specs", "run"]
 
-GROUPS = ("decode", "prefill", "topk", "cache")
-BACKEND_ORDER = ("triton", "reference", "aiter")  # the row order of every case
+GROUPS = ("decode", "prefill", "topk", "step", "cache")
+BACKEND_ORDER = ("cuda", "triton", "reference", "aiter")  # the row order of every case
+CASE_OPS = {"decode": "fp8_paged_mqa_logits", "prefill": "fp8_mqa_logits", "topk": "top_k_per_row",
+            "step": "top_k_per_row", "cache": "write_k_cache"}  # a partial backend runs a group if it has this op
+TOPK_DISTRIBUTIONS = ("gaussian", "logits", "ints0-3", "all-equal", "heavy", "sorted", "95%-inf", "nan+inf")
 L2_FLUSH_BYTES = 256 << 20
 LOGITS_RTOL = 1e-3  # relative L2 error allowed on in-window logits (float32 accumulation, any order)
 HEADS, HEAD_DIM, BLOCK_SIZE = 64, 128, 64
@@ -76,12 +88,21 @@ def case_specs(smoke: bool = False) -> list[CaseSpec]:
     if smoke:
         decode = [(2, 1, 256), (2, 2, 256)]
         prefill = [(64, 64), (64, 256)]
-        topk = [("decode", 4, 4096, 256), ("prefill", 64, 4096, 256)]
+        topk = [("decode", 4, 4096, 256), ("decode-nows", 4, 4096, 256), ("ragged", 4, 4096, 256),
+                ("prefill", 64, 4096, 256), ("causal", 64, 4096, 256)]
+        dist = (4, 4096, 256)
+        dists = ("logits", "95%-inf")  # (a spoiled selection on all-equal or few-valued rows can look right)
+        step = [(2, 1, 4096), (2, 2, 4096)]
         cache_tokens, cache_reqs = 1024, 4
     else:
         decode = [(64, 1, 65536), (64, 2, 65536), (128, 1, 32768), (256, 1, 16384), (32, 1, 131072)]
         prefill = [(8192, 8192), (8192, 65536)]
-        topk = [("decode", 64, 65536, 2048), ("prefill", 8192, 65536, 2048)]
+        topk = [("decode", 64, 65536, 2048), ("decode-nows", 64, 65536, 2048), ("ragged", 64, 65536, 2048),
+                ("decode", 16, 65536, 2048), ("decode", 1, 65536, 2048), ("prefill", 8192, 65536, 2048),
+                ("causal", 8192, 65536, 2048), ("causal", 8192, 8192, 2048)]
+        dist = (64, 65536, 2048)
+        dists = TOPK_DISTRIBUTIONS
+        step = [(64, 1, 65536), (64, 2, 65536), (256, 1, 16384), (1, 1, 65536), (4, 1, 65536), (16, 1, 65536)]
         cache_tokens, cache_reqs = 65536, 16
     specs = []
     for b, n, seq in decode:
@@ -93,6 +114,15 @@ def case_specs(smoke: bool = False) -> list[CaseSpec]:
     for kind, r, w, k in topk:
         specs.append(CaseSpec("topk", f"topk-{kind}-{_k(r)}x{_k(w)}", f"topk {kind} R={r} W={w} topk={k}",
                               dict(kind=kind, R=r, W=w, topk=k)))
+    for name in dists:
+        r, w, k = dist
+        specs.append(CaseSpec("topk", f"topk-dist-{name}-{_k(r)}x{_k(w)}", f"topk {name} R={r} W={w} topk={k}",
+                              dict(kind="decode", R=r, W=w, topk=k, dist=name)))
+    for graph in (False, True):
+        for b, n, seq in step:
+            how = "graph" if graph else "eager"
+            specs.append(CaseSpec("step", f"step-{how}-{b}x{n}x{_k(seq)}",
+                                  f"step ({how}) B={b} next_n={n} L={seq}", dict(B=b, next_n=n, L=seq, graph=graph)))
     specs.append(CaseSpec("cache", f"cache-write-{_k(cache_tokens)}", f"cache write T={cache_tokens}",
                           dict(op="write", T=cache_tokens)))
     specs.append(CaseSpec("cache", f"cache-gather-{_k(cache_tokens)}",
@@ -252,23 +282,75 @@ class PrefillCase(Case):
         return err <= LOGITS_RTOL, f"rel L2 {err:.1e} on {rows.numel()} rows"
 
 
+def topk_logits(ctx: Ctx, dist: str, r: int, w: int) -> torch.Tensor:
+    """``[r, w]`` float32 logits of one of :data:`TOPK_DISTRIBUTIONS` (``logits``: the paged logits op's output
+    on random FP8 queries and keys)."""
+    dev = ctx.device
+    x = torch.randn(r, w, dtype=torch.float32, device=dev)
+    if dist == "gaussian":
+        return x
+    if dist == "logits":
+        case = DecodeCase(ctx, r, 1, w)
+        case.fn("reference" if dev.type == "cpu" else None)()
+        return case.out[:, :w].contiguous()
+    if dist == "ints0-3":
+        return torch.randint(0, 4, (r, w), device=dev).float()
+    if dist == "all-equal":
+        return torch.full((r, w), 0.5, device=dev)
+    if dist == "heavy":
+        return torch.exp(4 * x)
+    if dist == "sorted":
+        return x.sort(dim=1).values
+    if dist == "95%-inf":
+        return torch.where(torch.rand(r, w, device=dev) < 0.95, float("-inf"), x)
+    if dist == "nan+inf":
+        u = torch.rand(r, w, device=dev)
+        x = torch.where(u < 0.01, float("nan"), x)
+        x = torch.where((u >= 0.01) & (u < 0.015), float("inf"), x)
+        return torch.where((u >= 0.015) & (u < 0.03), float("-inf"), x)
+    raise ValueError(f"unknown distribution {dist!r}; choose from {TOPK_DISTRIBUTIONS}")
+
+
 class TopKCase(Case):
-    def __init__(self, ctx: Ctx, kind: str, R: int, W: int, topk: int):  # noqa: N803
+    """kinds: ``decode`` full rows with the planned workspace (as the step), ``decode-nows`` without one,
+    ``ragged`` windows ``[0, L_r)`` with ``L_r`` in ``[W/2, W]``, ``prefill`` tail windows ``[0, W - R + j + 1)``,
+    ``causal`` windows ``[0, (j + 1) W / R)``."""
+
+    def __init__(self, ctx: Ctx, kind: str, R: int, W: int, topk: int, dist: str = "gaussian"):  # noqa: N803
         dev = ctx.device
-        self.R, self.W, self.topk = R, W, topk
-        self.logits = torch.randn(R, W, dtype=torch.float32, device=dev)
+        self.R, self.W, self.topk, self.kind = R, W, topk, kind
+        self.logits = topk_logits(ctx, dist, R, W)
         self.starts = torch.zeros(R, dtype=torch.int32, device=dev)
+        j = torch.arange(R, device=dev)
         if kind == "prefill":
-            self.ends = (W - R + torch.arange(R, device=dev) + 1).clamp(0, W).to(torch.int32)
+            self.ends = (W - R + j + 1).clamp(0, W).to(torch.int32)
+        elif kind == "causal":
+            self.ends = ((j + 1) * W // R).to(torch.int32)
+        elif kind == "ragged":
+            self.ends = torch.randint(W // 2, W + 1, (R,), dtype=torch.int32, device=dev)
         else:
             self.ends = torch.full((R,), W, dtype=torch.int32, device=dev)
         self.out = torch.empty(R, topk, dtype=torch.int32, device=dev)
         self.amount = float(int((self.ends.long() - self.starts.long()).clamp(min=0).sum()) * 4)
         self.workspace = None
-        if kind == "decode":  # as the decode step: with the planned top-k scratch (split-row path on the GPU)
+        if kind in ("decode", "ragged"):  # as the decode step: with the planned top-k scratch
             lim = IndexerLimits(max_model_len=W, max_num_batched_tokens=R, max_num_seqs=R, topk=topk)
             self.workspace = torch.empty(plan(lim)["topk_scratch"].shape, dtype=torch.int32, device=dev)
             self.note = "with Buffers.topk_scratch as workspace (what the decode step passes)"
+        elif kind == "decode-nows":
+            self.note = "no workspace"
+
+    def anchors(self, mod) -> list[tuple[str, Callable[[], object]]]:
+        """vLLM's kernels that apply to this case (``mod``: the loaded ``vllm_topk`` anchor module)."""
+        if self.topk != getattr(mod, "K", 2048):
+            return []
+        lg, s, e, o = self.logits, self.starts, self.ends, self.out
+        if self.kind in ("prefill", "causal"):
+            return [("vLLM prefill kernel", lambda: mod.prefill(lg, s, e, o))]
+        found = [("vLLM persistent kernel", lambda: mod.persistent(lg, e, o))]
+        if self.R <= 16:  # what vLLM's dispatcher picks for few rows on Hopper
+            found.append(("vLLM cooperative kernel", lambda: mod.cooperative(lg, e, o)))
+        return found
 
     def fn(self, backend):
         return lambda: top_k_per_row(self.logits, self.starts, self.ends, out=self.out, backend=backend,
@@ -282,20 +364,7 @@ class TopKCase(Case):
         lg, s, e = self.logits[rows].contiguous(), self.starts[rows], self.ends[rows]
         ref = torch.empty(rows.numel(), self.topk, dtype=torch.int32, device=lg.device)
         top_k_per_row(lg, s, e, out=ref, backend="reference")
-        got = self.out[rows]
-        bad = 0
-        for i in range(rows.numel()):
-            n = max(0, int(e[i]) - int(s[i]))
-            g, r = got[i].long(), ref[i].long()
-            if n <= self.topk:
-                bad += int(not torch.equal(g, r))
-                continue
-            if int(g.min()) < 0 or int(g.max()) >= n or g.unique().numel() != self.topk:
-                bad += 1
-                continue
-            row = lg[i, int(s[i]):int(e[i])]
-            bad += int(not torch.equal(row[g].sort().values, row[r].sort().values))
-        return bad == 0, f"{rows.numel() - bad}/{rows.numel()} rows equal (multiset)"
+        return _same_multisets(self.out[rows], ref, lg, s, e)
 
 
 def _same_bytes_copy(amount: float, device) -> Callable[[], object]:
@@ -368,6 +437,96 @@ class GatherCase(Case):
         return ok, "bytes equal" if ok else "bytes differ"
 
 
+class StepCase(Case):
+    """The decode step as ``indexer_decode`` runs it (paged logits into ``Buffers.logits``, top-k with
+    ``Buffers.topk_scratch``), eager or replayed from a CUDA graph captured once per backend. Traffic model:
+    the decode logits' bytes plus the logits read again by the top-k."""
+
+    def __init__(self, ctx: Ctx, B: int, next_n: int, L: int, graph: bool):  # noqa: N803
+        from buffers import allocate
+
+        from .indexer import indexer_decode
+        from .metadata import build_metadata
+
+        dev, bs = ctx.device, ctx.block_size
+        self.graph = graph and dev.type == "cuda"
+        self.note = "CUDA graph replay" if self.graph else "eager"
+        self.logits_case = DecodeCase(ctx, B, next_n, L)
+        lc = self.logits_case
+        lim = IndexerLimits(max_model_len=L, max_num_batched_tokens=B * next_n, max_num_seqs=B, next_n=next_n,
+                            n_heads=ctx.heads, head_dim=ctx.head_dim, block_size=bs, topk=2048 if L >= 8192 else 256,
+                            prefill_k_tokens=L, max_logits_bytes=B * next_n * lc.out.shape[1] * 4, fp8_dtype=ctx.fp8)
+        self.bufs = allocate(lim, dev)
+        lc.out = None  # the step writes Buffers.logits
+        pos = torch.cat([torch.arange(L - next_n, L) for _ in range(B)])
+        req = torch.arange(B).repeat_interleave(next_n)
+        bt = lc.block_table.cpu().long()
+        slots = (bt[req, pos // bs] * bs + pos % bs).to(dev)
+        self.md = build_metadata([L] * B, [next_n] * B, lc.block_table, slots, lim)
+        self.q = lc.q.view(B * next_n, ctx.heads, ctx.head_dim)
+        self.out = torch.empty(B * next_n, lim.topk, dtype=torch.int32, device=dev)
+        self.rows = B * next_n
+        self._decode = indexer_decode
+        self._graphs = {}
+        self.amount = lc.amount + float(int(lc.limits.sum()) * 4)
+
+    def _step(self, backend):
+        be = None if backend == "cuda" else backend  # "cuda": auto (Triton logits, CUDA top-k)
+        if backend == "reference":
+            self.note = "eager (the reference backend is not captured)"
+        return lambda: self._decode(self.q, self.logits_case.weights, self.logits_case.cache, self.md, self.bufs,
+                                    self.out, backend=be)
+
+    def fn(self, backend):
+        step = self._step(backend)
+        if not self.graph or backend == "reference":
+            return step
+        if backend not in self._graphs:
+            step()  # compile / load outside the capture
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                step()
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                step()
+            self._graphs[backend] = g
+        return self._graphs[backend].replay
+
+    def reset(self):
+        self.out.fill_(-2)
+
+    def check(self, backend):
+        self.fn(backend)()  # one more step, then judge its selection on its own logits
+        logits = self.bufs.logits_view(self.rows, self.md.decode.width)
+        rows = _spread(self.rows, 16, logits.device)
+        s, e = self.md.decode.row_starts[rows], self.md.decode.row_ends[rows]
+        lg = logits[rows].contiguous()
+        ref = torch.empty(rows.numel(), self.out.shape[1], dtype=torch.int32, device=lg.device)
+        top_k_per_row(lg, s, e, out=ref, backend="reference")
+        return _same_multisets(self.out[rows], ref, lg, s, e)
+
+
+def _same_multisets(got, ref, lg, s, e) -> tuple[bool, str]:
+    """docs/spec.md §6 on a subset of rows: short rows exact, long rows the reference's value multiset."""
+    bad = 0
+    topk = got.shape[1]
+    for i in range(got.shape[0]):
+        n = max(0, int(e[i]) - int(s[i]))
+        g, r = got[i].long(), ref[i].long()
+        if n <= topk:
+            bad += int(not torch.equal(g, r))
+            continue
+        if int(g.min()) < 0 or int(g.max()) >= n or g.unique().numel() != topk:
+            bad += 1
+            continue
+        row = lg[i, int(s[i]):int(e[i])].double()
+        row = torch.where(torch.isnan(row) | (row == float("-inf")), -1e300, row)
+        bad += int(not torch.equal(row[g].sort().values, row[r].sort().values))
+    return bad == 0, f"{got.shape[0] - bad}/{got.shape[0]} rows equal (multiset)"
+
+
 def build_case(spec: CaseSpec, ctx: Ctx) -> Case:
     p = spec.params
     if spec.group == "decode":
@@ -375,7 +534,9 @@ def build_case(spec: CaseSpec, ctx: Ctx) -> Case:
     if spec.group == "prefill":
         return PrefillCase(ctx, p["M"], p["N"])
     if spec.group == "topk":
-        return TopKCase(ctx, p["kind"], p["R"], p["W"], p["topk"])
+        return TopKCase(ctx, p["kind"], p["R"], p["W"], p["topk"], p.get("dist", "gaussian"))
+    if spec.group == "step":
+        return StepCase(ctx, p["B"], p["next_n"], p["L"], p["graph"])
     if p["op"] == "write":
         return WriteCase(ctx, p["T"])
     return GatherCase(ctx, p["T"], p["R"])
@@ -495,6 +656,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tiny shapes (decode B=2 L=256, prefill 64x256, top-k 4x4096 topk 256, cache 1K "
                              "tokens); also runs on the CPU")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--anchors", default=None,
+                        help="folder holding vllm_topk.py (vLLM's CUDA top-k kernels, a measuring instrument): "
+                             "timed beside ours on the top-k cases (default: none)")
 
 
 def _err(e: BaseException, limit: int = 300) -> str:
@@ -552,6 +716,19 @@ def _device_name(device: torch.device) -> str:
     return f"{platform.processor() or platform.machine()} ({os.cpu_count()} CPUs)"
 
 
+def _load_anchors(folder: str):
+    """``vllm_topk`` from ``folder`` (vLLM's top-k kernels prebuilt for the H200; measuring only)."""
+    import importlib.util
+
+    path = os.path.join(folder, "vllm_topk.py")
+    spec = importlib.util.spec_from_file_location("vllm_topk_anchor", path)
+    if spec is None or spec.loader is None:
+        raise FileNotFoundError(path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args`` (see :func:`add_arguments`). Returns 0 when every check
     passed and every available backend ran, 1 otherwise, 2 on a usage error."""
@@ -579,6 +756,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     backends = [b for b in BACKEND_ORDER if b in backends]
     reasons = {b: why for b in backends if (why := unavailable_reason(b, device)) is not None}
+    anchor_mod = None
+    if opt("anchors", None):
+        try:
+            anchor_mod = _load_anchors(opt("anchors", None))
+        except Exception as e:  # noqa: BLE001 - the anchors are optional; say why they are missing
+            reasons["vLLM anchors"] = _err(e)
     torch.manual_seed(int(opt("seed", 0)))
     ctx = Ctx(device=device, fp8=_fp8_dtype_for(device))
     timer = Timer(device)
@@ -615,6 +798,8 @@ def run(args: argparse.Namespace) -> int:
             build_error = _err(e)
             print(f"{tag}: input construction failed: {build_error}", flush=True)
         for b in backends:
+            if CASE_OPS[spec.group] not in PARTIAL_BACKENDS.get(b, (CASE_OPS[spec.group],)):
+                continue  # a backend of some ops only (cuda: top-k, and the step through auto)
             row = dict(case=spec.title, key=spec.key, group=spec.group, backend=b, status="ok",
                        median_us=None, iters=None, times_us=None, amount=None, achieved=None,
                        unit=case.unit if case else None, floor_fraction=None, check="", check_detail="",
@@ -665,6 +850,21 @@ def run(args: argparse.Namespace) -> int:
             frac = f", {row['floor_fraction']:.2f} of floor" if row["floor_fraction"] is not None else ""
             extra = f" ({row['check_detail']})" if row["check"] not in ("ok", "ref", "-") else ""
             print(f"{med:.1f} us  {achieved:.3g} {case.unit}{frac}  check {row['check']}{extra}", flush=True)
+        for name, fn in (case.anchors(anchor_mod) if case is not None and anchor_mod is not None
+                         and hasattr(case, "anchors") else []):
+            try:
+                times = timer.times_us(fn, iters, warmup)
+            except Exception as e:  # noqa: BLE001
+                print(f"{tag} {name} ... error: {_err(e)}", flush=True)
+                continue
+            med = statistics.median(times)
+            achieved = case.amount / (med * 1e-6) / 1e12
+            floor = floors["bandwidth"]["value"]
+            rows.append(dict(case=spec.title, key=spec.key, group=spec.group, backend=name, status="ok",
+                             median_us=med, iters=iters, times_us=times, amount=case.amount, achieved=achieved,
+                             unit=case.unit, floor_fraction=(achieved / floor) if floor else None,
+                             check="anchor", check_detail="vLLM's CUDA kernel, measuring only", note=case.note))
+            print(f"{tag} {name} ... {med:.1f} us", flush=True)
         if case is not None and hasattr(case, "copy_baseline"):
             times = timer.times_us(case.copy_baseline(), iters, warmup)
             med = statistics.median(times)
@@ -715,7 +915,7 @@ def _cells(r: dict) -> list[str]:
     check = r["check"]
     if check == "ok" and r["check_detail"]:
         check = f"ok ({r['check_detail']})"
-    elif check not in ("ok", "ref", "-", "n/a", "skipped"):
+    elif check not in ("ok", "ref", "-", "n/a", "skipped", "anchor"):
         check = f"{check}: {r['check_detail']}"
     frac = f"{r['floor_fraction']:.3f}" if r["floor_fraction"] is not None else "n/a"
     return [r["case"], r["backend"], f"{r['median_us']:.1f}", f"{r['achieved']:.3g}", r["unit"], frac, check]
@@ -754,6 +954,7 @@ def format_markdown(meta: dict, floors: dict, rows: list[dict]) -> str:
         "checked",
         "- models: decode = cache bytes read sum(L)*(D+4) + q + weights + block table + logits written "
         "sum(limit)*4; prefill = 2*H*D*(in-window (query, key) pairs); top-k = window bytes read; "
+        "step = decode logits + the logits read again by the top-k; "
         "cache write = k read + slots read + cache written; gather = cache read + out written",
         "- checks against the reference backend on a subset of rows: relative L2 on in-window logits "
         f"(<= {LOGITS_RTOL:g}), top-k multiset equality on the same logits, byte equality for cache ops",

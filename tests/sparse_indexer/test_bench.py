@@ -66,7 +66,7 @@ def test_unavailable_backend_is_na_and_cases_filter(tmp_path):
 
 def test_bad_arguments_return_2(tmp_path):
     assert bench.run(_args("--smoke", "--device", "cpu", "--cases", "nope", "--out", str(tmp_path))) == 2
-    assert bench.run(_args("--smoke", "--device", "cpu", "--backends", "cuda", "--out", str(tmp_path))) == 2
+    assert bench.run(_args("--smoke", "--device", "cpu", "--backends", "tpu", "--out", str(tmp_path))) == 2
 
 
 def _corrupt(op, fn):
