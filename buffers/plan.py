@@ -21,16 +21,18 @@ TOPK_SCRATCH_SPREAD = 4.5  # half-width of its sample bracket, in binomial sigma
 
 
 def topk_scratch_cap(lim: IndexerLimits) -> int:
-    """Candidate slots per row of ``topk_scratch`` for windows up to ``max_model_len``.
+    """Candidate slots per row of ``topk_scratch`` for windows up to ``max_model_len``: sized by the top-k op,
+    :func:`sparse_indexer.ops.top_k_per_row.workspace.candidate_cap` (imported at call time: that package imports
+    this one)."""
+    from sparse_indexer.ops.top_k_per_row.workspace import candidate_cap
 
-    The split top-k keeps the cells between two sample quantiles (+-4.5 sigma around the ``topk``-th largest of
-    a 4096-cell sample); a window of ``L`` cells has about ``9 (sqrt(topk L / 4096) + L / 4096)`` of them. The
-    cap is 1.25x that for ``L = max_model_len``, rounded up to a power of two (at least 256); a row with more
-    candidates is still exact, through a slower per-row fallback.
-    """
-    L = lim.max_model_len
-    want = 2 * TOPK_SCRATCH_SPREAD * (math.sqrt(lim.topk * L / TOPK_SCRATCH_SAMPLE) + L / TOPK_SCRATCH_SAMPLE) * 1.25
-    return max(256, 1 << max(0, math.ceil(want) - 1).bit_length())
+    return candidate_cap(lim.max_model_len, lim.topk)
+
+
+def _topk_scratch_shape(lim: IndexerLimits) -> tuple[int, int]:
+    from sparse_indexer.ops.top_k_per_row.workspace import workspace_shape
+
+    return workspace_shape(lim.decode_batch_rows, lim.max_model_len, lim.topk)
 
 @attrs.frozen
 class PrefillExtremes:
@@ -151,7 +153,7 @@ FIELDS = {
     # Split-row top-k of the decode rows (Triton), one sub-batch at a time: per row, counters, then the
     # positions and the values of up to topk_scratch_cap(lim) candidate cells.
     "topk_scratch": (
-        lambda lim: (lim.decode_batch_rows, TOPK_SCRATCH_COUNTERS + 2 * topk_scratch_cap(lim)),
+        _topk_scratch_shape,
         lambda lim: torch.int32,
     ),
 }

@@ -1,0 +1,35 @@
+"""Size of the top-k workspace (``Buffers.topk_scratch``): what the op needs, computed here and called by
+:func:`buffers.plan.plan` (docs/spec.md §9).
+
+Only the Triton split-row path uses the workspace (few rows on a GPU without the CUDA backend: ROCm without
+aiter); the CUDA backend keeps its candidates in shared memory and ignores it. A row of the workspace holds
+``COUNTERS`` int32 counters, then ``cap`` candidate positions and ``cap`` candidate values (float32 bits).
+This module imports nothing of the package, so the planner can call it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from buffers.plan import TOPK_SCRATCH_COUNTERS as COUNTERS
+from buffers.plan import TOPK_SCRATCH_SAMPLE as SAMPLE
+from buffers.plan import TOPK_SCRATCH_SPREAD as SPREAD
+
+__all__ = ["COUNTERS", "SAMPLE", "SPREAD", "candidate_cap", "workspace_shape"]
+
+
+def candidate_cap(max_len: int, topk: int) -> int:
+    """Candidate slots per workspace row for windows up to ``max_len`` cells.
+
+    The split top-k keeps the cells between two sample quantiles (+-``SPREAD`` sigma around the ``topk``-th
+    largest of a ``SAMPLE``-cell sample); a window of ``L`` cells has about ``2 SPREAD (sqrt(topk L / SAMPLE) +
+    L / SAMPLE)`` of them. The cap is 1.25x that for ``L = max_len``, rounded up to a power of two (at least 256);
+    a row with more candidates is still exact, through a slower per-row fallback.
+    """
+    want = 2 * SPREAD * (math.sqrt(topk * max_len / SAMPLE) + max_len / SAMPLE) * 1.25
+    return max(256, 1 << max(0, math.ceil(want) - 1).bit_length())
+
+
+def workspace_shape(rows: int, max_len: int, topk: int) -> tuple[int, int]:
+    """``(rows, COUNTERS + 2 * candidate_cap(max_len, topk))`` int32: the workspace of ``rows`` rows."""
+    return rows, COUNTERS + 2 * candidate_cap(max_len, topk)
