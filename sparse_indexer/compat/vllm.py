@@ -164,7 +164,8 @@ def _decode_from_vllm(d, num_decode_tokens: int, width: int, next_n: int) -> Dec
       (``[B, 1]`` = ``L_b`` at one token); older versions pass ``[B]`` (row ``j`` then sees ``L_b - n + j + 1``
       keys). Uniform when ``B * n == T_d`` and not ``requires_padding``: token ``t`` is slot ``t`` of the
       ``[B, n]`` grid.
-    * flattened (off-CUDA at next_n > 2, adaptive verification): one row per token, ``seq_lens [T_d, 1]``,
+    * flattened (no native kernel for the step's decode length, e.g. off CUDA at next_n > 2, or adaptive
+      verification): one row per token, ``seq_lens [T_d, 1]``,
       ``block_table`` repeated per token, ``decode_lens`` all ones.
     * padded for a FULL CUDA graph: padding requests (``d_b = 0``, ``L_b = 0``, ``seq_lens`` rows 0) at the
       end, padding tokens counted in ``T_d`` (their ``slot_mapping`` is -1), ``requires_padding`` set.
