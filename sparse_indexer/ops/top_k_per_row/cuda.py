@@ -247,4 +247,9 @@ def top_k_per_row(logits, row_starts, row_ends, *, out, workspace=None) -> None:
     if logits.shape[0] == 0:
         return
     nt, cs = config(logits.shape[0], logits.shape[1], logits.device, topk)
+    index = logits.device.index or 0
+    if torch.cuda.current_device() != index:  # the launch goes to the current context: make it the tensors'
+        with torch.cuda.device(index):
+            launch(logits, row_starts, row_ends, out, nt=nt, cs=cs)
+        return
     launch(logits, row_starts, row_ends, out, nt=nt, cs=cs)
