@@ -66,13 +66,6 @@ def test_bad_device_name_is_one_line_exit_2():
     assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-def test_demo_output_when_redirected_has_no_progress_bar_and_plural_chunks():
-    r = _cli_run("demo", "--requests", "2", "--context", "2100", "--decode-steps", "1")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "\r" not in r.stderr and "\r" not in r.stdout
-    assert "1 chunks" not in r.stdout and "0 chunks" in r.stdout and "1 chunk)" in r.stdout
-
-
 def test_progress_draws_only_on_a_terminal():
     class Tty(io.StringIO):
         def isatty(self):
