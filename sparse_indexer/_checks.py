@@ -69,12 +69,15 @@ def fp8(name: str, t, **kw) -> torch.Tensor:
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """Byte range ``[start, end)`` that ``t`` can touch (``(0, 0)`` when empty); strides are never negative."""
+    n = t.numel()
+    if n == 0:
+        return (0, 0)
+    start = t.data_ptr()
+    if t.is_contiguous():
+        return start, start + n * t.element_size()
     extent = 1
     for s, st in zip(t.shape, t.stride()):
-        if s == 0:
-            return (0, 0)
         extent += (s - 1) * st
-    start = t.data_ptr()
     return start, start + extent * t.element_size()
 
 
@@ -92,6 +95,38 @@ def no_alias(out_name: str, out: torch.Tensor, **inputs) -> None:
         i0, i1 = _span(t)
         if i0 < o1 and o0 < i1 and t.device == dev:
             raise ValueError(f"{out_name} overlaps the memory of input {name}; outputs must not alias inputs")
+
+
+def disjoint(outputs: dict, inputs: dict) -> None:
+    """Raise unless every output's bytes are disjoint from every other output's and every input's (inputs may
+    overlap each other: reading twice is fine). ``None`` entries are skipped. One span per tensor and one
+    sweep in address order, so checking a whole step's tensors costs about one :func:`no_alias` per tensor.
+
+    The message names the output and the other tensor, as :func:`no_alias` does."""
+    if _is_compiling():
+        return
+    spans = []
+    for group, is_out in ((outputs, True), (inputs, False)):
+        for name, t in group.items():
+            if t is None:
+                continue
+            if (type(t) is not _Tensor or t.is_meta or _functorch_wrapped(t)
+                    or (_functional is not None and _functional(t))) and is_traced(t):
+                return
+            lo, hi = _span(t)
+            if lo != hi:
+                spans.append((lo, hi, is_out, name, t))
+    spans.sort(key=lambda x: x[0])
+    open_ = []  # spans that may still overlap the next one (end beyond its start)
+    for lo, hi, is_out, name, t in spans:
+        open_ = [o for o in open_ if o[1] > lo]
+        for o in open_:
+            if (is_out or o[2]) and o[4].device == t.device:
+                out_name, other = (name, o[3]) if is_out else (o[3], name)
+                kind = "output" if (is_out and o[2]) else "input"
+                raise ValueError(f"{out_name} overlaps the memory of {kind} {other}; outputs must not alias inputs "
+                                 "or other outputs")
+        open_.append((lo, hi, is_out, name, t))
 
 
 def is_traced(t: torch.Tensor) -> bool:

@@ -156,7 +156,7 @@ def call(op: str, backend: str | None, device: torch.device, *args, **kwargs):
                 raise BackendUnavailable(f"backend {r.name!r} has no implementation of {op}: {r.error}") from r.error
             last = r.error
             continue
-        kw = {k: v for k, v in kwargs.items() if k not in r.drop} if r.drop and kwargs else kwargs
+        kw = {k: v for k, v in kwargs.items() if k not in r.drop} if not r.drop.isdisjoint(kwargs) else kwargs
         try:
             return r.fn(*args, **kw)
         except NotImplementedError as e:

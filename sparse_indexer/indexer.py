@@ -13,6 +13,7 @@ import torch
 from buffers import Buffers, BufferTooSmall
 
 from . import _checks as C
+from .fp8 import SCALE_FMTS
 from .kcache import cache_layout
 from .metadata import IndexerMetadata
 from .ops.fp8_mqa_logits import fp8_mqa_logits
@@ -96,10 +97,14 @@ def check_step(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tenso
     if buffers.device != dev:
         raise ValueError(f"buffers live on {buffers.device} but q_fp8 is on {dev}")
     C.tensor("weights", weights, dtypes=torch.float32, device=dev, shape=(t, h), last_contiguous=True)
+    if metadata.device != dev:
+        raise ValueError(f"the metadata tensors are on {metadata.device} but q_fp8 is on {dev}")
     if k is not None:
-        C.tensor("k", k, ndim=2, device=dev, shape=(None, d))
-        if k.shape[0] < metadata.num_tokens:
-            raise ValueError(f"k has {k.shape[0]} rows but the metadata describes {metadata.num_tokens} tokens")
+        C.tensor("k", k, ndim=2, dtypes=(torch.bfloat16, torch.float16, torch.float32), device=dev, shape=(None, d),
+                 last_contiguous=True)
+        if k.shape[0] < max(metadata.num_tokens, metadata.slot_mapping.shape[0]):
+            raise ValueError(f"k has {k.shape[0]} rows but the metadata describes {metadata.num_tokens} tokens "
+                             f"and {metadata.slot_mapping.shape[0]} slots")
     C.tensor("topk_out", topk_out, ndim=2, dtypes=torch.int32, device=dev, contiguous=True)
     if topk_out.shape[0] < t:
         raise ValueError(f"topk_out has {topk_out.shape[0]} rows, fewer than the {t} rows of q_fp8")
@@ -113,9 +118,10 @@ def check_step(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tenso
     if buffers.head_dim != d:
         raise ValueError(f"buffers.k_fp8 has D={buffers.head_dim} but q_fp8 has D={d}")
     _check_pack_fields(buffers, q_fp8)
-    C.no_alias("topk_out", topk_out, q_fp8=q_fp8, weights=weights, k=k, kv_cache=kv_cache, **buffers.tensors())
-    for name, x in buffers.tensors().items():
-        C.no_alias(f"buffers.{name}", x, q_fp8=q_fp8, weights=weights, k=k, kv_cache=kv_cache)
+    # what the step writes (topk_out, the cache, every buffer field) against everything it reads, one sweep
+    outputs = {f"buffers.{name}": x for name, x in buffers.tensors().items()}
+    outputs["topk_out"], outputs["kv_cache"] = topk_out, kv_cache
+    C.disjoint(outputs, {"q_fp8": q_fp8, "weights": weights, "k": k, **metadata.tensors()})
     _check_cache_ids(metadata, lay, kv_cache)
     if prefill:
         for c in metadata.prefill_chunks:
@@ -153,13 +159,13 @@ def indexer_prefill(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.
         k_fp8, k_scale = buffers.k_view(c.num_k_tokens)
         if c.gather:
             gather_k_cache(kv_cache, c.block_table, c.cu_seq_lens, out_k=k_fp8, out_scale=k_scale,
-                           backend=backend, check_values=False)
+                           backend=backend, check_values=False, _checked=True)
         rows = slice(c.token_start, c.token_end)
         logits = buffers.logits_view(c.num_tokens, c.num_k_tokens)
         fp8_mqa_logits(q_fp8[rows], k_fp8, k_scale, weights[rows], c.cu_seqlen_ks, c.cu_seqlen_ke, out=logits,
-                       clean=False, backend=backend, check_values=False)
+                       clean=False, backend=backend, check_values=False, _checked=True)
         top_k_per_row(logits, c.cu_seqlen_ks, c.cu_seqlen_ke, out=topk_out[rows], backend=backend,
-                      check_values=False)
+                      check_values=False, _checked=True)
     return topk_out
 
 
@@ -204,10 +210,10 @@ def indexer_decode(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.T
         logits = buffers.logits_view(r1 - r0, dm.width)
         qk = buffers.qk_view(r1 - r0, dm.width) if buffers.qk is not None else None
         fp8_paged_mqa_logits(q[b0:b1], kv_cache, w[r0:r1], dm.context_lens[b0:b1], dm.block_table[b0:b1],
-                             out=logits, clean=False, backend=backend, check_values=False, qk=qk)
+                             out=logits, clean=False, backend=backend, check_values=False, qk=qk, _checked=True)
         ws = buffers.topk_scratch_view(r1 - r0) if buffers.topk_scratch is not None else None
         top_k_per_row(logits, dm.row_starts[r0:r1], dm.row_ends[r0:r1], out=sel[r0:r1], backend=backend,
-                      check_values=False, workspace=ws)
+                      check_values=False, workspace=ws, _checked=True)
     if not dm.uniform:
         torch.index_select(sel, 0, dm.unpack_src, out=topk_out[:nd])
     return topk_out
@@ -236,9 +242,13 @@ def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor | None, weights: to
         BufferTooSmall, ValueError, TypeError: before anything is written.
     """
     check_step(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k)
+    if k is not None and scale_fmt not in SCALE_FMTS:
+        raise ValueError(f"scale_fmt must be one of {SCALE_FMTS}, got {scale_fmt!r}")
+    # Every op below runs with _checked=True: check_step proved its arguments (the layer's tensors, the buffer
+    # views) and the metadata's records checked theirs when they were built, once per step (host time, #11).
     if k is not None:
         write_k_cache(k, kv_cache, metadata.slot_mapping, scale_fmt=scale_fmt, fp8_dtype=q_fp8.dtype,
-                      backend=backend, check_values=False)
+                      backend=backend, check_values=False, _checked=True)
     # docs/spec.md §7 step 2 (fill topk_out[:T] with -1): rows [0, num_tokens) are all written below, by the top-k of
     # their prefill chunk or decode slot (windows <= topk come out as 0..len-1, -1...), so only the padding
     # tokens [num_tokens, T) of a padded batch (CUDA graphs) are filled here. Filling every row would cost a

@@ -172,7 +172,8 @@ def _device_modes_only() -> bool:
 
 
 def runs_directly(device: torch.device, tensors) -> bool:
-    """Whether a call on ``tensors`` (``None`` entries allowed) may run the backend implementation directly.
+    """Whether a call on ``tensors`` (the op's arguments; non-tensors are skipped) may run the backend
+    implementation directly.
 
     True only in plain eager mode, where the custom op would do nothing but dispatch: not while Dynamo traces,
     no dispatch mode (user or infra: fake, proxy, functional), no torch-function mode other than
@@ -187,9 +188,10 @@ def runs_directly(device: torch.device, tensors) -> bool:
         return False
     grad = _grad_on()
     for t in tensors:
-        if t is None:
-            continue
-        if type(t) is not Tensor or (grad and t.requires_grad):
+        if type(t) is Tensor:
+            if grad and t.requires_grad:
+                return False
+        elif isinstance(t, Tensor):  # a subclass: FakeTensor, FunctionalTensor, DTensor, Parameter, ...
             return False
     return True
 

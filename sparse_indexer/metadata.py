@@ -116,6 +116,18 @@ class PrefillChunk:
     def num_tokens(self) -> int:
         return self.token_end - self.token_start
 
+    def __attrs_post_init__(self):
+        # checked once per step here, so the step's per-layer ops need not (docs/spec.md §7)
+        m = self.token_end - self.token_start
+        C.tensor("prefill chunk block_table", self.block_table, ndim=2, dtypes=C.INDEX_DTYPES, last_contiguous=True)
+        dev = self.block_table.device
+        C.tensor("prefill chunk cu_seq_lens", self.cu_seq_lens, dtypes=C.INDEX_DTYPES, device=dev,
+                 shape=(self.block_table.shape[0] + 1,), contiguous=True)
+        C.tensor("prefill chunk cu_seqlen_ks", self.cu_seqlen_ks, dtypes=C.INDEX_DTYPES, device=dev, shape=(m,),
+                 contiguous=True)
+        C.tensor("prefill chunk cu_seqlen_ke", self.cu_seqlen_ke, dtypes=C.INDEX_DTYPES, device=dev, shape=(m,),
+                 contiguous=True)
+
 
 @attrs.frozen(eq=False, kw_only=True)
 class DecodeMetadata:
@@ -149,6 +161,21 @@ class DecodeMetadata:
     def num_rows(self) -> int:
         return self.num_reqs * self.next_n
 
+    def __attrs_post_init__(self):
+        # checked once per step here, so the step's per-layer ops need not (docs/spec.md §7)
+        b, rows = self.num_reqs, self.num_reqs * self.next_n
+        C.tensor("decode block_table", self.block_table, ndim=2, dtypes=C.INDEX_DTYPES, shape=(b, None),
+                 last_contiguous=True)
+        dev = self.block_table.device
+        C.tensor("decode context_lens", self.context_lens, dtypes=C.INDEX_DTYPES, device=dev,
+                 shape=(b,) if self.context_lens.dim() == 1 else (b, self.next_n), contiguous=True)
+        C.tensor("decode row_starts", self.row_starts, dtypes=C.INDEX_DTYPES, device=dev, shape=(rows,),
+                 contiguous=True)
+        C.tensor("decode row_ends", self.row_ends, dtypes=C.INDEX_DTYPES, device=dev, shape=(rows,), contiguous=True)
+        for name in ("pack_src", "unpack_src"):
+            if getattr(self, name) is not None:
+                C.tensor(f"decode {name}", getattr(self, name), ndim=1, dtypes=torch.int64, device=dev)
+
 
 @attrs.frozen(eq=False, kw_only=True)
 class IndexerMetadata:
@@ -171,6 +198,38 @@ class IndexerMetadata:
     @property
     def num_tokens(self) -> int:
         return self.num_decode_tokens + self.num_prefill_tokens
+
+    @property
+    def device(self) -> torch.device:
+        """The device of every tensor of the record (checked when it is built)."""
+        return self.slot_mapping.device
+
+    def __attrs_post_init__(self):
+        # checked once per step here, so the step's per-layer ops need not (docs/spec.md §7)
+        C.tensor("slot_mapping", self.slot_mapping, ndim=1, dtypes=(torch.int64, torch.int32), contiguous=True)
+        dev = self.slot_mapping.device
+        parts = ([("decode", self.decode.block_table)] if self.decode is not None else []) + [
+            ("prefill chunk", c.block_table) for c in self.prefill_chunks]
+        for name, t in parts:
+            if t.device != dev:
+                raise ValueError(f"the {name} tensors are on {t.device} but slot_mapping is on {dev}: metadata "
+                                 "tensors must share one device")
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the record by name (what the step reads besides the layer's tensors)."""
+        out = {"slot_mapping": self.slot_mapping}
+        dm = self.decode
+        if dm is not None:
+            out.update({"decode.block_table": dm.block_table, "decode.context_lens": dm.context_lens,
+                        "decode.row_starts": dm.row_starts, "decode.row_ends": dm.row_ends})
+            if dm.pack_src is not None:
+                out["decode.pack_src"], out["decode.unpack_src"] = dm.pack_src, dm.unpack_src
+        for i, c in enumerate(self.prefill_chunks):
+            out.update({f"prefill_chunks[{i}].block_table": c.block_table,
+                        f"prefill_chunks[{i}].cu_seq_lens": c.cu_seq_lens,
+                        f"prefill_chunks[{i}].cu_seqlen_ks": c.cu_seqlen_ks,
+                        f"prefill_chunks[{i}].cu_seqlen_ke": c.cu_seqlen_ke})
+        return out
 
 
 def _i32(xs, device) -> torch.Tensor:

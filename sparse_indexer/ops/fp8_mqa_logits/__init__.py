@@ -13,7 +13,7 @@ __all__ = ["fp8_mqa_logits"]
 def fp8_mqa_logits(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, weights: torch.Tensor,
                    cu_seqlen_ks: torch.Tensor, cu_seqlen_ke: torch.Tensor, *, out: torch.Tensor | None = None,
                    clean: bool = True, backend: str | None = None,
-                   check_values: bool | None = None) -> torch.Tensor:
+                   check_values: bool | None = None, _checked: bool = False) -> torch.Tensor:
     """``out[m, n] = k_scale[n] * sum_h weights[m, h] * relu(q[m, h] . k[n])`` for ``ks[m] <= n < ke[m]``.
 
     Args:
@@ -28,7 +28,14 @@ def fp8_mqa_logits(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, 
 
     Returns:
         ``out``.
+
+    ``_checked=True`` is for :func:`sparse_indexer.sparse_attn_indexer` alone (see
+    :func:`sparse_indexer.top_k_per_row`).
     """
+    if _checked:
+        library.call("fp8_mqa_logits", backend, q.device, q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke,
+                     out=out, clean=bool(clean))
+        return out
     C.fp8("q", q, ndim=3, last_contiguous=True)
     m, h, d = q.shape
     dev = q.device

@@ -24,7 +24,8 @@ def row_limits(context_lens: torch.Tensor, next_n: int) -> torch.Tensor:
 def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
                          context_lens: torch.Tensor, block_table: torch.Tensor, *,
                          out: torch.Tensor | None = None, clean: bool = True, backend: str | None = None,
-                         check_values: bool | None = None, qk: torch.Tensor | None = None) -> torch.Tensor:
+                         check_values: bool | None = None, qk: torch.Tensor | None = None,
+                         _checked: bool = False) -> torch.Tensor:
     """Score ``next_n`` query tokens of each of ``B`` requests against its cached keys.
 
     Row ``r = b * next_n + j`` holds key positions ``p < limit[r]`` (request-local, read through
@@ -46,7 +47,17 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
 
     Returns:
         ``out``.
+
+    ``_checked=True`` is for :func:`sparse_indexer.sparse_attn_indexer` alone (see :func:`top_k_per_row`).
     """
+    if _checked:
+        if qk is None:
+            library.call("fp8_paged_mqa_logits", backend, q.device, q, as_3d(kv_cache), weights, context_lens,
+                         block_table, out=out, clean=bool(clean))
+        else:
+            library.call("fp8_paged_mqa_logits", backend, q.device, q, as_3d(kv_cache), weights, context_lens,
+                         block_table, out=out, clean=bool(clean), qk=qk)
+        return out
     C.fp8("q", q, ndim=4, last_contiguous=True)
     b, next_n, h, d = q.shape
     dev = q.device

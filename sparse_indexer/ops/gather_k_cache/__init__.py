@@ -13,7 +13,7 @@ __all__ = ["gather_k_cache"]
 
 def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torch.Tensor, *,
                    out_k: torch.Tensor, out_scale: torch.Tensor, backend: str | None = None,
-                   check_values: bool | None = None) -> None:
+                   check_values: bool | None = None, _checked: bool = False) -> None:
     """Gather the keys of ``R`` requests, concatenated, into ``out_k[:cu_seq_lens[R]]`` / ``out_scale``.
 
     Args:
@@ -23,7 +23,12 @@ def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_len
             ``[cu_seq_lens[r], cu_seq_lens[r + 1])``.
         out_k: ``[N, D]`` fp8 (the cache's format), ``N >= cu_seq_lens[R]``; rows beyond are not touched.
         out_scale: ``[N]`` float32.
+        _checked: for :func:`sparse_indexer.sparse_attn_indexer` alone (see :func:`sparse_indexer.top_k_per_row`).
     """
+    if _checked:
+        library.call("gather_k_cache", backend, kv_cache.device, as_3d(kv_cache), block_table, cu_seq_lens,
+                     out_k=out_k, out_scale=out_scale)
+        return
     kv3 = as_3d(kv_cache)
     lay = cache_layout(kv3)
     dev = kv_cache.device

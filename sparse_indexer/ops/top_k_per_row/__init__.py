@@ -19,7 +19,7 @@ MIN_WORKSPACE_COLS = TOPK_SCRATCH_COUNTERS + 2
 
 def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Tensor, *, out: torch.Tensor,
                   backend: str | None = None, check_values: bool | None = None,
-                  workspace: torch.Tensor | None = None) -> torch.Tensor:
+                  workspace: torch.Tensor | None = None, _checked: bool = False) -> torch.Tensor:
     """Select, per row, the positions of the ``topk = out.shape[1]`` largest logits of its window.
 
     Row ``r``'s window is ``[row_starts[r], row_ends[r])`` (``len`` clamped at 0). When ``len <= topk`` the row
@@ -42,7 +42,17 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
 
     Returns:
         ``out``.
+
+    ``_checked=True`` is for :func:`sparse_indexer.sparse_attn_indexer` alone, which proved every argument in
+    :func:`~sparse_indexer.indexer.check_step` and its metadata in :func:`~sparse_indexer.build_metadata`.
     """
+    if _checked:
+        if workspace is None:
+            library.call("top_k_per_row", backend, logits.device, logits, row_starts, row_ends, out=out)
+        else:
+            library.call("top_k_per_row", backend, logits.device, logits, row_starts, row_ends, out=out,
+                         workspace=workspace)
+        return out
     C.tensor("logits", logits, ndim=2, dtypes=torch.float32, last_contiguous=True)
     r, w = logits.shape
     dev = logits.device

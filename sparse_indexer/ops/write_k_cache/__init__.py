@@ -14,7 +14,7 @@ __all__ = ["write_k_cache"]
 
 def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
                   scale_fmt: str | None = "ue8m0", fp8_dtype: torch.dtype = torch.float8_e4m3fn,
-                  backend: str | None = None, check_values: bool | None = None) -> None:
+                  backend: str | None = None, check_values: bool | None = None, _checked: bool = False) -> None:
     """Quantize ``k`` per token and write token ``i`` to cache slot ``slot_mapping[i]``.
 
     Args:
@@ -27,7 +27,12 @@ def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.T
         fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e4m3fnuz``.
         backend: ``None``/``"auto"``, ``"reference"``, ``"triton"`` or ``"aiter"``.
         check_values: check slot values against the cache (a device sync on GPU); default: on CPU only.
+        _checked: for :func:`sparse_indexer.sparse_attn_indexer` alone (see :func:`sparse_indexer.top_k_per_row`).
     """
+    if _checked:
+        library.call("write_k_cache", backend, k.device, k, as_3d(kv_cache), slot_mapping, scale_fmt=scale_fmt,
+                     fp8_dtype=fp8_dtype)
+        return
     C.tensor("k", k, ndim=2, dtypes=(torch.bfloat16, torch.float16, torch.float32), last_contiguous=True)
     dev = k.device
     kv3 = as_3d(kv_cache)
