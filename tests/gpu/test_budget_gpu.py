@@ -50,12 +50,23 @@ def _inputs(lim, seq, qry, nb, g):
     return q, w, md, table
 
 
+BACKEND = {"backend": "triton"}
+
+
 def _decode(q, w, kv, md, bufs, out):
-    si.indexer_decode(q, w, kv, md, bufs, out, backend="triton")
+    si.indexer_decode(q, w, kv, md, bufs, out, **BACKEND)
+
+
+@pytest.fixture(params=["triton", None], ids=["triton", "auto"])
+def backend(request):
+    """The portable Triton path and the default (auto: the CUDA top-k where it loads)."""
+    BACKEND["backend"] = request.param
+    yield request.param
+    BACKEND["backend"] = "triton"
 
 
 @pytest.mark.parametrize("qry", [[2] * 16, [2, 1, 2, 2, 1, 2, 2, 2, 0, 2, 2, 1, 2, 2, 2, 2]], ids=["uniform", "packed"])
-def test_budgeted_decode_graph_replay_equals_one_batch(qry):
+def test_budgeted_decode_graph_replay_equals_one_batch(qry, backend):
     g = torch.Generator().manual_seed(1)
     free = _lim()
     lim = _lim(max_decode_logits_bytes=3 * 2 * 8192 * 4)  # sub-batches of 3 requests: 6 of them for 16
@@ -82,7 +93,7 @@ def test_budgeted_decode_graph_replay_equals_one_batch(qry):
         _decode(q, w, kv, md, bufs, out)
 
     keys = ("allocation.all.allocated", "segment.all.allocated")
-    for trial in range(3):
+    for _ in range(3):
         seq2 = [int(x) for x in torch.randint(3, 8193, (16,), generator=g)]
         q2, w2, md2, table2 = _inputs(lim, seq2, qry, nb, g)
         q.copy_(q2), w.copy_(w2)
@@ -106,10 +117,10 @@ def test_budgeted_decode_graph_replay_equals_one_batch(qry):
             logits = logits[fmd.decode.unpack_src]
         same_selection(out.cpu(), want.cpu(), logits.cpu())
         same_selection(got_eager.cpu(), want.cpu(), logits.cpu())
-        assert torch.equal(out, got_eager), f"trial {trial}: graph replay differs from eager"
+        same_selection(out.cpu(), got_eager.cpu())  # positions come in any order
 
 
-def test_budget_of_256_mib_at_1m_context_on_gpu():
+def test_budget_of_256_mib_at_1m_context_on_gpu(backend):
     """max_model_len 1M, 256 sequences, next_n 2, a 256 MiB budget: 64 decode requests (two sub-batches of 32)
     with contexts up to 1M give the top-k of one unbudgeted batch (planned for 64 requests), eager and in a
     CUDA graph."""
@@ -127,22 +138,22 @@ def test_budget_of_256_mib_at_1m_context_on_gpu():
     bufs, fbufs = allocate(lim, DEV), allocate(free, DEV)
     got = torch.zeros(b * nn, 2048, dtype=torch.int32, device=DEV)
     want = torch.zeros_like(got)
-    si.sparse_attn_indexer(q, None, w, kv, md, bufs, got, backend="triton")
-    si.sparse_attn_indexer(q, None, w, kv, fmd, fbufs, want, backend="triton")
+    si.sparse_attn_indexer(q, None, w, kv, md, bufs, got, backend=backend)
+    si.sparse_attn_indexer(q, None, w, kv, fmd, fbufs, want, backend=backend)
     torch.cuda.synchronize()
     logits = fbufs.logits_view(b * nn, L).cpu()
     same_selection(got.cpu(), want.cpu(), logits)
     graph = torch.cuda.CUDAGraph()
     replayed = torch.zeros_like(got)
     with torch.cuda.graph(graph):
-        si.indexer_decode(q, w, kv, md, bufs, replayed, backend="triton")
+        si.indexer_decode(q, w, kv, md, bufs, replayed, backend=backend)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(replayed, got)
+    same_selection(replayed.cpu(), got.cpu())
 
 
-def test_profile_step_with_budget_allocates_nothing_and_reaches_the_plan():
+def test_profile_step_with_budget_allocates_nothing_and_reaches_the_plan(backend):
     lim = _lim(max_decode_logits_bytes=5 * 2 * 8192 * 4)
-    r = profile_step(lim, DEV, backend="triton")
+    r = profile_step(lim, DEV, backend=backend)
     assert r.arena_bytes == r.plan_bytes and r.step_peak_bytes == 0 and r.fits_plan
     assert r.reaches_plan, (r.peaks, r.capacity)
