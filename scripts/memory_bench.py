@@ -106,6 +106,23 @@ def mismatched_rows(a: torch.Tensor, b: torch.Tensor, logits: torch.Tensor) -> t
 
 
 # ------------------------------------------------------------------------------------------------ decode
+def graphed(fn, timer: Timer):
+    """``fn`` captured in a CUDA graph (after a warm-up on a side stream): its replay. On the CPU, ``fn``."""
+    fn()
+    if not timer.gpu:
+        return fn
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def bench_decode(args, dev, timer, backends, floor) -> list[dict]:
     B, L = (256, 65536) if not args.smoke else (8, 512)
     h, d = (64, 128) if not args.smoke else (4, 64)
@@ -132,25 +149,32 @@ def bench_decode(args, dev, timer, backends, floor) -> list[dict]:
             def step(q=q, w=w, kv=kv, md=md, bufs=bufs, out=out, backend=backend):
                 si.indexer_decode(q, w, kv, md, bufs, out, backend=backend)
 
+            per = decode_batch(md)
+            dm = md.decode
+            subs = [(b0, min(B, b0 + per)) for b0 in range(0, B, per)]
+
+            def logits_only(q=q, w=w, kv=kv, dm=dm, bufs=bufs, subs=subs, backend=backend, nn=nn):
+                qv = q.view(B, nn, h, d)
+                for b0, b1 in subs:
+                    si.fp8_paged_mqa_logits(qv[b0:b1], kv, w[b0 * nn : b1 * nn], dm.context_lens[b0:b1],
+                                            dm.block_table[b0:b1], out=bufs.logits_view((b1 - b0) * nn, L),
+                                            clean=False, backend=backend, check_values=False)
+
+            def topk_only(dm=dm, bufs=bufs, out=out, subs=subs, backend=backend, nn=nn):
+                for b0, b1 in subs:
+                    r0, r1 = b0 * nn, b1 * nn
+                    si.top_k_per_row(bufs.logits_view(r1 - r0, L), dm.row_starts[r0:r1], dm.row_ends[r0:r1],
+                                     out=out[r0:r1], backend=backend, check_values=False,
+                                     workspace=bufs.topk_scratch_view(r1 - r0))
+
+            t = timer.median_ms(graphed(step, timer), args.iters, 3)
+            t_logits = timer.median_ms(graphed(logits_only, timer), args.iters, 3)
+            t_topk = timer.median_ms(graphed(topk_only, timer), args.iters, 3)
             step()
-            fn = step
-            if timer.gpu:
-                torch.cuda.synchronize()
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    step()
-                torch.cuda.current_stream().wait_stream(s)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    step()
-                fn = graph.replay
-            t = timer.median_ms(fn, args.iters, 3)
-            fn()
             if timer.gpu:
                 torch.cuda.synchronize()
             rows_sb = min(B, decode_batch(md)) * nn
-            res[name] = dict(ms=t, sub_batches=math.ceil(B / decode_batch(md)), out=out.clone(),
+            res[name] = dict(ms=t, logits_ms=t_logits, topk_ms=t_topk, sub_batches=len(subs), out=out.clone(),
                              decode_mib=rows_sb * L * 4 / MiB, plan_mib=plan(lim).total_bytes / MiB,
                              logits=bufs.logits_view(rows_sb, L).clone() if name == "none" else None)
             del bufs
@@ -158,7 +182,9 @@ def bench_decode(args, dev, timer, backends, floor) -> list[dict]:
                                       res["none"]["logits"].cpu())
         floor_ms = kv_bytes / (floor * 1e12) * 1e3
         row = dict(backend=backend or "auto", B=B, L=L, next_n=nn, none_ms=res["none"]["ms"],
-                   quarter_ms=res["quarter"]["ms"],
+                   quarter_ms=res["quarter"]["ms"], none_logits_ms=res["none"]["logits_ms"],
+                   quarter_logits_ms=res["quarter"]["logits_ms"], none_topk_ms=res["none"]["topk_ms"],
+                   quarter_topk_ms=res["quarter"]["topk_ms"],
                    ratio=res["quarter"]["ms"] / res["none"]["ms"], sub_batches=res["quarter"]["sub_batches"],
                    decode_logits_mib_none=res["none"]["decode_mib"],
                    decode_logits_mib_quarter=res["quarter"]["decode_mib"],
@@ -168,7 +194,8 @@ def bench_decode(args, dev, timer, backends, floor) -> list[dict]:
             f"({row['sub_batches']} sub-batches) {row['quarter_ms']:.3f} ms = {row['ratio']:.3f}x; "
             f"read floor {floor_ms:.3f} ms; decode logits {row['decode_logits_mib_none']:.0f} -> "
             f"{row['decode_logits_mib_quarter']:.0f} MiB; "
-            f"top-k rows differing {diff} (scores {worse})")
+            f"top-k rows differing {diff} (scores {worse}); parts: logits {row['none_logits_ms']:.3f} -> "
+            f"{row['quarter_logits_ms']:.3f} ms, top-k {row['none_topk_ms']:.3f} -> {row['quarter_topk_ms']:.3f} ms")
         rows.append(row)
         del q, w
     del kv, table
