@@ -637,6 +637,9 @@ def measure_floors(ctx: Ctx, timer: Timer, iters: int) -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``python -m sparse_indexer bench``."""
+    from . import bench_host
+
+    bench_host.add_arguments(parser)  # --host: host time per eager call (sparse_indexer/bench_host.py)
     parser.add_argument("--cases", default=None,
                         help=f"comma-separated groups ({','.join(GROUPS)}) or case keys "
                              "(e.g. decode-64x1x64K); default: all")
@@ -732,6 +735,10 @@ def _load_anchors(folder: str):
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args`` (see :func:`add_arguments`). Returns 0 when every check
     passed and every available backend ran, 1 otherwise, 2 on a usage error."""
+    if getattr(args, "host", False):
+        from . import bench_host
+
+        return bench_host.run(args)
     opt = lambda name, default: getattr(args, name, default)
     smoke, iters, warmup = bool(opt("smoke", False)), int(opt("iters", 30)), int(opt("warmup", 5))
     ref_iters = min(iters, int(opt("ref_iters", 3)))

@@ -83,3 +83,18 @@ def test_public_function_costs_at_most_3x_its_implementation(case, capsys):
         print(f"\n[host overhead, CPU] {name}: public {t['public']:.1f} us, implementation {t['impl']:.1f} us, "
               f"added {t['public'] - t['impl']:.1f} us ({t['public'] / t['impl']:.2f}x)")
     assert t["public"] <= MAX_RATIO * t["impl"], t
+
+
+def test_bench_host_runs_and_self_checks_on_the_cpu():
+    """``python -m sparse_indexer bench --host`` on the CPU (reference backend, tiny shapes): every case timed,
+    the self-check (repeated calls, unaligned outputs, reference) passes, the table names every row."""
+    from sparse_indexer import bench_host
+
+    r = bench_host.measure(torch.device("cpu"), None, iters=5, warmup=1)
+    assert r["checks"] and all(v == "ok" for v in r["checks"].values()), r["checks"]
+    names = [row["case"] for row in r["rows"]]
+    assert names[:5] == ["top_k_per_row", "fp8_paged_mqa_logits", "fp8_mqa_logits", "write_k_cache",
+                         "gather_k_cache"] and len(names) == 7
+    assert all(row["public_us"] > 0 for row in r["rows"])
+    md = bench_host.format_markdown(r)
+    assert all(n in md for n in names) and "floor: empty op" in md and "torch.topk" in md

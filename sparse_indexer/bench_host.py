@@ -1,0 +1,347 @@
+"""``python -m sparse_indexer bench --host``: host time per eager call of every op and of the indexer steps.
+
+Engines run the indexer eagerly once per layer (61 layers in DeepSeek-V3.2), so the Python time of one call is
+paid once per layer and step. This measures it as a user sees it: the median wall time of one call on the
+host (``time.perf_counter_ns`` around the call, after warm-up; on a GPU the device is synchronised *before*
+each timed call, so the launch queue is empty and the time is the host's alone), for
+
+* every public op (argument checks included; the default ``check_values``), beside its backend implementation
+  called directly (the added cost of the public function is the difference) and the custom op
+  ``torch.ops.sparse_indexer.<op>`` (the route ``torch.compile`` records);
+* the decode step (``sparse_attn_indexer`` with K: cache write, paged logits, top-k) and a prefill step of one
+  chunk (cache write, gather, ragged logits, top-k), with the step's metadata built once (as every layer of a
+  step shares it);
+* in the same run, ``torch.topk`` of the top-k case and an empty op (``x.add_(0)`` on one element) as floors.
+
+Shapes: on CUDA DeepSeek-V3.2's (H=64, D=128, block 64, topk 2048): top-k and paged logits ``4 x 4096``, decode
+step ``B=4, L=4K``, prefill step one request of 256 new tokens at context 4K (logits ``256 x 4096``), cache
+write of 4 tokens, gather of 4096 tokens. On the CPU (reference backend) tiny shapes (H=16, D=64, block 16,
+topk 8; ``4 x 64``), where the work is negligible and the host overhead is what is left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from buffers import IndexerLimits, allocate
+
+from . import _dispatch, library
+from .fp8 import quantize_k, quantize_q
+from .indexer import sparse_attn_indexer
+from .kcache import as_3d, new_kv_cache, slots_from_block_table
+from .metadata import build_metadata
+from .ops.fp8_mqa_logits import fp8_mqa_logits
+from .ops.fp8_paged_mqa_logits import fp8_paged_mqa_logits
+from .ops.gather_k_cache import gather_k_cache
+from .ops.top_k_per_row import top_k_per_row
+from .ops.write_k_cache import write_k_cache
+
+__all__ = ["add_arguments", "cpu_model", "measure", "run"]
+
+SHAPES = {
+    # heads, head dim, block, topk, decode B, context L (decode and prefill), prefill new tokens, gather tokens
+    "cuda": dict(h=64, d=128, bs=64, topk=2048, b=4, ctx=4096, new=256, gather=4096),
+    "cpu": dict(h=16, d=64, bs=16, topk=8, b=4, ctx=64, new=16, gather=64),
+}
+
+
+def cpu_model() -> str:
+    """The host CPU's model name (``/proc/cpuinfo``), and its core count."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} logical CPUs"
+
+
+def _median_us(fn: Callable[[], object], iters: int, warmup: int, sync: Callable[[], None]) -> float:
+    for _ in range(warmup):
+        fn()
+    sync()
+    ts = []
+    clock = time.perf_counter_ns
+    for _ in range(iters):
+        sync()
+        t0 = clock()
+        fn()
+        ts.append(clock() - t0)
+    sync()
+    return statistics.median(ts) / 1e3
+
+
+class _Inputs:
+    """Every case's tensors on ``device``: a paged cache with a history, the step's metadata and buffers."""
+
+    def __init__(self, device: torch.device, shapes: dict, seed: int = 0):
+        torch.manual_seed(seed)
+        s = self.s = shapes
+        h, d, bs, topk, b, ctx, new = s["h"], s["d"], s["bs"], s["topk"], s["b"], s["ctx"], s["new"]
+        self.device = device
+        fp8 = torch.float8_e4m3fn
+        i32 = dict(dtype=torch.int32, device=device)
+        blocks = (ctx + bs - 1) // bs
+        reqs = b + 1  # the decode requests, then one prefill request
+        nb = reqs * blocks + 1
+        self.kv = new_kv_cache(nb, bs, d, device=device)
+        self.block_table = torch.arange(reqs * blocks, **i32).view(reqs, blocks)
+        hist = torch.arange(ctx, device=device)[None, :].expand(reqs, ctx)
+        slots = slots_from_block_table(self.block_table, hist, bs).reshape(-1)
+        write_k_cache(torch.randn(slots.numel(), d, device=device), self.kv, slots, backend="reference")
+
+        # ops
+        self.logits = torch.randn(b, ctx, device=device)
+        self.row_starts = torch.zeros(b, **i32)
+        self.row_ends = torch.full((b,), ctx, **i32)
+        self.topk_out = torch.empty(b, topk, **i32)
+        q, qs = quantize_q(torch.randn(b, h, d, device=device), fp8_dtype=fp8)
+        self.q4 = q.view(b, 1, h, d)
+        self.w = (torch.randn(b, h, device=device) * qs).contiguous()
+        self.ctx_lens = torch.full((b,), ctx, **i32)
+        self.bt_dec = self.block_table[:b]
+        self.paged_out = torch.empty(b, ctx, device=device)
+        self.k_new = torch.randn(b, d, device=device, dtype=torch.bfloat16)
+        self.slots_new = torch.arange(b, device=device) * (blocks * bs) + ctx - 1  # each request's last slot
+        self.gather_bt = self.block_table[b:]
+        self.gather_cu = torch.tensor([0, s["gather"]], **i32)
+        self.out_k = torch.empty(s["gather"], d, dtype=fp8, device=device)
+        self.out_scale = torch.empty(s["gather"], device=device)
+        qm, qms = quantize_q(torch.randn(new, h, d, device=device), fp8_dtype=fp8)
+        self.qm = qm
+        self.wm = (torch.randn(new, h, device=device) * qms).contiguous()
+        kf, ksc = quantize_k(torch.randn(ctx, d, device=device), fp8_dtype=fp8)
+        self.kf, self.ksc = kf, ksc
+        self.ks = torch.zeros(new, **i32)
+        self.ke = torch.arange(ctx - new + 1, ctx + 1, **i32)
+        self.mqa_out = torch.empty(new, ctx, device=device)
+
+        # steps: decode (B requests, one new token each) and prefill (one request, `new` tokens), separately
+        self.lim = IndexerLimits(max_model_len=ctx, max_num_batched_tokens=max(b, new), max_num_seqs=reqs,
+                                 n_heads=h, head_dim=d, topk=topk, block_size=bs, prefill_k_tokens=ctx)
+        self.bufs = allocate(self.lim, device)
+        self.md_dec = build_metadata([ctx] * b, [1] * b, self.block_table[:b], self.slots_new, self.lim,
+                                     num_blocks=nb)
+        self.q_dec, self.w_dec = self.q4.view(b, h, d), self.w
+        self.topk_dec = torch.empty(b, topk, **i32)
+        pre_slots = slots_from_block_table(self.block_table[b:], torch.arange(ctx - new, ctx, device=device)[None],
+                                           bs).reshape(-1)
+        self.md_pre = build_metadata([ctx], [new], self.block_table[b:], pre_slots, self.lim, num_blocks=nb)
+        assert len(self.md_pre.prefill_chunks) == 1
+        self.k_pre = torch.randn(new, d, device=device, dtype=torch.bfloat16)
+        self.topk_pre = torch.empty(new, topk, **i32)
+
+
+def _cases(x: _Inputs, backend: str | None) -> list[tuple[str, Callable, Callable | None, Callable | None]]:
+    """(name, public call, backend implementation call, custom-op call)."""
+    impls = {name: _dispatch.implementation(name, _dispatch.candidates(name, backend, x.device)[0])
+             for name in _dispatch.OPS}  # resolved here: the timed call is the implementation alone
+    impl = impls.__getitem__
+    op = library.op
+    be = backend or "auto"
+    kv3 = as_3d(x.kv)
+    return [
+        ("top_k_per_row", lambda: top_k_per_row(x.logits, x.row_starts, x.row_ends, out=x.topk_out, backend=backend),
+         lambda: impl("top_k_per_row")(x.logits, x.row_starts, x.row_ends, out=x.topk_out),
+         lambda: op("top_k_per_row")(x.logits, x.row_starts, x.row_ends, x.topk_out, be)),
+        ("fp8_paged_mqa_logits",
+         lambda: fp8_paged_mqa_logits(x.q4, x.kv, x.w, x.ctx_lens, x.bt_dec, out=x.paged_out, clean=False,
+                                      backend=backend),
+         lambda: impl("fp8_paged_mqa_logits")(x.q4, kv3, x.w, x.ctx_lens, x.bt_dec, out=x.paged_out, clean=False),
+         lambda: op("fp8_paged_mqa_logits")(x.q4, kv3, x.w, x.ctx_lens, x.bt_dec, x.paged_out, False, be)),
+        ("fp8_mqa_logits",
+         lambda: fp8_mqa_logits(x.qm, x.kf, x.ksc, x.wm, x.ks, x.ke, out=x.mqa_out, clean=False, backend=backend),
+         lambda: impl("fp8_mqa_logits")(x.qm, x.kf, x.ksc, x.wm, x.ks, x.ke, out=x.mqa_out, clean=False),
+         lambda: op("fp8_mqa_logits")(x.qm, x.kf, x.ksc, x.wm, x.ks, x.ke, x.mqa_out, False, be)),
+        ("write_k_cache", lambda: write_k_cache(x.k_new, x.kv, x.slots_new, backend=backend),
+         lambda: impl("write_k_cache")(x.k_new, kv3, x.slots_new, scale_fmt="ue8m0", fp8_dtype=torch.float8_e4m3fn),
+         lambda: op("write_k_cache")(x.k_new, kv3, x.slots_new, "ue8m0", torch.float8_e4m3fn, be)),
+        ("gather_k_cache",
+         lambda: gather_k_cache(x.kv, x.gather_bt, x.gather_cu, out_k=x.out_k, out_scale=x.out_scale,
+                                backend=backend),
+         lambda: impl("gather_k_cache")(kv3, x.gather_bt, x.gather_cu, out_k=x.out_k, out_scale=x.out_scale),
+         lambda: op("gather_k_cache")(kv3, x.gather_bt, x.gather_cu, x.out_k, x.out_scale, be)),
+        ("decode step (write + logits + top-k)",
+         lambda: sparse_attn_indexer(x.q_dec, x.k_new, x.w_dec, x.kv, x.md_dec, x.bufs, x.topk_dec, backend=backend),
+         None, None),
+        ("prefill step, one chunk (write + gather + logits + top-k)",
+         lambda: sparse_attn_indexer(x.qm, x.k_pre, x.wm, x.kv, x.md_pre, x.bufs, x.topk_pre, backend=backend),
+         None, None),
+    ]
+
+
+def _outputs(x: _Inputs) -> dict[str, torch.Tensor]:
+    return {"top_k_per_row": x.topk_out, "fp8_paged_mqa_logits": x.paged_out, "fp8_mqa_logits": x.mqa_out,
+            "write_k_cache": x.kv, "gather_k_cache": x.out_k.view(torch.uint8),
+            "decode step (write + logits + top-k)": x.topk_dec,
+            "prefill step, one chunk (write + gather + logits + top-k)": x.topk_pre}
+
+
+def _same(name: str, a: torch.Tensor, b: torch.Tensor) -> bool:
+    if "top" in name or "step" in name:  # a selection: the same set per row (the order is free)
+        return torch.equal(a.sort(dim=1).values, b.sort(dim=1).values)
+    return torch.equal(a.view(torch.uint8) if a.is_floating_point() else a,
+                       b.view(torch.uint8) if b.is_floating_point() else b)
+
+
+def self_check(x: _Inputs, backend: str | None) -> dict[str, str]:
+    """Every case called twice on the same inputs: the first call of a specialization takes Triton's own launch
+    path, the next ones the bound launcher (sparse_indexer/_launch.py); the outputs must agree (selections as
+    sets). The ops' outputs are also compared with the reference backend (logits within 1e-3 of the largest
+    magnitude, selections as sets). Returns ``{case: "ok" | what differs}``."""
+    res = {}
+    outs = _outputs(x)
+    ref = dict((name, public) for name, public, _, _ in _cases(x, "reference"))
+    for name, public, _, _ in _cases(x, backend):
+        out = outs[name]
+        public()
+        first = out.clone()
+        public()
+        second = out.clone()
+        public()
+        if not (_same(name, first, second) and _same(name, first, out)):
+            res[name] = "FAIL: repeated calls (bound launches) differ from the first call"
+            continue
+        res[name] = "ok"
+        if name in ("write_k_cache",) or "step" in name:
+            continue  # the cache write is idempotent and checked above; steps combine the checked ops
+        ref[name]()
+        want = out.clone()
+        public()
+        if out.is_floating_point():
+            fin = torch.isfinite(want)
+            err = (out[fin] - want[fin]).abs().max().item() if fin.any() else 0.0
+            tol = 1e-3 * want[fin].abs().max().item() if fin.any() else 0.0
+            if err > tol or not torch.equal(torch.isfinite(out), fin):
+                res[name] = f"FAIL: max |diff| {err:.3g} vs the reference (tolerance {tol:.3g})"
+        elif not _same(name, out, want):
+            res[name] = "FAIL: differs from the reference"
+    # another specialization of the same kernels (outputs 4 bytes off 16-byte alignment, odd row strides): the
+    # launcher binds it separately; twice, so the second call is a bound launch (clean=True: every cell defined)
+    paged = lambda o: fp8_paged_mqa_logits(x.q4, x.kv, x.w, x.ctx_lens, x.bt_dec, out=o, backend=backend)  # noqa: E731
+    mqa = lambda o: fp8_mqa_logits(x.qm, x.kf, x.ksc, x.wm, x.ks, x.ke, out=o, backend=backend)  # noqa: E731
+    for name, want, call in (("fp8_paged_mqa_logits, unaligned out", x.paged_out, paged),
+                             ("fp8_mqa_logits, unaligned out", x.mqa_out, mqa)):
+        call(want)
+        o = torch.zeros(want.shape[0], want.shape[1] + 1, device=x.device)[:, 1:]
+        ok = True
+        for _ in range(2):
+            o.zero_()
+            call(o)
+            ok = ok and _same(name, o, want)
+        res[name] = "ok" if ok else "FAIL: differs from the aligned output"
+    return res
+
+
+def measure(device: torch.device, backend: str | None, iters: int = 300, warmup: int = 20,
+            shapes: dict | None = None) -> dict:
+    """Median host time (us) per call of every case; see the module doc. Returns a JSON-able dict."""
+    shapes = shapes or SHAPES["cuda" if device.type == "cuda" else "cpu"]
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    x = _Inputs(device, shapes)
+    checks = self_check(x, backend)
+    sync()
+    gc.collect()
+    gc_was = gc.isenabled()
+    gc.disable()  # a collection inside a timed call is not the call's cost
+    try:
+        one = torch.zeros(1, device=device)
+        floors = {
+            "empty op (x.add_(0), one element)": _median_us(lambda: one.add_(0), iters, warmup, sync),
+            f"torch.topk {tuple(x.logits.shape)}, k={shapes['topk']}":
+                _median_us(lambda: torch.topk(x.logits, shapes["topk"], dim=1, sorted=False), iters, warmup, sync),
+        }
+        rows = []
+        for name, public, impl, op in _cases(x, backend):
+            row = {"case": name, "public_us": _median_us(public, iters, warmup, sync)}
+            if impl is not None:
+                row["impl_us"] = _median_us(impl, iters, warmup, sync)
+                row["added_us"] = row["public_us"] - row["impl_us"]
+                row["op_us"] = _median_us(op, iters, warmup, sync)
+            rows.append(row)
+    finally:
+        if gc_was:
+            gc.enable()
+    return dict(device=str(device), backend=backend or "auto", shapes=shapes, cpu=cpu_model(), checks=checks,
+                gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                torch=torch.__version__, triton=_version("triton"), iters=iters, warmup=warmup,
+                floors=floors, rows=rows, command=" ".join(["python", "-m", "sparse_indexer", *sys.argv[1:]]))
+
+
+def _version(module: str) -> str:
+    try:
+        return str(__import__(module).__version__)
+    except Exception:  # noqa: BLE001 - not installed
+        return "not installed"
+
+
+def format_markdown(r: dict) -> str:
+    s = r["shapes"]
+    head = (f"Host time per eager call, median of {r['iters']} (`{r['command']}`): {r['device']}, backend "
+            f"{r['backend']}, host CPU {r['cpu']}" + (f", GPU {r['gpu']}" if r["gpu"] else "") +
+            f"; torch {r['torch']}, triton {r['triton']}. Shapes H={s['h']}, D={s['d']}, block {s['bs']}, "
+            f"topk {s['topk']}, B={s['b']}, L={s['ctx']}, prefill {s['new']} new tokens, gather {s['gather']}.")
+    lines = [head, "", "| call | public (us) | backend implementation (us) | added by the public function (us) | "
+             "through torch.ops (us) |", "|---|---:|---:|---:|---:|"]
+    f = lambda v: "" if v is None else f"{v:.1f}"  # noqa: E731
+    for row in r["rows"]:
+        lines.append(f"| {row['case']} | {f(row['public_us'])} | {f(row.get('impl_us'))} | "
+                     f"{f(row.get('added_us'))} | {f(row.get('op_us'))} |")
+    for name, v in r["floors"].items():
+        lines.append(f"| floor: {name} | {v:.1f} | | | |")
+    bad = {k: v for k, v in r["checks"].items() if v != "ok"}
+    lines += ["", "Self-check (repeated calls equal the first, ops equal the reference backend): "
+              + ("all ok" if not bad else "; ".join(f"{k}: {v}" for k, v in bad.items()))]
+    return "\n".join(lines) + "\n"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", action="store_true",
+                        help="host time per eager call of every op and step (see sparse_indexer/bench_host.py)")
+    parser.add_argument("--host-iters", type=int, default=300, help="timed calls per row of --host (default 300)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``bench --host``: uses ``--device`` (default cuda; the CPU runs the reference backend), ``--backends``
+    (the first one; default auto) and ``--out``."""
+    device = torch.device(getattr(args, "device", "cuda"))
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            print("bench --host: --device cuda but CUDA is not available (try --device cpu)", file=sys.stderr)
+            return 2
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    names = getattr(args, "backends", None)
+    backend = names.split(",")[0].strip() if names else None
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # tiny ops: no thread pool wake-ups in the measured time
+    try:
+        r = measure(device, backend, iters=getattr(args, "host_iters", 300))
+    except (_dispatch.BackendUnavailable, ValueError) as e:
+        print(f"bench --host: {e}", file=sys.stderr)
+        return 2
+    md = format_markdown(r)
+    print(md)
+    out = getattr(args, "out", None)
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "host.md"), "w") as f:
+            f.write(md)
+        with open(os.path.join(out, "host.json"), "w") as f:
+            json.dump(r, f, indent=1)
+        print(f"wrote {os.path.join(out, 'host.md')}, {os.path.join(out, 'host.json')}")
+    return 0 if all(v == "ok" for v in r["checks"].values()) else 1
