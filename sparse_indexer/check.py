@@ -92,6 +92,11 @@ class Ctx:
     def __init__(self, backend: str, device: torch.device, fp8: torch.dtype, sizes: Sizes, seed: int):
         self.backend, self.device, self.fp8, self.sizes, self.seed = backend, device, fp8, sizes, seed
 
+    @property
+    def op_backend(self) -> str | None:
+        """What the ops get: ``None`` for ``"auto"`` (the best backend per op, as an engine runs them)."""
+        return None if self.backend == "auto" else self.backend
+
     def gen(self, salt: int) -> torch.Generator:
         return torch.Generator().manual_seed((self.seed * 1000003 + salt) % 2**63)
 
@@ -124,7 +129,7 @@ def formats(backend: str, device: torch.device) -> tuple[list[torch.dtype], str 
 
 def _shuffled(ctx: Ctx, block_size: int) -> bool:
     """Whether the backend under test keeps this cache preshuffled (aiter on gfx942/gfx950, docs/spec.md §4)."""
-    if ctx.backend != "aiter":
+    if ctx.backend not in ("aiter", "auto") or "aiter" not in _dispatch.available(ctx.device):
         return False
     from .ops.write_k_cache.aiter import gcn_arch, preshuffled
 
@@ -196,7 +201,7 @@ def case_write(ctx: Ctx, d: int, bs: int, scale_fmt, pad: int, four_d: bool) -> 
     write_k_cache(k, want, slots, scale_fmt=scale_fmt, fp8_dtype=ctx.fp8, backend="reference")
     got = new_kv_cache(nb, bs, d, device=ctx.device, block_pad=pad, four_d=four_d)
     write_k_cache(k.to(ctx.device), got, slots.to(ctx.device), scale_fmt=scale_fmt, fp8_dtype=ctx.fp8,
-                  backend=ctx.backend)
+                  backend=ctx.op_backend)
     ctx.sync()
     err, ok = _compare_cache(ctx, got, want, k, slots, scale_fmt)
     return err, "0 B" + (" (+midpoints)" if scale_fmt is None else ""), ok
@@ -221,7 +226,7 @@ def _paged_requests(ctx: Ctx, g: torch.Generator, lens, d: int, bs: int, pad: in
     ref = new_kv_cache(nb, bs, d, block_pad=pad)
     write_k_cache(k_all, ref, slots, fp8_dtype=ctx.fp8, backend="reference")
     kv = new_kv_cache(nb, bs, d, device=ctx.device, block_pad=pad)
-    write_k_cache(k_all.to(ctx.device), kv, slots.to(ctx.device), fp8_dtype=ctx.fp8, backend=ctx.backend)
+    write_k_cache(k_all.to(ctx.device), kv, slots.to(ctx.device), fp8_dtype=ctx.fp8, backend=ctx.op_backend)
     return keys, bt, ref, kv
 
 
@@ -236,7 +241,7 @@ def case_gather(ctx: Ctx, d: int, bs: int, pad: int) -> tuple[str, str, bool]:
     gather_k_cache(ref, bt, cu, out_k=want_k, out_scale=want_s, backend="reference")
     got_k = torch.full((n, d), 0x55, dtype=torch.uint8, device=ctx.device).view(ctx.fp8)
     got_s = torch.full((n,), -1.0, device=ctx.device)
-    gather_k_cache(kv, bt.to(ctx.device), cu.to(ctx.device), out_k=got_k, out_scale=got_s, backend=ctx.backend)
+    gather_k_cache(kv, bt.to(ctx.device), cu.to(ctx.device), out_k=got_k, out_scale=got_s, backend=ctx.op_backend)
     ctx.sync()
     bad = int((got_k.cpu().view(torch.uint8) != want_k.view(torch.uint8)).sum())
     bad += 4 * int((got_s.cpu().view(torch.int32) != want_s.view(torch.int32)).sum())
@@ -290,7 +295,7 @@ def case_ragged(ctx: Ctx, h: int, d: int, clean: bool) -> tuple[str, str, bool]:
     dev = ctx.device
     out = torch.full((len(starts), sum(seq)), float("nan"), device=dev)
     fp8_mqa_logits(q8.to(dev), k8.to(dev), ks.to(dev), w.to(dev), st.to(dev), en.to(dev), out=out, clean=clean,
-                   backend=ctx.backend)
+                   backend=ctx.op_backend)
     ctx.sync()
     n = torch.arange(sum(seq))[None, :]
     inside = (n >= st.long()[:, None]) & (n < en.long()[:, None])
@@ -321,7 +326,7 @@ def case_paged(ctx: Ctx, next_n: int, two_d: bool, h: int = 64, d: int = 128, bs
     clean = not two_d
     out = torch.full((b * next_n, width), float("nan"), device=dev)
     fp8_paged_mqa_logits(q8.to(dev), kv, w.to(dev), ctx_lens.to(dev), bt.to(dev), out=out, clean=clean,
-                         backend=ctx.backend)
+                         backend=ctx.op_backend)
     ctx.sync()
     inside = torch.arange(width)[None, :] < lim[:, None]
     return _logits_verdict(ctx, *_logits_error(out, want, inside, clean))
@@ -375,7 +380,7 @@ def case_topk(ctx: Ctx, topk: int, workspace: bool, special: bool) -> tuple[str,
     if workspace:
         cap = topk_scratch_cap(IndexerLimits(max_model_len=w_, max_num_batched_tokens=r, max_num_seqs=r, topk=topk))
         ws = torch.empty(r, TOPK_SCRATCH_COUNTERS + 2 * cap, dtype=torch.int32, device=dev)
-    top_k_per_row(x.to(dev), starts.to(dev), ends.to(dev), out=out, backend=ctx.backend, workspace=ws)
+    top_k_per_row(x.to(dev), starts.to(dev), ends.to(dev), out=out, backend=ctx.op_backend, workspace=ws)
     ctx.sync()
     wrong = _topk_rows_wrong(out.cpu(), x, starts, ends)
     text = f"{wrong} of {r} rows wrong" + (f" (reference: {ref_wrong})" if ref_wrong else "")
@@ -444,7 +449,7 @@ def case_step(ctx: Ctx, next_n: int, decode_lens: tuple[int, ...], prefill: tupl
     md, _ = one(CPU, "reference", ref_full)  # the reference's cache bytes are the baseline
     if sum(c.gather for c in md.prefill_chunks) == len(md.prefill_chunks) and len(prefill) > 0:
         raise AssertionError("the case meant to split a prefill along its queries did not")
-    _, got = one(ctx.device, ctx.backend, kv_full)
+    _, got = one(ctx.device, ctx.op_backend, kv_full)
     ctx.sync()
     got = got.cpu()
     cache_text, cache_ok = _compare_cache(ctx, kv_full, ref_full, k_new, slots, "ue8m0")
@@ -515,10 +520,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto",
                    help="device to check: cpu, cuda, cuda:N, or auto = cuda when a GPU is visible, else cpu "
                         "(default: %(default)s)")
-    p.add_argument("--backend", default="all", choices=("all", *_dispatch.BACKENDS),
+    p.add_argument("--backend", default="all", choices=("all", "auto", *_dispatch.BACKENDS),
                    help="backend to check against the CPU reference; all = every backend available on the device "
-                        "(on the CPU: triton under its interpreter; on a GPU also the reference itself) "
-                        "(default: %(default)s)")
+                        "(on the CPU: triton under its interpreter; on a GPU also the reference itself, and the "
+                        "whole step with auto = the best backend of each op) (default: %(default)s)")
     p.add_argument("--op", default="all", choices=("all", *CHECKS),
                    help="check one op (or the end-to-end step) only (default: %(default)s)")
     p.add_argument("--size", default="auto", choices=("auto", "small", "full"),
@@ -530,6 +535,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _backends(requested: str, device: torch.device) -> list[str]:
     if requested != "all":
+        if requested == "auto":
+            if device.type == "cpu":
+                raise UsageError("--backend auto --device cpu: auto is the reference on the CPU, the baseline itself")
+            return ["auto"]
         if requested == "reference" and device.type == "cpu":
             raise UsageError("--backend reference --device cpu: on the CPU the reference is the baseline itself; "
                              "check it on a GPU, or check triton on the CPU")
@@ -540,7 +549,15 @@ def _backends(requested: str, device: torch.device) -> list[str]:
         if why is not None:
             raise UsageError(f"nothing to check on the CPU besides the reference: {why}")
         return ["triton"]
-    return list(_dispatch.available(device))
+    return [*_dispatch.available(device), "auto"]
+
+
+def _ops_of(backend: str) -> tuple[str, ...]:
+    """The cases a backend is checked with: a partial backend (one that implements some ops only) its ops;
+    ``auto`` the end-to-end step (its ops are each backend's, checked in their own rows)."""
+    if backend == "auto":
+        return ("step",)
+    return tuple(getattr(_dispatch, "PARTIAL_BACKENDS", {}).get(backend, CHECKS))
 
 
 def _prepare_interpreter(device: torch.device, requested: str) -> str | None:
@@ -586,6 +603,9 @@ def run(args) -> int:
     sizes = {"small": SMALL, "full": FULL}.get(args.size, SMALL if device.type == "cpu" else FULL)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(3), "little")
     todo = [c for c in cases(sizes) if args.op in ("all", c[0])]
+    backends = [b for b in backends if any(op in _ops_of(b) for op, _, _ in todo)]
+    if not backends:
+        raise UsageError(f"--op {args.op}: no backend checked here implements it")
     print(f"sparse-indexer check on {_device_name(device)}: {', '.join(backends)} against the reference backend "
           f"on the CPU ({_versions()})")
     print(f"seed {seed} (repeat with --seed {seed}), {'small' if sizes is SMALL else 'full'} sizes"
@@ -603,6 +623,8 @@ def run(args) -> int:
         for fp8 in formats(b, device)[0]:
             ctx = Ctx(b, device, fp8, sizes, seed)
             for op, name, fn in todo:
+                if op not in _ops_of(b):
+                    continue
                 try:
                     err, tol, ok = fn(ctx)
                     status = "ok" if ok else "MISMATCH"
