@@ -96,3 +96,15 @@ def test_unavailable_backend_is_one_line_exit_2():
     assert r.returncode == 2
     assert r.stdout == ""
     assert len(r.stderr.strip().splitlines()) == 1 and "aiter" in r.stderr, r.stderr
+
+
+def test_backends_on_a_gpu_include_partial_ones_for_their_ops_and_the_auto_step(monkeypatch):
+    from sparse_indexer import _dispatch, check
+
+    monkeypatch.setattr(_dispatch, "available", lambda device: ("cuda", "triton", "reference"))
+    got = check._backends("all", torch.device("cuda"))
+    assert got == ["cuda", "triton", "reference", "auto"]
+    assert check._ops_of("cuda") == ("top_k_per_row",)
+    assert check._ops_of("auto") == ("step",)
+    assert set(check._ops_of("triton")) == set(check.CHECKS)
+    assert {op for op, _, _ in check.cases(check.SMALL)} == set(check.CHECKS)
