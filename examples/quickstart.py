@@ -1,7 +1,7 @@
 """The README's API tour as a program that runs as written.
 
 Run: ``python examples/quickstart.py`` (CPU, reference backend); on a GPU ``python examples/quickstart.py --device
-cuda`` (auto picks Triton, or aiter on ROCm); ``--backend triton`` on the CPU needs ``TRITON_INTERPRET=1``.
+cuda`` (auto: the best backend of each op); ``--backend triton`` on the CPU needs ``TRITON_INTERPRET=1``.
 
 It walks through: static limits -> buffer plan -> one arena; quantizing keys and queries and folding the query
 scale into the weights; writing the paged K cache; gathering keys; ragged (prefill) and paged (decode) logits;
