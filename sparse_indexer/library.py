@@ -40,7 +40,8 @@ The public functions (``sparse_indexer.write_k_cache`` and the others) check the
 * **the backend implementation directly** otherwise (:func:`runs_directly`: plain eager with plain tensors,
   the case of an engine's eager layers). The custom-op dispatch (argument re-binding, the autograd and
   ADInplaceOrView kernels, the Python implementation's wrapper) costs tens of microseconds per call and does
-  nothing for a plain eager call of an op that returns ``None``; the result is the same bytes. Under the
+  nothing for a plain eager call of an op that returns ``None``; the result is the same bytes, and the
+  version counters of the written tensors are bumped as the op's ADInplaceOrView kernel would. Under the
   autograd profiler the call is wrapped in ``record_function("sparse_indexer::<op>")``, so traces still name
   the op.
 
@@ -197,6 +198,20 @@ def runs_directly(device: torch.device, tensors) -> bool:
 
 
 _RECORD_NAMES = {name: f"{NAMESPACE}::{name}" for name in OPS}
+# the keyword arguments each op writes (write_k_cache writes its positional kv_cache), as in mutates_args
+_WRITES = {"write_k_cache": (), "gather_k_cache": ("out_k", "out_scale"), "fp8_mqa_logits": ("out",),
+           "fp8_paged_mqa_logits": ("out", "qk"), "top_k_per_row": ("out", "workspace")}
+_inference_mode = torch.is_inference_mode_enabled
+_increment_version = torch.autograd.graph.increment_version
+
+
+def _direct(name: str, backend: str | None, device: torch.device, args, kwargs) -> None:
+    _dispatch.call(name, None if backend == "auto" else backend, device, *args, **kwargs)
+    if not _inference_mode():  # as the op's ADInplaceOrView kernel: autograd sees the in-place writes
+        written = [kwargs[k] for k in _WRITES[name] if kwargs.get(k) is not None]
+        if name == "write_k_cache":
+            written.append(args[1])
+        _increment_version(written)
 
 
 def call(name: str, backend: str | None, device: torch.device, *args, **kwargs) -> None:
@@ -208,9 +223,9 @@ def call(name: str, backend: str | None, device: torch.device, *args, **kwargs) 
     if runs_directly(device, (*args, *kwargs.values())):
         if _profiling():
             with torch.autograd.profiler.record_function(_RECORD_NAMES[name]):
-                _dispatch.call(name, None if backend == "auto" else backend, device, *args, **kwargs)
+                _direct(name, backend, device, args, kwargs)
             return
-        _dispatch.call(name, None if backend == "auto" else backend, device, *args, **kwargs)
+        _direct(name, backend, device, args, kwargs)
         return
     if functorch_active(*args, *kwargs.values()):
         if backend not in (None, "auto", "reference"):

@@ -184,9 +184,11 @@ def _want_topk(logits, rs, re_, out):
 def test_plain_eager_runs_the_implementation_directly(spies):
     args = _topk_args(torch.Generator().manual_seed(0))
     want = _want_topk(*args)
+    v = args[3]._version
     si.top_k_per_row(*args[:3], out=args[3])
     assert spies == [("impl", "reference")]
     assert torch.equal(args[3], want)
+    assert args[3]._version > v  # autograd sees the write, as through the op
     spies.clear()
     with torch.inference_mode():
         si.top_k_per_row(*args[:3], out=args[3], backend="reference")
@@ -366,3 +368,21 @@ def test_eager_overhead(capsys):
         print(f"\n[eager overhead, CPU, us/call] implementation {t_impl:.1f}, _dispatch.call {t_dispatch:.1f}, "
               f"torch.ops custom op {t_op:.1f} (+{t_op - t_dispatch:.1f}), public function {t_public:.1f}")
     assert t_op - t_dispatch < 500  # sanity bound only
+
+
+def test_every_public_function_takes_the_direct_route_in_plain_eager(monkeypatch):
+    """No public function reaches ``torch.ops`` in plain eager (string and dtype arguments included), and the
+    step neither."""
+    from tests.sparse_indexer.test_host_overhead import _cases
+
+    class Refuse:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, *a, **k):
+            raise AssertionError(f"{self.name} went through torch.ops in plain eager")
+
+    for name in (*_dispatch.OPS, "fp8_paged_mqa_logits_with_qk", "top_k_per_row_with_workspace"):
+        monkeypatch.setattr(torch.ops.sparse_indexer, name, Refuse(name))
+    for name, public, _ in _cases():
+        public()
