@@ -386,3 +386,10 @@ def test_every_public_function_takes_the_direct_route_in_plain_eager(monkeypatch
         monkeypatch.setattr(torch.ops.sparse_indexer, name, Refuse(name))
     for name, public, _ in _cases():
         public()
+    from sparse_indexer import bench_host
+
+    x = bench_host._Inputs(torch.device("cpu"), bench_host.SHAPES["cpu"])
+    steps = [c for c in bench_host._cases(x, None) if "step" in c[0]]
+    assert len(steps) == 2
+    for _, step, _, _ in steps:
+        step()
