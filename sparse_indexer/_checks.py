@@ -19,6 +19,8 @@ _Device = torch.device
 _is_compiling = torch.compiler.is_compiling
 _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _functional = getattr(torch, "_is_functional_tensor", None)
+_functorch_level = torch._C._functorch.peek_interpreter_stack
+_dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
 def _dtype_error(name: str, t: torch.Tensor, dtypes) -> TypeError:
@@ -105,18 +107,29 @@ def disjoint(outputs: dict, inputs: dict) -> None:
     The message names the output and the other tensor, as :func:`no_alias` does."""
     if _is_compiling():
         return
+    careful = _functorch_level() is not None or _dispatch_modes() > 0  # wrapped or functional tensors possible
     spans = []
     for group, is_out in ((outputs, True), (inputs, False)):
         for name, t in group.items():
             if t is None:
                 continue
-            if (type(t) is not _Tensor or t.is_meta or _functorch_wrapped(t)
-                    or (_functional is not None and _functional(t))) and is_traced(t):
+            if (careful or type(t) is not _Tensor or t.is_meta) and is_traced(t):
                 return
-            lo, hi = _span(t)
-            if lo != hi:
-                spans.append((lo, hi, is_out, name, t))
-    spans.sort(key=lambda x: x[0])
+            n = t.numel()
+            if n == 0:
+                continue
+            lo = t.data_ptr()
+            if t.is_contiguous():
+                hi = lo + n * t.element_size()
+            else:
+                hi = _span(t)[1]
+            spans.append((lo, hi, is_out, name, t))
+    spans.sort(key=_first)
+    for a, b in zip(spans, spans[1:]):
+        if b[0] < a[1]:
+            break
+    else:
+        return  # no two spans overlap at all (the common case)
     open_ = []  # spans that may still overlap the next one (end beyond its start)
     for lo, hi, is_out, name, t in spans:
         open_ = [o for o in open_ if o[1] > lo]
@@ -127,6 +140,10 @@ def disjoint(outputs: dict, inputs: dict) -> None:
                 raise ValueError(f"{out_name} overlaps the memory of {kind} {other}; outputs must not alias inputs "
                                  "or other outputs")
         open_.append((lo, hi, is_out, name, t))
+
+
+def _first(x):
+    return x[0]
 
 
 def is_traced(t: torch.Tensor) -> bool:

@@ -65,6 +65,12 @@ def _check_cache_ids(metadata: IndexerMetadata, lay, kv_cache: torch.Tensor) -> 
         C.values_in(name, bt, 0, lay.num_blocks, f"block ids must be in [0, num_blocks={lay.num_blocks})", mask=used)
 
 
+def _rows(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """``t[start:stop]``, or ``t`` itself when that is all of it (one sub-batch): a view costs ~1 us of host
+    time per call, and the step runs once per layer (issue #11)."""
+    return t if start == 0 and stop == t.shape[0] else t[start:stop]
+
+
 def decode_batch(metadata: IndexerMetadata) -> int:
     """Decode requests scored and selected together: as many as ``limits.decode_batch_rows`` rows hold (at
     least one), so a step under ``IndexerLimits.max_decode_logits_bytes`` runs ``ceil(B / decode_batch)``
@@ -209,11 +215,12 @@ def indexer_decode(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.T
         r0, r1 = b0 * nn, b1 * nn
         logits = buffers.logits_view(r1 - r0, dm.width)
         qk = buffers.qk_view(r1 - r0, dm.width) if buffers.qk is not None else None
-        fp8_paged_mqa_logits(q[b0:b1], kv_cache, w[r0:r1], dm.context_lens[b0:b1], dm.block_table[b0:b1],
-                             out=logits, clean=False, backend=backend, check_values=False, qk=qk, _checked=True)
+        fp8_paged_mqa_logits(_rows(q, b0, b1), kv_cache, _rows(w, r0, r1), _rows(dm.context_lens, b0, b1),
+                             _rows(dm.block_table, b0, b1), out=logits, clean=False, backend=backend,
+                             check_values=False, qk=qk, _checked=True)
         ws = buffers.topk_scratch_view(r1 - r0) if buffers.topk_scratch is not None else None
-        top_k_per_row(logits, dm.row_starts[r0:r1], dm.row_ends[r0:r1], out=sel[r0:r1], backend=backend,
-                      check_values=False, workspace=ws, _checked=True)
+        top_k_per_row(logits, _rows(dm.row_starts, r0, r1), _rows(dm.row_ends, r0, r1), out=_rows(sel, r0, r1),
+                      backend=backend, check_values=False, workspace=ws, _checked=True)
     if not dm.uniform:
         torch.index_select(sel, 0, dm.unpack_src, out=topk_out[:nd])
     return topk_out
