@@ -5,9 +5,15 @@ from __future__ import annotations
 import attrs
 import torch
 
-__all__ = ["IndexerLimits", "FP8_DTYPES", "MiB"]
+__all__ = ["IndexerLimits", "FP8_DTYPES", "MiB", "DEFAULT_PREFILL_K_TOKENS", "DEFAULT_MAX_LOGITS_BYTES"]
 
 MiB = 1 << 20
+
+# Defaults of the prefill caps: the smallest that kept prefill throughput within 5% of generous caps (2M keys,
+# 4 GiB of logits) on 8K-token steps of 2-16 requests with 4K-128K contexts on an H200 (docs/memory.md,
+# scripts/memory_bench.py). vLLM's rules (40 x max_model_len keys, 512 MiB of logits) were copied before.
+DEFAULT_PREFILL_K_TOKENS = 131072
+DEFAULT_MAX_LOGITS_BYTES = 2048 * MiB
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
@@ -39,9 +45,12 @@ class IndexerLimits:
         head_dim: indexer head dim D (64 or 128).
         topk: tokens selected per query (512, 1024 or 2048).
         block_size: tokens per page of the paged K cache.
-        prefill_k_tokens: gathered key tokens one prefill chunk may hold (default ``max_model_len * 40``,
-            vLLM's rule); must be at least ``max_model_len``.
-        max_logits_bytes: byte cap of one prefill chunk's ``[M, N]`` logits (default 512 MiB).
+        prefill_k_tokens: gathered key tokens one prefill chunk may hold (default
+            ``max(max_model_len, DEFAULT_PREFILL_K_TOKENS = 131072)``, measured on the H200: docs/memory.md); must
+            be at least ``max_model_len``.
+        max_logits_bytes: byte cap of one prefill chunk's ``[M, N]`` logits (default
+            ``DEFAULT_MAX_LOGITS_BYTES`` = 2 GiB, measured: docs/memory.md). The plan reserves only what a step
+            allowed by the other limits can use of it.
         max_decode_logits_bytes: byte budget of the decode logits, or ``None`` (no budget). When
             ``max_num_seqs * next_n * max_model_len * 4`` exceeds it, a decode step scores and selects its
             requests in sub-batches of :attr:`decode_batch` requests that reuse one budget-sized region of
@@ -60,9 +69,10 @@ class IndexerLimits:
     topk: int = attrs.field(default=2048, validator=_positive)
     block_size: int = attrs.field(default=64, validator=_positive)
     prefill_k_tokens: int = attrs.field(
-        default=attrs.Factory(lambda self: self.max_model_len * 40, takes_self=True), validator=_positive
+        default=attrs.Factory(lambda self: max(self.max_model_len, DEFAULT_PREFILL_K_TOKENS), takes_self=True),
+        validator=_positive,
     )
-    max_logits_bytes: int = attrs.field(default=512 * MiB, validator=_positive)
+    max_logits_bytes: int = attrs.field(default=DEFAULT_MAX_LOGITS_BYTES, validator=_positive)
     max_decode_logits_bytes: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(_positive)
     )

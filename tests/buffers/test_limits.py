@@ -12,8 +12,9 @@ def test_defaults_are_deepseek_v32():
     lim = IndexerLimits(**BASE)
     assert (lim.next_n, lim.n_heads, lim.head_dim, lim.topk, lim.block_size) == (1, 64, 128, 2048, 64)
     assert lim.fp8_dtype == torch.float8_e4m3fn
-    assert lim.prefill_k_tokens == 1024 * 40
-    assert lim.max_logits_bytes == 512 << 20
+    assert lim.prefill_k_tokens == 131072  # max(max_model_len, 128K tokens): measured, docs/memory.md
+    assert IndexerLimits(**{**BASE, "max_model_len": 1 << 20}).prefill_k_tokens == 1 << 20
+    assert lim.max_logits_bytes == 2 << 30  # measured, docs/memory.md
     assert lim.with_qk is False
     assert lim.max_decode_logits_bytes is None
 

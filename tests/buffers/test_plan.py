@@ -97,7 +97,7 @@ def test_no_prefill_possible():
 def test_decode_budget_shrinks_decode_fields():
     MiB = 1 << 20
     kw = dict(max_model_len=1 << 20, max_num_batched_tokens=8192, max_num_seqs=256, next_n=2, with_qk=True,
-              n_heads=4)
+              n_heads=4, max_logits_bytes=512 * MiB)
     free, budget = plan(IndexerLimits(**kw)), plan(IndexerLimits(**kw, max_decode_logits_bytes=256 * MiB))
     assert free["logits"].nbytes == 2048 * MiB and budget["logits"].nbytes == 512 * MiB  # the prefill cap binds
     assert free["qk"].shape == (4, 512, 1 << 20) and budget["qk"].shape == (4, 64, 1 << 20)

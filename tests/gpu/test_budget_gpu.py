@@ -12,6 +12,7 @@ import torch
 
 import sparse_indexer as si
 from buffers import IndexerLimits, allocate, plan
+from buffers.plan import prefill_extremes
 from sparse_indexer.indexer import decode_batch
 from sparse_indexer.profile import profile_step
 from tests.sparse_indexer.test_decode_budget import same_selection
@@ -129,7 +130,7 @@ def test_budget_of_256_mib_at_1m_context_on_gpu(backend):
     common = dict(max_model_len=L, max_num_batched_tokens=8192, next_n=nn)
     lim = IndexerLimits(**common, max_num_seqs=256, max_decode_logits_bytes=256 * MiB)
     free = IndexerLimits(**common, max_num_seqs=b)
-    assert lim.decode_batch == 32 and plan(lim)["logits"].nbytes == 512 * MiB  # the prefill cap; 2 GiB without
+    assert lim.decode_batch == 32 and plan(lim)["logits"].nbytes == max(prefill_extremes(lim).logits * 4, 256 * MiB)
     kv = _cache(L, lim.block_size, lim.head_dim, g)  # requests share the cache's blocks, in their own orders
     seq = [int(x) for x in torch.randint(L // 2, L + 1, (b,), generator=g)]
     seq[0] = L
