@@ -70,17 +70,18 @@ class Buffers:
     :meth:`Buffers.from_arena`; nothing in the library allocates in their place.
 
     Attributes:
-        k_fp8: ``[prefill_k_tokens, D]`` fp8 — gathered keys of one prefill chunk.
-        k_scale: ``[prefill_k_tokens]`` float32 — their scales.
-        logits: ``[logits_elems]`` float32, flat — one prefill chunk's ``[M, N]`` logits or the decode logits
-            ``[B * next_n, W]``.
-        qk: ``[H, max_num_seqs * next_n, max_model_len]`` float32 or ``None`` — per-head scores for backends
-            that need them.
+        k_fp8: ``[K, D]`` fp8 — gathered keys of one prefill chunk (``K``: the most keys a chunk allowed by the
+            limits can gather, at most ``prefill_k_tokens``; :func:`buffers.plan.prefill_extremes`).
+        k_scale: ``[K]`` float32 — their scales.
+        logits: ``[E]`` float32, flat — one prefill chunk's ``[M, N]`` logits or one decode sub-batch's logits
+            ``[decode_batch * next_n, W]`` (``E``: :func:`buffers.plan.logits_elems`).
+        qk: ``[H, decode_batch * next_n, max_model_len]`` float32 or ``None`` — per-head scores of one decode
+            sub-batch, for backends that need them.
         q_pack, w_pack, topk_pack: ``[max_num_seqs * next_n, H, D]`` fp8, ``[max_num_seqs * next_n, H]``
             float32, ``[max_num_seqs * next_n, topk]`` int32, or ``None`` when ``next_n == 1`` — the padded
             decode slots of a step whose requests have fewer than ``next_n`` new tokens.
-        topk_scratch: ``[max_num_seqs * next_n, 32 + 2 * cap]`` int32 or ``None`` — the split-row top-k's global
-            scratch for the decode rows (per row: counters, then positions and values of up to ``cap``
+        topk_scratch: ``[decode_batch * next_n, 32 + 2 * cap]`` int32 or ``None`` — the split-row top-k's global
+            scratch for the rows of one decode sub-batch (per row: counters, then positions and values of up to ``cap``
             candidates, :func:`buffers.plan.topk_scratch_cap`); backends that do not split rows ignore it.
             Every plan has it; a record built by hand may leave it out (the step then passes no workspace).
             It is not a pytree leaf: a record rebuilt by ``torch.utils._pytree`` (``torch.func`` transforms,
