@@ -29,28 +29,42 @@ import functools
 
 import torch
 
-__all__ = ["Launcher", "specialization_key"]
+__all__ = ["LaunchConfig", "Launcher", "specialization_key"]
 
 _Tensor = torch.Tensor
 _I32_MIN, _I32_MAX, _I64_MAX = -(2**31), 2**31 - 1, 2**63 - 1
 
 
-def _prepare(args) -> tuple[tuple, list]:
+def _int_class(a: int) -> int:
+    if a == 1:
+        return 1
+    if _I32_MIN <= a <= _I32_MAX:
+        return 2 if a & 15 else 3
+    if a > _I64_MAX:
+        return 4 if a & 15 else 5
+    return 6 if a & 15 else 7
+
+
+def _prepare(args, ntensors: int | None = None) -> tuple[tuple, list]:
     """``(key, launch_args)``: the specialization key of ``args`` (see the module doc) and the arguments as the
-    compiled launcher takes them (tensors as their data pointers)."""
+    compiled launcher takes them (tensors as their data pointers). With ``ntensors``, the first ``ntensors``
+    arguments are tensors and the rest ints (the wrappers' layout), which is cheaper to key."""
+    if ntensors is not None:
+        tensors, ints = args[:ntensors], args[ntensors:]
+        ptrs = [a.data_ptr() for a in tensors]
+        tkey = tuple([(a.dtype, (not p & 15) + 2 * a.is_cuda) for a, p in zip(tensors, ptrs)])
+        if ints and _I32_MIN <= min(ints) and max(ints) <= _I32_MAX:
+            ikey = tuple([2 if a == 1 else not a & 15 for a in ints])  # 2 (the value 1), True, False
+        else:
+            ikey = tuple([_int_class(a) for a in ints])
+        ptrs.extend(ints)
+        return (tkey, ikey), ptrs
     key = []
     out = list(args)
     for i, a in enumerate(args):
         t = type(a)
         if t is int:
-            if a == 1:
-                key.append(1)
-            elif _I32_MIN <= a <= _I32_MAX:
-                key.append(2 if a & 15 else 3)
-            elif a > _I64_MAX:
-                key.append(4 if a & 15 else 5)
-            else:
-                key.append(6 if a & 15 else 7)
+            key.append(_int_class(a))
         elif isinstance(a, _Tensor):
             ptr = a.data_ptr()
             key.append((a.dtype, a.is_cuda, not ptr & 15))
@@ -92,6 +106,21 @@ class _Bound:
 _NOT_BINDABLE = object()
 
 
+class LaunchConfig:
+    """Constexprs and launch options of one kernel configuration, and its bindings (made by
+    :meth:`Launcher.config`)."""
+
+    __slots__ = ("kwargs", "bound")
+
+    def __init__(self, kwargs: dict):
+        self.kwargs = dict(kwargs)
+        self.bound: dict = {}
+
+
+def _raw_stream(dev: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(dev)
+
+
 class Launcher:
     """A ``@triton.jit`` kernel whose launches are bound once per specialization (see the module doc)."""
 
@@ -117,16 +146,33 @@ class Launcher:
             return
         dev = torch.cuda.current_device()
         spec, launch_args = _prepare(args)
-        key = (dev, tuple(kwargs.items()), spec)
-        bound = self._bound.get(key)
+        self._launch(self._bound, (dev, tuple(kwargs.items()), spec), dev, grid, args, launch_args, kwargs)
+
+    def config(self, **kwargs) -> LaunchConfig:
+        """The constexprs and launch options of one configuration, for :meth:`launch_with` (make it once and keep
+        it: the bindings of the configuration live in it)."""
+        return LaunchConfig(kwargs)
+
+    def launch_with(self, grid: tuple, cfg: LaunchConfig, args, ntensors: int | None = None) -> None:
+        """``kernel[grid](*args, **cfg.kwargs)`` with the configuration made once (:meth:`config`): the cheapest
+        call. ``ntensors``: the first ``ntensors`` of ``args`` are tensors and the rest ints (else any mix)."""
+        if not self.bindable:
+            self.kernel[grid](*args, **cfg.kwargs)
+            return
+        dev = torch.cuda.current_device()
+        spec, launch_args = _prepare(args, ntensors)
+        self._launch(cfg.bound, (dev, spec), dev, grid, args, launch_args, cfg.kwargs)
+
+    def _launch(self, table: dict, key, dev: int, grid: tuple, args, launch_args: list, kwargs: dict) -> None:
+        bound = table.get(key)
         if bound is None or bound is _NOT_BINDABLE or _hooks_active(self._knobs):
             compiled = self.kernel[grid](*args, **kwargs)
             if bound is None:
-                self._bound[key] = self._bind(compiled, len(args), kwargs)
+                table[key] = self._bind(compiled, len(args), kwargs)
             return
         n = len(grid)
-        bound.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, torch._C._cuda_getCurrentRawStream(dev),
-                  bound.function, bound.packed, None, None, None, *launch_args, *bound.tail)
+        bound.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _raw_stream(dev), bound.function,
+                  bound.packed, None, None, None, *launch_args, *bound.tail)
 
     def _bind(self, compiled, nargs: int, kwargs: dict):
         """The binding of ``compiled`` (what Triton's path returned), or ``_NOT_BINDABLE``."""

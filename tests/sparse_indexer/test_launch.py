@@ -103,6 +103,28 @@ def test_keyword_runtime_argument_hooks_and_callable_grid_keep_tritons_path(fake
     assert log[-1][0] == "bound"
 
 
+def test_launch_with_a_config_binds_per_specialization(fake_gpu):
+    kernel, log = _fake_kernel()
+    launch = Launcher(kernel)
+    cfg = launch.config(BLOCK=16, FLAG=False)
+    x = torch.zeros(64)
+
+    def kinds(*calls):
+        n = len(log)
+        for args in calls:
+            launch.launch_with((2,), cfg, args, 1)
+        return [e[0] for e in log[n:]]
+
+    assert kinds((x, 32, 5), (x, 64, 7)) == ["jit", "bound"]
+    assert log[-1] == ("bound", (2, 1, 1, 77, 0xF00, (4, 1, 0), None, None, None, x.data_ptr(), 64, 7, 16, False))
+    assert kinds((x[1:], 32, 5), (x[1:], 48, 9)) == ["jit", "bound"]  # unaligned pointer: its own binding
+    assert kinds((x, 32, 1), (x, 2**40, 5), (x, 2**40 + 16, 5)) == ["jit", "jit", "bound"]  # 1; int64 class
+    assert kinds((x.double(), 32, 5)) == ["jit"]
+    other = launch.config(BLOCK=32)
+    launch.launch_with((2,), other, (x, 32, 5), 1)
+    assert log[-1][0] == "jit" and log[-1][3] == {"BLOCK": 32}
+
+
 def test_interpreted_kernel_is_not_bound():
     calls = []
 
@@ -134,10 +156,12 @@ def test_wrappers_pass_every_parameter_in_signature_order(monkeypatch):
 
     seen = {}
 
-    def record(self, grid, *args, **kwargs):
-        seen[self.kernel.fn.__name__] = (self, args, kwargs)
+    def record(self, grid, cfg, args, ntensors=None):
+        assert ntensors is None or (all(isinstance(a, torch.Tensor) for a in args[:ntensors])
+                                    and all(type(a) is int for a in args[ntensors:]))
+        seen[self.kernel.fn.__name__] = (self, tuple(args), cfg.kwargs)
 
-    monkeypatch.setattr(Launcher, "launch", record)
+    monkeypatch.setattr(Launcher, "launch_with", record)
     fn8 = torch.float8_e4m3fn
     kv = si.new_kv_cache(4, 16, 64)
     write.write_k_cache(torch.randn(5, 64), kv, torch.arange(5), scale_fmt="ue8m0", fp8_dtype=fn8)

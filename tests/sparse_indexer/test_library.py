@@ -384,7 +384,7 @@ def test_every_public_function_takes_the_direct_route_in_plain_eager(monkeypatch
 
     for name in (*_dispatch.OPS, "fp8_paged_mqa_logits_with_qk", "top_k_per_row_with_workspace"):
         monkeypatch.setattr(torch.ops.sparse_indexer, name, Refuse(name))
-    for name, public, _ in _cases():
+    for _name, public, _ in _cases():
         public()
     from sparse_indexer import bench_host
 

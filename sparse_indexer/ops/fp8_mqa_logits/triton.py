@@ -108,10 +108,10 @@ CONFIG = {"BLOCK_Q": 8, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
 
 
 _LAUNCH = Launcher(_mqa_logits_kernel)
-_PLANS: dict = {}  # (H, D, clean) -> (BLOCK_Q, constexprs and options) of the default CONFIG
+_PLANS: dict = {}  # (H, D, clean) -> (BLOCK_Q, LaunchConfig) of the default CONFIG
 
 
-def _plan(h: int, d: int, clean: bool, config) -> tuple[int, dict]:
+def _plan(h: int, d: int, clean: bool, config):
     cfg = dict(CONFIG, **(config or {}))
     hp = max(16, triton.next_power_of_2(h))
     dp = max(32, triton.next_power_of_2(d))
@@ -121,7 +121,7 @@ def _plan(h: int, d: int, clean: bool, config) -> tuple[int, dict]:
     kwargs = dict(H=h, HP=hp, D=d, DP=dp, BLOCK_Q=block_q, BLOCK_N=cfg["BLOCK_N"], CLEAN=bool(clean),
                   FILL_N=cfg.get("FILL_N", max(64, 1024 // block_q)), num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"])
-    return block_q, kwargs
+    return block_q, _LAUNCH.config(**kwargs)
 
 
 def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, out, clean, config=None) -> None:
@@ -137,12 +137,10 @@ def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, ou
             plan = _PLANS[key] = _plan(h, d, clean, None)
     else:
         plan = _plan(h, d, clean, config)
-    block_q, kwargs = plan
+    block_q, cfg = plan
     qs = q.stride()
-    _LAUNCH[(triton.cdiv(m, block_q),)](
-        out, q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke,
-        m, n,
-        out.stride()[0], qs[0], qs[1], k_fp8.stride()[0], k_scale.stride()[0], weights.stride()[0],
-        cu_seqlen_ks.stride()[0], cu_seqlen_ke.stride()[0],
-        **kwargs,
-    )
+    _LAUNCH.launch_with(
+        ((m + block_q - 1) // block_q,), cfg,
+        (out, q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, m, n, out.stride()[0], qs[0], qs[1],
+         k_fp8.stride()[0], k_scale.stride()[0], weights.stride()[0], cu_seqlen_ks.stride()[0],
+         cu_seqlen_ke.stride()[0]), 7)

@@ -287,11 +287,11 @@ def _pow2(x: int) -> bool:
 
 
 _LAUNCH = Launcher(_paged_logits_kernel)
-_PLANS: dict = {}  # specialization of the default configuration -> (constexprs and options, programs, per SM)
+_PLANS: dict = {}  # specialization of the default configuration -> (LaunchConfig, programs, programs per SM)
 
 
 def _plan(args, q, context_lens, next_n: int, h: int, d: int, bs: int, b: int, cl_2d: bool, clean: bool,
-          config) -> tuple[dict, int, int | None]:
+          config):
     """Constexprs and launch options, and the persistent grid (from the compiled kernel's occupancy)."""
     cfg = {**CONFIG, **CONFIG_BY_NEXT_N.get(next_n, {}), **(config or {})}
     block_n = cfg["BLOCK_N"]
@@ -304,14 +304,14 @@ def _plan(args, q, context_lens, next_n: int, h: int, d: int, bs: int, b: int, c
     if cfg.get("maxnreg"):
         kwargs["maxnreg"] = cfg["maxnreg"]  # register cap per thread: more programs per SM
     if q.device.type != "cuda":
-        return kwargs, 3, None  # interpreter: small, but enough for pieces that span requests
+        return _LAUNCH.config(**kwargs), 3, None  # interpreter: small, but enough for pieces that span requests
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     key = (dev, q.dtype, args[2].dtype, context_lens.dtype, args[5].dtype, tuple(sorted(kwargs.items())))
     per_sm = cfg["programs_per_sm"]
     occ = _occupancy(key, args, kwargs)
     if occ is not None:
         per_sm = min(per_sm, occ)
-    return kwargs, _num_sms(dev) * per_sm, per_sm
+    return _LAUNCH.config(**kwargs), _num_sms(dev) * per_sm, per_sm
 
 
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean, config=None) -> None:
@@ -336,15 +336,15 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
             block_table.stride()[0], kv_cache.stride()[0] if nb > 1 else bs * width,  # CacheLayout.block_stride
             1]
     if config is None:
-        key = (q.device, q.dtype, context_lens.dtype, block_table.dtype, next_n, h, d, bs, triton.next_power_of_2(b),
-               cl_2d, clean)
+        key = (q.device, q.dtype, context_lens.dtype, block_table.dtype, next_n, h, d, bs, (b - 1).bit_length(),
+               cl_2d, clean)  # (b - 1).bit_length(): BLOCK_B's power of two
         plan = _PLANS.get(key)
         if plan is None:
             plan = _PLANS[key] = _plan(args, q, context_lens, next_n, h, d, bs, b, cl_2d, clean, None)
     else:
         plan = _plan(args, q, context_lens, next_n, h, d, bs, b, cl_2d, clean, config)
-    kwargs, num_programs, per_sm = plan
+    cfg, num_programs, per_sm = plan
     if per_sm is not None:
         LAST_LAUNCH["programs_per_sm"] = per_sm
     args[-1] = num_programs
-    _LAUNCH[(num_programs,)](*args, **kwargs)
+    _LAUNCH.launch_with((num_programs,), cfg, args, 6)

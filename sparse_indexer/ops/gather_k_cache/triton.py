@@ -58,6 +58,7 @@ def _gather_k_cache_kernel(
 
 
 _LAUNCH = Launcher(_gather_k_cache_kernel)
+_CONFIGS: dict = {}  # (block_size, D) -> LaunchConfig
 
 
 def gather_k_cache(kv_cache, block_table, cu_seq_lens, *, out_k, out_scale) -> None:
@@ -72,8 +73,9 @@ def gather_k_cache(kv_cache, block_table, cu_seq_lens, *, out_k, out_scale) -> N
     if r == 0 or max_blocks == 0:
         return
     block_stride = kv_cache.stride()[0] if nb > 1 else bs * width  # CacheLayout.block_stride of the checked view
-    tiles = triton.cdiv(max_blocks * bs, _BLOCK_T)
-    _LAUNCH[(tiles, r)](
-        out_k.view(torch.int32), out_scale, kv_cache, block_table, cu_seq_lens, block_table.stride()[0], block_stride,
-        BS=bs, D=d, BLOCK_T=_BLOCK_T, num_warps=4,
-    )
+    cfg = _CONFIGS.get((bs, d))
+    if cfg is None:
+        cfg = _CONFIGS[(bs, d)] = _LAUNCH.config(BS=bs, D=d, BLOCK_T=_BLOCK_T, num_warps=4)
+    _LAUNCH.launch_with((triton.cdiv(max_blocks * bs, _BLOCK_T), r), cfg,
+                        (out_k.view(torch.int32), out_scale, kv_cache, block_table, cu_seq_lens,
+                         block_table.stride()[0], block_stride), 5)

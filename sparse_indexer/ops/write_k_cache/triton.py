@@ -100,6 +100,17 @@ def _write_k_cache_kernel(
 
 
 _LAUNCH = Launcher(_write_k_cache_kernel)
+_CONFIGS: dict = {}  # (block_size, D, fp8 dtype, ue8m0) -> LaunchConfig
+
+
+def _config(bs: int, d: int, fp8_dtype, ue8m0: bool):
+    key = (bs, d, fp8_dtype, ue8m0)
+    cfg = _CONFIGS.get(key)
+    if cfg is None:
+        cfg = _CONFIGS[key] = _LAUNCH.config(
+            BS=bs, D=d, QMAX=QUANT_MAX[fp8_dtype], FLOOR=K_SCALE_FLOOR, UE8M0=ue8m0,
+            FNUZ=fp8_dtype == torch.float8_e4m3fnuz, SOFT_FP8=_SOFT_FP8, BLOCK_T=_BLOCK_T, num_warps=4)
+    return cfg
 
 
 def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *, scale_fmt,
@@ -113,8 +124,5 @@ def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.T
     if s == 0:
         return
     block_stride = kv_cache.stride()[0] if nb > 1 else bs * width  # CacheLayout.block_stride of the checked view
-    _LAUNCH[(triton.cdiv(s, _BLOCK_T),)](
-        kv_cache, k, slot_mapping, s, k.stride()[0], block_stride,
-        BS=bs, D=d, QMAX=QUANT_MAX[fp8_dtype], FLOOR=K_SCALE_FLOOR, UE8M0=scale_fmt == "ue8m0",
-        FNUZ=fp8_dtype == torch.float8_e4m3fnuz, SOFT_FP8=_SOFT_FP8, BLOCK_T=_BLOCK_T, num_warps=4,
-    )
+    _LAUNCH.launch_with(((s + _BLOCK_T - 1) // _BLOCK_T,), _config(bs, d, fp8_dtype, scale_fmt == "ue8m0"),
+                        (kv_cache, k, slot_mapping, s, k.stride()[0], block_stride), 3)
