@@ -67,11 +67,8 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     if lay.head_dim != d:
         raise ValueError(f"kv_cache holds D={lay.head_dim} but q has D={d}")
     C.tensor("weights", weights, dtypes=torch.float32, device=dev, shape=(b * next_n, h), last_contiguous=True)
-    C.tensor("context_lens", context_lens, dtypes=C.INDEX_DTYPES, device=dev, contiguous=True)
-    if context_lens.dim() == 1:
-        C.tensor("context_lens", context_lens, shape=(b,))
-    else:
-        C.tensor("context_lens", context_lens, shape=(b, next_n))
+    C.tensor("context_lens", context_lens, dtypes=C.INDEX_DTYPES, device=dev, contiguous=True,
+             shape=(b,) if context_lens.dim() == 1 else (b, next_n))
     C.tensor("block_table", block_table, ndim=2, dtypes=C.INDEX_DTYPES, device=dev, shape=(b, None),
              last_contiguous=True)
     capacity = block_table.shape[1] * lay.block_size

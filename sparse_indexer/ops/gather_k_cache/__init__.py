@@ -10,6 +10,8 @@ from ...kcache import as_3d, cache_layout
 
 __all__ = ["gather_k_cache"]
 
+_HOST_LIST_ROWS = 64  # value checks of up to this many requests read cu_seq_lens as one Python list
+
 
 def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torch.Tensor, *,
                    out_k: torch.Tensor, out_scale: torch.Tensor, backend: str | None = None,
@@ -41,17 +43,26 @@ def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_len
                out_scale=out_scale)
     C.no_alias("out_scale", out_scale, kv_cache=kv_cache, block_table=block_table, cu_seq_lens=cu_seq_lens)
     if C.want_value_checks(check_values, block_table, cu_seq_lens):
-        if int(cu_seq_lens[0]) != 0:
-            raise ValueError(f"cu_seq_lens[0] must be 0, got {int(cu_seq_lens[0])}")
         cap = lay.block_size * block_table.shape[1]
-        lens = cu_seq_lens.long().diff()
-        C.values_in("cu_seq_lens diffs", lens, 0, cap + 1,
-                    lambda: f"request lengths must be >= 0 and fit max_blocks * block_size = {cap}")
-        total = int(cu_seq_lens[-1]) if r else 0
+        if r <= _HOST_LIST_ROWS:  # few requests: one copy to a list, then plain integers
+            cu = cu_seq_lens.tolist()
+            if cu[0] != 0:
+                raise ValueError(f"cu_seq_lens[0] must be 0, got {cu[0]}")
+            lens_ok = all(0 <= b - a <= cap for a, b in zip(cu, cu[1:]))
+            total = cu[-1] if r else 0
+        else:
+            if int(cu_seq_lens[0]) != 0:
+                raise ValueError(f"cu_seq_lens[0] must be 0, got {int(cu_seq_lens[0])}")
+            lens_ok = False
+            total = int(cu_seq_lens[-1])
+        lens = lambda: cu_seq_lens.long().diff()  # noqa: E731 - request lengths, only built when needed
+        if not lens_ok:
+            C.values_in("cu_seq_lens diffs", lens(), 0, cap + 1,
+                        lambda: f"request lengths must be >= 0 and fit max_blocks * block_size = {cap}")
         if total > out_k.shape[0]:
             raise ValueError(f"cu_seq_lens[-1] = {total} exceeds the {out_k.shape[0]} rows of out_k")
         used = lambda: torch.arange(block_table.shape[1], device=dev)[None, :] < (  # noqa: E731 - only on failure
-            (lens + lay.block_size - 1) // lay.block_size)[:, None]
+            (lens() + lay.block_size - 1) // lay.block_size)[:, None]
         C.values_in("block_table", block_table, 0, lay.num_blocks,
                     lambda: f"block ids must be in [0, num_blocks={lay.num_blocks})", mask=used)
     library.call("gather_k_cache", backend, dev, kv3, block_table, cu_seq_lens, out_k=out_k, out_scale=out_scale)
