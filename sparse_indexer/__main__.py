@@ -4,7 +4,8 @@
 - ``check``: a self-check of every backend available on a device against the reference (run it first on new
   hardware); exit status 1 on any mismatch.
 - ``plan``: the buffer plan for engine limits, beside what vLLM's rules reserve for the same limits.
-- ``bench``: the GPU benchmark of every op and backend against the hardware floors.
+- ``bench``: the GPU benchmark of every op and backend against the hardware floors; ``bench --host``: host time
+  per eager call of every op and step (``sparse_indexer/bench_host.py``).
 """
 
 from __future__ import annotations
