@@ -11,6 +11,8 @@ each timed call, so the launch queue is empty and the time is the host's alone),
 * the decode step (``sparse_attn_indexer`` with K: cache write, paged logits, top-k) and a prefill step of one
   chunk (cache write, gather, ragged logits, top-k), with the step's metadata built once (as every layer of a
   step shares it);
+* the same public calls with every backend implementation replaced by a no-op (the library's own Python:
+  checks, routing, the step's views; the backend's wrapper and launch excluded);
 * in the same run, ``torch.topk`` of the top-k case and an empty op (``x.add_(0)`` on one element) as floors.
 
 Shapes: on CUDA DeepSeek-V3.2's (H=64, D=128, block 64, topk 2048): top-k and paged logits ``4 x 4096``, decode
@@ -183,6 +185,10 @@ def _cases(x: _Inputs, backend: str | None) -> list[tuple[str, Callable, Callabl
     ]
 
 
+def _no_op(*args, **kwargs) -> None:
+    return None
+
+
 def _outputs(x: _Inputs) -> dict[str, torch.Tensor]:
     return {"top_k_per_row": x.topk_out, "fp8_paged_mqa_logits": x.paged_out, "fp8_mqa_logits": x.mqa_out,
             "write_k_cache": x.kv, "gather_k_cache": x.out_k.view(torch.uint8),
@@ -276,6 +282,15 @@ def measure(device: torch.device, backend: str | None, iters: int = 300, warmup:
                 row["added_us"] = row["public_us"] - row["impl_us"]
                 row["op_us"] = _median_us(op, iters, warmup, sync)
             rows.append(row)
+        # the same public calls with every backend implementation replaced by a no-op: what the library's own
+        # Python (checks, routing, the step's views) costs, without the backend's host work and launches
+        real = _dispatch.implementation
+        _dispatch.implementation = lambda op, name: _no_op
+        try:
+            for row, (_name, public, _, _) in zip(rows, _cases(x, backend)):
+                row["library_us"] = _median_us(public, iters, warmup, sync)
+        finally:
+            _dispatch.implementation = real
     finally:
         if gc_was:
             gc.enable()
@@ -299,13 +314,13 @@ def format_markdown(r: dict) -> str:
             f"; torch {r['torch']}, triton {r['triton']}. Shapes H={s['h']}, D={s['d']}, block {s['bs']}, "
             f"topk {s['topk']}, B={s['b']}, L={s['ctx']}, prefill {s['new']} new tokens, gather {s['gather']}.")
     lines = [head, "", "| call | public (us) | backend implementation (us) | added by the public function (us) | "
-             "through torch.ops (us) |", "|---|---:|---:|---:|---:|"]
+             "library alone: no-op implementation (us) | through torch.ops (us) |", "|---|---:|---:|---:|---:|---:|"]
     f = lambda v: "" if v is None else f"{v:.1f}"  # noqa: E731
     for row in r["rows"]:
         lines.append(f"| {row['case']} | {f(row['public_us'])} | {f(row.get('impl_us'))} | "
-                     f"{f(row.get('added_us'))} | {f(row.get('op_us'))} |")
+                     f"{f(row.get('added_us'))} | {f(row.get('library_us'))} | {f(row.get('op_us'))} |")
     for name, v in r["floors"].items():
-        lines.append(f"| floor: {name} | {v:.1f} | | | |")
+        lines.append(f"| floor: {name} | {v:.1f} | | | | |")
     bad = {k: v for k, v in r["checks"].items() if v != "ok"}
     lines += ["", "Self-check (repeated calls equal the first, ops equal the reference backend): "
               + ("all ok" if not bad else "; ".join(f"{k}: {v}" for k, v in bad.items()))]
