@@ -55,6 +55,12 @@ class IndexerLimits:
             ``max_num_seqs * next_n * max_model_len * 4`` exceeds it, a decode step scores and selects its
             requests in sub-batches of :attr:`decode_batch` requests that reuse one budget-sized region of
             ``logits`` (docs/memory.md); it must hold at least one request's rows (``next_n * max_model_len * 4``).
+        min_prefill_query_len: fewest query tokens a prefill request of a step can have, or ``None`` for
+            ``next_n + 1``: :func:`sparse_indexer.build_metadata` makes every request of at most ``next_n`` new
+            tokens a decode request. vLLM's metadata builder on ROCm and the CPU also sends requests of 1 to
+            ``next_n`` tokens down the prefill path (those whose query length differs from the first decode's),
+            so the vLLM shim plans with 1. Fewer queries per request let a chunk hold more requests, so more
+            gathered keys (docs/spec.md §9).
         fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e4m3fnuz``.
         with_qk: also plan the ``qk`` buffer ``[H, max_num_seqs * next_n, max_model_len]`` float32, needed only
             by backends that materialise per-head scores (aiter's paged stage1).
@@ -76,6 +82,7 @@ class IndexerLimits:
     max_decode_logits_bytes: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(_positive)
     )
+    min_prefill_query_len: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
     fp8_dtype: torch.dtype = attrs.field(default=torch.float8_e4m3fn, validator=_one_of(*FP8_DTYPES))
     with_qk: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
@@ -90,12 +97,22 @@ class IndexerLimits:
                 f"IndexerLimits.max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                 f"max_num_seqs={self.max_num_seqs}"
             )
+        if self.min_prefill_query_len is not None and self.min_prefill_query_len > self.next_n + 1:
+            raise ValueError(
+                f"IndexerLimits.min_prefill_query_len={self.min_prefill_query_len} must be <= next_n + 1 = "
+                f"{self.next_n + 1} (a request of more than next_n tokens is always a prefill request)"
+            )
         one = self.next_n * self.max_model_len * 4
         if self.max_decode_logits_bytes is not None and self.max_decode_logits_bytes < one:
             raise ValueError(
                 f"IndexerLimits.max_decode_logits_bytes={self.max_decode_logits_bytes} must hold one decode "
                 f"request's logits, next_n * max_model_len * 4 = {one} bytes"
             )
+
+    @property
+    def min_prefill_queries(self) -> int:
+        """Fewest query tokens of a prefill request: ``min_prefill_query_len``, or ``next_n + 1`` when unset."""
+        return self.next_n + 1 if self.min_prefill_query_len is None else self.min_prefill_query_len
 
     @property
     def max_decode_rows(self) -> int:

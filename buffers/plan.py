@@ -63,9 +63,9 @@ def prefill_extremes(lim: IndexerLimits) -> PrefillExtremes:
     """The exact maxima of a prefill chunk's keys and logits over every step the limits allow.
 
     A step holds at most ``max_num_seqs`` requests and ``max_num_batched_tokens`` (T) tokens, every context
-    ``<= max_model_len`` (L); a prefill request has ``q > next_n`` query tokens and ``s >= q`` keys. With
-    ``q0 = next_n + 1``, the caps ``K = prefill_k_tokens`` and ``C = max_logits_bytes // 4``, the planner forms
-    two kinds of chunks:
+    ``<= max_model_len`` (L); a prefill request has ``q >= q0`` query tokens and ``s >= q`` keys, where
+    ``q0 = limits.min_prefill_queries`` (``next_n + 1`` unless the limits say otherwise). With the caps
+    ``K = prefill_k_tokens`` and ``C = max_logits_bytes // 4``, the planner forms two kinds of chunks:
 
     - ``r`` whole requests with ``M = sum(q)`` queries and ``N = sum(s)`` keys, where ``r q0 <= M <= min(T, N)``,
       ``N <= min(r L, K)`` and ``M N <= C``; any such ``(M, N)`` is reachable (spread ``M`` and ``N`` evenly
@@ -77,7 +77,7 @@ def prefill_extremes(lim: IndexerLimits) -> PrefillExtremes:
     quotients ``C // s``); both searches are vectorised and cached per limits.
     """
     L, T, S = lim.max_model_len, lim.max_num_batched_tokens, lim.max_num_seqs
-    K, C, q0 = lim.prefill_k_tokens, lim.prefill_logits_elems, lim.next_n + 1
+    K, C, q0 = lim.prefill_k_tokens, lim.prefill_logits_elems, lim.min_prefill_queries
     if min(T, L) < q0:  # no request can be a prefill request
         return PrefillExtremes(keys=0, keys_step=None, logits=0, logits_step=None)
     rmax = min(S, T // q0)

@@ -81,9 +81,12 @@ def worst_case_steps(limits: IndexerLimits) -> list[tuple[str, list[int], list[i
       ``qk`` and ``topk_scratch``.
 
     No prefill step is listed when no request can be a prefill request (``max_num_batched_tokens`` or
-    ``max_model_len`` at most ``next_n``).
+    ``max_model_len`` at most ``next_n``). The steps go through :func:`sparse_indexer.build_metadata`, whose
+    prefill requests have more than ``next_n`` tokens: limits with a smaller ``min_prefill_query_len`` (the
+    vLLM shim's, for vLLM's chunks) plan larger key fields than these steps can fill, and the report's
+    ``peaks`` then stay below ``capacity`` for them.
     """
-    ext = prefill_extremes(limits)
+    ext = prefill_extremes(attrs.evolve(limits, min_prefill_query_len=None))
     steps = []
     if ext.keys_step is not None:
         steps.append(("prefill keys", list(ext.keys_step[0]), list(ext.keys_step[1])))

@@ -381,6 +381,9 @@ class VllmIndexer:
             head_dim=int(head_dim), topk=int(topk_tokens), block_size=int(kv_cache.shape[1]),
             prefill_k_tokens=max(int(total_seq_lens), int(max_model_len)), max_logits_bytes=self.max_logits_bytes,
             fp8_dtype=q_fp8.dtype, with_qk=self.with_qk,
+            # vLLM's builder on ROCm/CPU sends requests of 1..next_n tokens whose length differs from the first
+            # decode's down the prefill path: its chunks may hold max_num_seqs one-token prefills
+            min_prefill_query_len=1,
         )
 
     def __call__(self, hidden_states: torch.Tensor, k_cache_prefix, kv_cache: torch.Tensor, q_fp8: torch.Tensor,

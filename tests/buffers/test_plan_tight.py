@@ -4,6 +4,7 @@ all of it (``profile.worst_case_steps``), so the plan is the maximum, not above 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -161,3 +162,20 @@ def test_prefill_extremes_match_brute_force(L, S, extra, nn, kx, C):
                         prefill_k_tokens=L + kx, max_logits_bytes=4 * C)
     e = prefill_extremes(lim)
     assert (e.keys, e.logits) == brute_force(lim)
+
+
+def test_min_prefill_query_len_plans_one_token_prefills():
+    """vLLM's builder (ROCm, CPU) may send one-token requests down the prefill path: with
+    ``min_prefill_query_len=1`` (what the vLLM shim sets) a chunk of ``max_num_seqs`` one-token prefills of
+    ``max_model_len`` keys each fits the plan; the default plan (prefills of more than next_n tokens) is smaller."""
+    base = dict(max_model_len=1000, max_num_batched_tokens=64, max_num_seqs=16, next_n=2,
+                prefill_k_tokens=16_000, max_logits_bytes=16_000 * 4 * 16)
+    default, vllm = IndexerLimits(**base), IndexerLimits(**base, min_prefill_query_len=1)
+    assert default.min_prefill_queries == 3 and vllm.min_prefill_queries == 1
+    # 16 requests of 1 query and 1000 keys: 16 x 16000 logits cells, 16000 keys, inside both caps
+    keys_needed = 16 * 1000
+    assert plan(vllm)["k_fp8"].shape[0] >= keys_needed
+    assert plan(default)["k_fp8"].shape[0] < keys_needed  # 16 * 3 queries do not fit with that many keys
+    assert plan(vllm)["logits"].shape[0] >= 16 * keys_needed
+    with pytest.raises(ValueError, match="min_prefill_query_len"):
+        IndexerLimits(**base, min_prefill_query_len=4)

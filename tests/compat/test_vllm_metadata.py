@@ -21,7 +21,8 @@ from tests.compat.vllm_graph import check_padded_decode_replay
 
 def limits(next_n=2, **kw):
     base = dict(max_model_len=96, max_num_batched_tokens=64, max_num_seqs=8, next_n=next_n, n_heads=8,
-                head_dim=64, topk=16, block_size=16, prefill_k_tokens=192, max_logits_bytes=64 * 96 * 4)
+                head_dim=64, topk=16, block_size=16, prefill_k_tokens=192, max_logits_bytes=64 * 96 * 4,
+                min_prefill_query_len=1)  # as VllmIndexer.limits: vLLM's chunks may hold one-token prefills
     base.update(kw)
     return si.IndexerLimits(**base)
 

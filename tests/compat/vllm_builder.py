@@ -85,6 +85,7 @@ class Engine:
             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             next_n=next_n, n_heads=n_heads, head_dim=head_dim, topk=topk, block_size=block_size,
             prefill_k_tokens=max(self.workspace_keys, max_model_len), max_logits_bytes=LOGITS_MB * 2**20,
+            min_prefill_query_len=1,  # as VllmIndexer.limits
         )
 
     def common_metadata(self, batch, *, pad_reqs: int = 0, pad_tokens: int = 0):
