@@ -36,8 +36,8 @@ def main(argv=None) -> int:
 
     # ---- 1. Memory: static engine limits -> plan -> one arena -> Buffers (an immutable record of views).
     # n_heads=64, head_dim=128, topk=2048, block_size=64 are IndexerLimits' defaults (DeepSeek-V3.2); every
-    # tensor below must match them. max_logits_bytes (default 512 MiB) and prefill_k_tokens (default
-    # 40 * max_model_len) are lowered to keep this example small.
+    # tensor below must match them. max_logits_bytes and prefill_k_tokens (the prefill chunk caps, defaults
+    # 2 GiB and max(max_model_len, 128K) tokens) are lowered to keep this example small.
     limits = IndexerLimits(max_model_len=4096, max_num_batched_tokens=512, max_num_seqs=4, next_n=2,
                            max_logits_bytes=16 * 2**20, prefill_k_tokens=8192)
     H, D, TOPK, BS = limits.n_heads, limits.head_dim, limits.topk, limits.block_size
