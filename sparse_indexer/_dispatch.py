@@ -1,7 +1,8 @@
-"""Backend resolution: one immutable table from (op, backend) to the implementation's import path.
+"""Backend resolution, derived from the registry (:mod:`sparse_indexer.backends`: name, ops, module,
+availability check and ``auto`` order of every backend).
 
 Every op has the same implementation signature in every backend file
-(``sparse_indexer/ops/<op>/{reference,triton,aiter}.py``): arguments already checked, outputs written in place.
+(``sparse_indexer/ops/<op>/<backend>.py``): arguments already checked, outputs written in place.
 ``backend=None``/``"auto"`` tries the best available backend for the device, falling back to the next when one
 raises :class:`NotImplementedError` for a case (before writing anything); an explicitly requested backend that
 is not available raises :class:`BackendUnavailable`.
@@ -12,69 +13,41 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import os
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-__all__ = ["BACKENDS", "BackendUnavailable", "available", "candidates", "call", "unavailable_reason"]
+from . import backends as _registry
+from .backends import OPS, _interpret
 
-BACKENDS = ("reference", "triton", "aiter", "cuda")
-PARTIAL_BACKENDS = {"cuda": ("top_k_per_row",)}
-"""Backends that implement only some ops: ``auto`` tries them for those ops only."""
-OPS = ("write_k_cache", "gather_k_cache", "fp8_mqa_logits", "fp8_paged_mqa_logits", "top_k_per_row")
+__all__ = ["BACKENDS", "OPS", "BackendUnavailable", "available", "candidates", "call", "unavailable_reason"]
+
+BACKENDS = _registry.BUILTIN
+"""The built-in backends (``sparse_indexer.BACKENDS``); :func:`sparse_indexer.backends.names` adds registered ones."""
+
+
+def __getattr__(name: str):
+    if name == "PARTIAL_BACKENDS":  # derived from the registry on every read (a registered backend included)
+        return {n: b.ops for n in _registry.names() if (b := _registry.get(n)).ops is not None}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class BackendUnavailable(RuntimeError):
     """An explicitly requested backend cannot run here; the message says what is missing."""
 
 
-@functools.cache
-def _module_ok(name: str) -> str | None:
-    try:
-        importlib.import_module(name)
-    except Exception as e:  # noqa: BLE001 - any import failure means "not available"
-        return f"{name} does not import ({type(e).__name__}: {e})"
-    return None
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def unavailable_reason(backend: str, device: torch.device) -> str | None:
-    """``None`` when ``backend`` can run on ``device``, else why not."""
-    device = torch.device(device)
-    if backend == "reference":
-        return None
-    if backend == "triton":
-        why = _module_ok("triton")
-        if why:
-            return why
-        if device.type == "cuda":
-            return None
-        if device.type == "cpu" and _interpret():
-            return None
-        return f"the Triton backend runs on CUDA/ROCm devices (or on the CPU with TRITON_INTERPRET=1), not {device}"
-    if backend == "aiter":
-        if device.type != "cuda" or torch.version.hip is None:
-            return f"the aiter backend runs on ROCm GPUs only, not on {device} (torch.version.hip={torch.version.hip})"
-        return _module_ok("aiter")
-    if backend == "cuda":
-        if device.type != "cuda" or torch.version.hip is not None:
-            return f"the CUDA backend runs on NVIDIA GPUs only, not on {device} (torch.version.hip={torch.version.hip})"
-        from .ops.top_k_per_row import cuda as topk_cuda
-
-        return topk_cuda.unavailable_reason()
-    return f"unknown backend {backend!r}; choose one of {BACKENDS} or 'auto'"
+    """``None`` when ``backend`` can run on ``device``, else why not (the registry entry's check)."""
+    if backend not in _registry.names():
+        return f"unknown backend {backend!r}; choose one of {_registry.names()} or 'auto'"
+    return _registry.get(backend).unavailable_reason(torch.device(device))
 
 
 def available(device: torch.device | str) -> tuple[str, ...]:
     """The backends that can run on ``device``, best first (the order ``auto`` tries them)."""
     device = torch.device(device)
-    order = ("aiter", "cuda", "triton", "reference") if device.type == "cuda" else ("reference",)
-    return tuple(b for b in order if unavailable_reason(b, device) is None)
+    return tuple(b for b in _registry.auto_order(device.type) if unavailable_reason(b, device) is None)
 
 
 def candidates(op: str, backend: str | None, device: torch.device) -> tuple[str, ...]:
@@ -82,18 +55,23 @@ def candidates(op: str, backend: str | None, device: torch.device) -> tuple[str,
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}")
     if backend is None or backend == "auto":
-        return tuple(b for b in available(device) if op in PARTIAL_BACKENDS.get(b, (op,)))
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, 'auto' or None, got {backend!r}")
+        return tuple(b for b in available(device) if _registry.get(b).implements(op))
+    if backend not in _registry.names():
+        raise ValueError(f"backend must be one of {_registry.names()}, 'auto' or None, got {backend!r}")
     why = unavailable_reason(backend, device)
     if why is not None:
         raise BackendUnavailable(f"backend {backend!r} is not available for {op}: {why}")
     return (backend,)
 
 
-@functools.cache
 def implementation(op: str, backend: str) -> Callable:
-    module = importlib.import_module(f"sparse_indexer.ops.{op}.{backend}")
+    """The function implementing ``op`` in ``backend`` (imported from the module its registry entry names)."""
+    return _implementation(op, backend, _registry.generation)
+
+
+@functools.cache
+def _implementation(op: str, backend: str, generation: int) -> Callable:
+    module = importlib.import_module(_registry.get(backend).module_of(op))
     return getattr(module, op)
 
 
@@ -118,13 +96,13 @@ class _Route(NamedTuple):
 
 @functools.cache
 def _routes(op: str, backend: str | None, device_type: str, interpret: bool | None, reason: Callable,
-            impl: Callable) -> tuple[_Route, ...]:
+            impl: Callable, generation: int) -> tuple[_Route, ...]:
     """The candidates of one (op, backend, device type), resolved once.
 
     Keyed by everything the resolution reads: the environment switch (``TRITON_INTERPRET``) and the
     functions that decide availability and import implementations (so a replaced one, e.g. a test's
-    monkeypatch, is never served from an entry made with the original). Raises what :func:`candidates` raises
-    (not cached)."""
+    monkeypatch, is never served from an entry made with the original) and the registry's generation. Raises
+    what :func:`candidates` raises (not cached)."""
     routes = []
     for name in candidates(op, backend, torch.device(device_type)):
         try:
@@ -147,7 +125,7 @@ def call(op: str, backend: str | None, device: torch.device, *args, **kwargs):
     dev_type = device.type if isinstance(device, torch.device) else torch.device(device).type
     # TRITON_INTERPRET only decides whether Triton runs on a non-CUDA device (reading it costs ~0.5 us)
     interp = _interpret() if backend == "triton" and dev_type != "cuda" else None
-    routes = _routes(op, backend, dev_type, interp, unavailable_reason, implementation)
+    routes = _routes(op, backend, dev_type, interp, unavailable_reason, implementation, _registry.generation)
     explicit = not (backend is None or backend == "auto")
     last = None
     for r in routes:

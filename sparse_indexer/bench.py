@@ -12,7 +12,7 @@ One run measures the Triton backend, the reference backend on the same device an
   :data:`TOPK_DISTRIBUTIONS`;
 * the decode step (``indexer_decode``: paged logits + top-k as the step runs them), eager and replayed in a CUDA
   graph: ``(B, next_n, L)`` in ``(64, 1, 64K), (64, 2, 64K), (256, 1, 16K), (1, 1, 64K), (4, 1, 64K),
-  (16, 1, 64K)``; backend ``cuda`` there means ``auto`` (Triton logits, CUDA top-k);
+  (16, 1, 64K)``; a backend of some ops means ``auto`` there (``cuda``: Triton logits, CUDA top-k);
 * ``write_k_cache`` and ``gather_k_cache`` of 64K tokens.
 
 ``--anchors DIR`` times vLLM's CUDA top-k kernels (a measuring instrument loaded from ``DIR/vllm_topk.py``,
@@ -45,7 +45,8 @@ import torch
 
 from buffers import IndexerLimits, plan
 
-from ._dispatch import BACKENDS, PARTIAL_BACKENDS, BackendUnavailable, unavailable_reason
+from . import backends as _registry
+from ._dispatch import BackendUnavailable, unavailable_reason
 from .fp8 import fp8_name, quantize_k, quantize_q
 from .kcache import new_kv_cache
 from .ops.fp8_mqa_logits import fp8_mqa_logits
@@ -57,7 +58,6 @@ from .ops.write_k_cache import write_k_cache
 __all__ = ["CaseSpec", "add_arguments", "case_specs", "run"]
 
 GROUPS = ("decode", "prefill", "topk", "step", "cache")
-BACKEND_ORDER = ("cuda", "triton", "reference", "aiter")  # the row order of every case
 CASE_OPS = {"decode": "fp8_paged_mqa_logits", "prefill": "fp8_mqa_logits", "topk": "top_k_per_row",
             "step": "top_k_per_row", "cache": "write_k_cache"}  # a partial backend runs a group if it has this op
 TOPK_DISTRIBUTIONS = ("gaussian", "logits", "ints0-3", "all-equal", "heavy", "sorted", "95%-inf", "nan+inf")
@@ -471,7 +471,8 @@ class StepCase(Case):
         self.amount = lc.amount + float(int(lc.limits.sum()) * 4)
 
     def _step(self, backend):
-        be = None if backend == "cuda" else backend  # "cuda": auto (Triton logits, CUDA top-k)
+        # a backend of some ops (cuda: top-k only) runs the step through auto (cuda: Triton logits, CUDA top-k)
+        be = None if _registry.get(backend).ops is not None else backend
         if backend == "reference":
             self.note = "eager (the reference backend is not captured)"
         return lambda: self._decode(self.q, self.logits_case.weights, self.logits_case.cache, self.md, self.bufs,
@@ -644,7 +645,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated groups ({','.join(GROUPS)}) or case keys "
                              "(e.g. decode-64x1x64K); default: all")
     parser.add_argument("--backends", default=None,
-                        help=f"comma-separated subset of {','.join(BACKEND_ORDER)}; default: all "
+                        help=f"comma-separated subset of {','.join(_registry.names())}; default: all "
                              "(unavailable ones show as n/a with the reason)")
     parser.add_argument("--iters", type=int, default=30, help="timed iterations per row (default 30)")
     parser.add_argument("--warmup", type=int, default=5, help="warmup calls per row (default 5)")
@@ -753,15 +754,16 @@ def run(args: argparse.Namespace) -> int:
                 device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(device)
         specs = _select(case_specs(smoke), opt("cases", None))
-        names = opt("backends", None) or ",".join(BACKEND_ORDER)
+        known = _registry.names()  # the row order of every case: the registry's
+        names = opt("backends", None) or ",".join(known)
         backends = [b.strip() for b in names.split(",") if b.strip()]
-        bad = [b for b in backends if b not in BACKENDS]
+        bad = [b for b in backends if b not in known]
         if bad:
-            raise ValueError(f"unknown --backends {bad}; choose from {BACKENDS}")
+            raise ValueError(f"unknown --backends {bad}; choose from {known}")
     except (ValueError, RuntimeError) as e:
         print(f"bench: {e}", file=sys.stderr)
         return 2
-    backends = [b for b in BACKEND_ORDER if b in backends]
+    backends = [b for b in known if b in backends]
     reasons = {b: why for b in backends if (why := unavailable_reason(b, device)) is not None}
     anchor_mod = None
     if opt("anchors", None):
@@ -805,7 +807,7 @@ def run(args: argparse.Namespace) -> int:
             build_error = _err(e)
             print(f"{tag}: input construction failed: {build_error}", flush=True)
         for b in backends:
-            if CASE_OPS[spec.group] not in PARTIAL_BACKENDS.get(b, (CASE_OPS[spec.group],)):
+            if not _registry.get(b).implements(CASE_OPS[spec.group]):
                 continue  # a backend of some ops only (cuda: top-k, and the step through auto)
             row = dict(case=spec.title, key=spec.key, group=spec.group, backend=b, status="ok",
                        median_us=None, iters=None, times_us=None, amount=None, achieved=None,
@@ -988,7 +990,7 @@ def write_chart(rows: list[dict], path: str) -> bool:
         print(f"warning: no PNG chart, matplotlib is not usable ({_err(e)})", file=sys.stderr, flush=True)
         return False
     cases = list(dict.fromkeys(r["key"] for r in rows))
-    backends = [b for b in BACKEND_ORDER if any(r["backend"] == b and r["floor_fraction"] is not None
+    backends = [b for b in _registry.names() if any(r["backend"] == b and r["floor_fraction"] is not None
                                                 for r in rows)]
     val = {(r["key"], r["backend"]): r["floor_fraction"] for r in rows}
     fig, ax = plt.subplots(figsize=(max(8.0, 1.0 * len(cases) + 2), 5))

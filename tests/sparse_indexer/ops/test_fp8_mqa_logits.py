@@ -105,6 +105,7 @@ def test_out_view_with_row_stride(backend):
     assert bool((big[:, :10] == 9.0).all()) and bool((big[:, 80:] == 9.0).all())
 
 
+@pytest.mark.uses_ops("fp8_mqa_logits", "top_k_per_row")
 @pytest.mark.parametrize("clean", [True, False])
 def test_causal_prefill_then_topk(backend, clean):
     """docs/spec.md §5 causal windows of two requests; top-k of the result judged by the oracle's float64 logits."""

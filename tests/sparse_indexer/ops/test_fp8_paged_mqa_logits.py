@@ -100,6 +100,7 @@ def test_matches_oracle(backend, b, next_n, h, d, bs, dt, two_d, clean, pad, fou
     assert_logits(out, want, clean=clean)
 
 
+@pytest.mark.uses_ops("fp8_paged_mqa_logits", "fp8_mqa_logits")
 @pytest.mark.parametrize("dt", FP8, ids=FP8_IDS)
 @pytest.mark.parametrize("bs", [1, 16, 64])
 def test_paged_equals_dense(backend, dt, bs):
@@ -148,6 +149,7 @@ def test_unclean_cells_outside_are_not_relied_upon(backend):
         assert_logits(out, want, clean=False)
 
 
+@pytest.mark.uses_ops("fp8_paged_mqa_logits", "top_k_per_row")
 def test_decode_then_topk(backend):
     """Decode logits -> top_k_per_row with row_starts = 0, row_ends = limit; judged by the float64 logits."""
     g = gen(13)

@@ -271,6 +271,7 @@ def test_workspace_alias_checked():
 
 
 # ---------------------------------------------------------------- the step passes Buffers.topk_scratch
+@pytest.mark.uses_ops()  # the whole step
 def test_step_uses_topk_scratch_and_checks_it(backend):
     import attrs
 

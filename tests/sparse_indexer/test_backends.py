@@ -1,0 +1,161 @@
+"""The backend registry (``sparse_indexer.backends``): a toy backend registered here is picked up by dispatch,
+``auto``, the benchmark's backend list and the tests' ``backend`` parametrization, with no other file touched;
+the README's backend table matches the registry."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import sparse_indexer as si
+from sparse_indexer import _dispatch, backends, bench
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CALLS: list[str] = []
+
+
+def top_k_per_row(logits, row_starts, row_ends, *, out) -> None:
+    """The toy backend's top-k: the reference's, counted (and spoiled when ``TOY_BACKEND_BROKEN`` is set)."""
+    CALLS.append("top_k_per_row")
+    if log := os.environ.get("TOY_BACKEND_LOG"):
+        with open(log, "a") as f:
+            f.write("call\n")
+    _dispatch.implementation("top_k_per_row", "reference")(logits, row_starts, row_ends, out=out)
+    if os.environ.get("TOY_BACKEND_BROKEN") and out.numel():
+        out.view(-1)[0] = out.view(-1)[0] + 1 if int(out.view(-1)[0]) >= 0 else 0
+
+
+def toy_entry() -> backends.Backend:
+    """One registry entry: a CPU top-k, tried by ``auto`` on the CPU before the reference."""
+    return backends.Backend("toy", lambda device: None if device.type == "cpu" else "the toy runs on the CPU",
+                            auto=("cpu",), rank=0, ops=("top_k_per_row",), module=__name__,
+                            where="the CPU (a test's toy)")
+
+
+@pytest.fixture
+def toy():
+    backends.register(toy_entry())
+    CALLS.clear()
+    try:
+        yield
+    finally:
+        backends.unregister("toy")
+
+
+def _topk_case():
+    logits = torch.randn(3, 300)
+    starts, ends = torch.tensor([0, 5, 0], dtype=torch.int32), torch.tensor([300, 200, 7], dtype=torch.int32)
+    return logits, starts, ends, torch.empty(3, 64, dtype=torch.int32)
+
+
+def test_toy_backend_in_dispatch_and_auto(toy):
+    cpu = torch.device("cpu")
+    assert "toy" in backends.names() and _dispatch.available(cpu) == ("toy", "reference")
+    assert _dispatch.PARTIAL_BACKENDS["toy"] == ("top_k_per_row",)
+    assert _dispatch.candidates("top_k_per_row", None, cpu) == ("toy", "reference")
+    assert _dispatch.candidates("fp8_mqa_logits", None, cpu) == ("reference",)
+    logits, s, e, out = _topk_case()
+    want = out.clone()
+    si.top_k_per_row(logits, s, e, out=want, backend="reference")
+    si.top_k_per_row(logits, s, e, out=out, backend="toy")
+    assert CALLS == ["top_k_per_row"] and torch.equal(out, want)
+    si.top_k_per_row(logits, s, e, out=out)  # auto on the CPU: the toy first
+    assert CALLS == ["top_k_per_row"] * 2
+    with pytest.raises(si.BackendUnavailable, match="toy runs on the CPU"):
+        _dispatch.candidates("top_k_per_row", "toy", torch.device("meta"))
+
+
+def test_unregistered_backend_is_gone(toy):
+    backends.unregister("toy")
+    try:
+        with pytest.raises(ValueError, match="backend"):
+            si.top_k_per_row(*_topk_case()[:3], out=_topk_case()[3], backend="toy")
+        assert _dispatch.available("cpu") == ("reference",)
+    finally:
+        backends.register(toy_entry())
+
+
+def test_toy_backend_in_bench(toy, tmp_path):
+    parser = __import__("argparse").ArgumentParser()
+    bench.add_arguments(parser)
+    assert "toy" in parser.format_help()
+    argv = ["--smoke", "--device", "cpu", "--iters", "1", "--warmup", "0", "--out", str(tmp_path),
+            "--cases", "topk", "--skip-reference"]
+    assert bench.run(parser.parse_args(argv)) == 0  # default --backends: every registered backend
+    rows = [r for r in json.loads((tmp_path / "results.json").read_text())["rows"] if r["backend"] == "toy"]
+    assert rows and all(r["status"] == "ok" and r["check"] == "ok" for r in rows), rows
+    assert CALLS
+
+
+def _pytest_with_toy(tmp_path, broken: bool) -> tuple[subprocess.CompletedProcess, int]:
+    """The op tests in a fresh process with the toy registered before collection and named as the backend
+    under test; returns the run and the number of calls the toy received."""
+    log = tmp_path / f"calls-{broken}.log"
+    code = ("import sys, pytest; from sparse_indexer import backends; "
+            "from tests.sparse_indexer.test_backends import toy_entry; backends.register(toy_entry()); "
+            "sys.exit(pytest.main(sys.argv[1:]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(SPARSE_INDEXER_TEST_BACKENDS="toy", TOY_BACKEND_LOG=str(log), PYTHONPATH=str(ROOT))
+    if broken:
+        env["TOY_BACKEND_BROKEN"] = "1"
+    run = subprocess.run([sys.executable, "-c", code, "-q", "-rs", "-p", "no:cacheprovider",
+                          "tests/sparse_indexer/ops/test_top_k_per_row.py::test_hand_computed",
+                          "tests/sparse_indexer/ops/test_top_k_per_row.py::test_topk_2048",
+                          "tests/sparse_indexer/ops/test_top_k_per_row.py::test_step_uses_topk_scratch_and_checks_it",
+                          "tests/sparse_indexer/ops/test_gather_k_cache.py::test_hand_computed"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return run, (len(log.read_text().splitlines()) if log.exists() else 0)
+
+
+def test_toy_backend_in_parametrized_op_tests(tmp_path):
+    """Named in SPARSE_INDEXER_TEST_BACKENDS, the toy runs its op's tests (and they catch a spoiled result); the
+    tests of other ops and of the whole step skip it."""
+    run, calls = _pytest_with_toy(tmp_path, broken=False)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    assert calls >= 2 and re.search(r"\b2 passed, 2 skipped\b", out), out
+    assert "does not implement gather_k_cache" in out and "does not implement write_k_cache" in out, out
+    run, calls = _pytest_with_toy(tmp_path, broken=True)
+    assert run.returncode == 1 and calls >= 2 and re.search(r"\b2 failed\b", run.stdout), run.stdout
+
+
+def test_unknown_test_backend_is_a_usage_error(tmp_path):
+    env = {**os.environ, "SPARSE_INDEXER_TEST_BACKENDS": "nonesuch"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "tests/sparse_indexer/ops/test_gather_k_cache.py::test_hand_computed"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 4 and "nonesuch" in run.stdout + run.stderr
+
+
+def test_readme_table_matches_registry():
+    """The README's backend table lists the built-in backends in table order with their ops and where they
+    run, as the registry has them."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Backends\n", 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| `")]
+    assert [r[0].strip("`") for r in rows] == list(backends.BUILTIN)
+    for row in rows:
+        entry = backends.get(row[0].strip("`"))
+        assert row[1] == ("every op" if entry.ops is None else ", ".join(f"`{op}`" for op in entry.ops)), row
+        assert row[2] == entry.where, row
+
+
+def test_registry_rejects_bad_entries():
+    with pytest.raises(ValueError, match="unknown ops"):
+        backends.Backend("x", lambda d: None, ops=("nope",))
+    with pytest.raises(ValueError, match="identifier"):
+        backends.Backend("auto", lambda d: None)
+    with pytest.raises(ValueError, match="already registered"):
+        backends.register(backends.get("reference"))
+    with pytest.raises(ValueError, match="unknown backend 'nope'"):
+        backends.get("nope")
+    assert backends.auto_order("cuda") == ("aiter", "cuda", "triton", "reference")
+    assert backends.auto_order("cpu") == ("reference",)
