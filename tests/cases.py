@@ -1,4 +1,5 @@
-"""Shared case generators, backend-dependent settings and assertion helpers (imports no library code)."""
+"""Shared case generators, backend-dependent settings and assertion helpers (the output checks are the public
+ones of :mod:`sparse_indexer.testing`; nothing else of the library is imported)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from sparse_indexer.testing import LOGITS_RTOL_L2, assert_logits, assert_topk  # noqa: F401 - re-exported
 from tests import oracle
 
 BACKENDS = tuple(b for b in os.environ.get("SPARSE_INDEXER_TEST_BACKENDS", "reference").split(",") if b)
@@ -19,7 +21,6 @@ SLOW_BACKEND = INTERPRET or "triton" in BACKENDS
 FP8 = [torch.float8_e4m3fn, torch.float8_e4m3fnuz]
 FP8_IDS = ["e4m3fn", "e4m3fnuz"]
 SCALE_FMTS = ["ue8m0", None]
-LOGITS_RTOL_L2 = 1e-5
 
 
 def hyp_settings(**kw):
@@ -139,81 +140,6 @@ def paged_case(g: torch.Generator, lens, block_size: int, d: int, fp8_dtype, *, 
 
 
 # ------------------------------------------------------------------------------------------------ assertions
-def _worst(diff: torch.Tensor, actual, expected, n: int = 8) -> str:
-    flat = diff.reshape(-1)
-    k = min(n, flat.numel())
-    idx = torch.topk(flat.nan_to_num(float("inf")), k).indices
-    lines = []
-    for i in idx.tolist():
-        pos = tuple(int(v) for v in torch.unravel_index(torch.tensor(i), diff.shape))
-        lines.append(f"  at {list(pos)}: actual={float(actual[pos])!r} expected={float(expected[pos])!r}")
-    return "\n".join(lines)
-
-
-def assert_logits(actual: torch.Tensor, expected: torch.Tensor, *, clean: bool = True,
-                  rtol_l2: float = LOGITS_RTOL_L2, name: str = "logits") -> None:
-    """``expected`` is the oracle's float64 (``-inf`` outside windows). Inside the windows the relative L2 error
-    must be below ``rtol_l2``; with ``clean`` the ``-inf`` masks must match exactly."""
-    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    a = actual.double()
-    outside = expected == float("-inf")
-    if clean:
-        got = a == float("-inf")
-        bad = got != outside
-        if bool(bad.any()):
-            raise AssertionError(
-                f"{name}: -inf mask differs in {int(bad.sum())} cells (worst shown):\n"
-                + _worst(bad.double(), a, expected)
-            )
-    inside = ~outside
-    if not bool(inside.any()):
-        return
-    ai = torch.where(inside, a, 0.0)
-    ei = torch.where(inside, expected, 0.0)
-    finite = torch.isfinite(ai)
-    if not bool(finite.all()):
-        raise AssertionError(f"{name}: non-finite values inside windows:\n" + _worst((~finite).double(), a, expected))
-    diff = (ai - ei).abs()
-    err = float(diff.norm()) / max(float(ei.norm()), 1e-300)
-    if err >= rtol_l2 and float(diff.max()) > 0:
-        raise AssertionError(f"{name}: relative L2 error {err:.3e} >= {rtol_l2:.0e}; worst cells:\n"
-                             + _worst(diff, a, expected))
-
-
-def assert_topk(out: torch.Tensor, logits: torch.Tensor, starts, ends, *, rtol: float = 0.0) -> None:
-    """docs/spec.md §6 checker. ``logits`` (any float dtype) gives the values the selection is judged by; with ``rtol``
-    the sorted selected values may differ from the true top values by ``rtol * max|finite window value|``."""
-    starts = [int(x) for x in torch.as_tensor(starts).tolist()]
-    ends = [int(x) for x in torch.as_tensor(ends).tolist()]
-    r, topk = out.shape
-    assert out.dtype == torch.int32
-    for i in range(r):
-        n = max(0, ends[i] - starts[i])
-        row = out[i].tolist()
-        if n <= topk:
-            want = list(range(n)) + [-1] * (topk - n)
-            assert row == want, f"row {i} (len {n} <= topk {topk}): got {row[:20]}..., want {want[:20]}..."
-            continue
-        pos = torch.tensor(row, dtype=torch.long)
-        assert bool(((pos >= 0) & (pos < n)).all()), f"row {i}: positions outside [0, {n}): {sorted(row)[:10]}..."
-        assert len(set(row)) == topk, f"row {i}: {topk - len(set(row))} repeated positions"
-        window = logits[i, starts[i] : ends[i]]
-        got = torch.sort(oracle.rank_key(window[pos]), descending=True).values
-        want = oracle.top_values(window, topk)
-        fin = torch.isfinite(want)
-        assert bool((torch.isfinite(got) == fin).all()), (
-            f"row {i}: selected {int((~torch.isfinite(got)).sum())} -inf/NaN cells, the top-{topk} have "
-            f"{int((~fin).sum())}")
-        wf = oracle.rank_key(window)
-        scale = float(wf[torch.isfinite(wf)].abs().max()) if bool(torch.isfinite(wf).any()) else 0.0
-        diff = (got[fin] - want[fin]).abs()
-        if diff.numel() and float(diff.max()) > rtol * scale:
-            j = int(diff.argmax())
-            raise AssertionError(f"row {i}: sorted selected values differ from the top-{topk} values: "
-                                 f"{int((diff > rtol * scale).sum())} mismatches, worst at rank {j}: "
-                                 f"got {float(got[fin][j])!r}, want {float(want[fin][j])!r}")
-
-
 def snapshots(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [storage_snapshot(t) for t in tensors]
 

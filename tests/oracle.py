@@ -6,7 +6,7 @@
   float32, then, under ``ue8m0``, rounded up to a power of two exactly (``math.frexp``, no ``log2``).
 - The paged K cache (docs/spec.md §4) is read and written byte by byte from the tensor's storage, using only its
   ``storage_offset`` and first stride.
-- Logits (docs/spec.md §5) and top-k values (docs/spec.md §6) in float64.
+- Logits (docs/spec.md §5) in float64 (top-k selections are judged on them by :mod:`sparse_indexer.testing`).
 """
 
 from __future__ import annotations
@@ -239,14 +239,3 @@ def paged_logits(q, kv, weights, context_lens, block_table, width: int) -> torch
                 out[r, :lim] = scores(qv[bi, j : j + 1], kvals[:lim], ksc[:lim], weights[r : r + 1])[0]
     return out
 
-
-# ----------------------------------------------------------------------------------------------- docs/spec.md §6
-def rank_key(x: torch.Tensor) -> torch.Tensor:
-    """float64 values where NaN counts as ``-inf`` (both rank below every finite value)."""
-    x = x.double()
-    return torch.where(torch.isnan(x), torch.full_like(x, NEG_INF), x)
-
-
-def top_values(window: torch.Tensor, topk: int) -> torch.Tensor:
-    """The ``topk`` largest values of a 1-D window (NaN as ``-inf``), sorted descending."""
-    return torch.sort(rank_key(window), descending=True).values[:topk]
