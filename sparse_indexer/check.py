@@ -46,6 +46,7 @@ from .ops.fp8_paged_mqa_logits import fp8_paged_mqa_logits, row_limits
 from .ops.gather_k_cache import gather_k_cache
 from .ops.top_k_per_row import top_k_per_row
 from .ops.write_k_cache import write_k_cache
+from .testing import logits_error, topk_errors, windows
 
 __all__ = ["CHECKS", "add_arguments", "run", "main"]
 
@@ -259,19 +260,6 @@ def _queries(g: torch.Generator, rows: int, h: int, d: int, fp8, keys: torch.Ten
     return q8, w.float()
 
 
-def _logits_error(got: torch.Tensor, want: torch.Tensor, inside: torch.Tensor, clean: bool) -> tuple[float, int]:
-    """(relative L2 error inside the windows, cells whose ``-inf`` mask differs when ``clean``)."""
-    got = got.cpu().double()
-    want = want.double()
-    mask_bad = int(((got == float("-inf")) != ~inside).sum()) if clean else 0
-    gi = torch.where(inside, got, 0.0)
-    wi = torch.where(inside, want, 0.0)
-    if not bool(torch.isfinite(gi).all()):
-        return float("inf"), mask_bad
-    err = float((gi - wi).norm()) / max(float(wi.norm()), 1e-300)
-    return err, mask_bad
-
-
 def _logits_verdict(ctx: Ctx, err: float, mask_bad: int) -> tuple[str, str, bool]:
     text = f"rel L2 {err:.1e}" + (f", {mask_bad} -inf cells differ" if mask_bad else "")
     return text, f"{ctx.logits_rtol:.0e}", err <= ctx.logits_rtol and mask_bad == 0
@@ -299,7 +287,7 @@ def case_ragged(ctx: Ctx, h: int, d: int, clean: bool) -> tuple[str, str, bool]:
     ctx.sync()
     n = torch.arange(sum(seq))[None, :]
     inside = (n >= st.long()[:, None]) & (n < en.long()[:, None])
-    return _logits_verdict(ctx, *_logits_error(out, want, inside, clean))
+    return _logits_verdict(ctx, *logits_error(out, want, inside, clean=clean))
 
 
 def case_paged(ctx: Ctx, next_n: int, two_d: bool, h: int = 64, d: int = 128, bs: int = 64) -> tuple[str, str, bool]:
@@ -329,31 +317,12 @@ def case_paged(ctx: Ctx, next_n: int, two_d: bool, h: int = 64, d: int = 128, bs
                          backend=ctx.op_backend)
     ctx.sync()
     inside = torch.arange(width)[None, :] < lim[:, None]
-    return _logits_verdict(ctx, *_logits_error(out, want, inside, clean))
+    return _logits_verdict(ctx, *logits_error(out, want, inside, clean=clean))
 
 
 def _topk_rows_wrong(sel: torch.Tensor, logits: torch.Tensor, starts, ends) -> int:
-    """Rows of ``sel`` that break docs/spec.md §6 on ``logits`` (all CPU): short rows exact, long rows by the
-    multiset of selected values (NaN ranks as -inf)."""
-    topk = sel.shape[1]
-    wrong = 0
-    for i in range(sel.shape[0]):
-        s, e = int(starts[i]), int(ends[i])
-        n = max(0, e - s)
-        row = sel[i].long()
-        if n <= topk:
-            want = torch.cat([torch.arange(n), torch.full((topk - n,), -1)])
-            wrong += not torch.equal(row, want)
-            continue
-        if bool(((row < 0) | (row >= n)).any()) or row.unique().numel() != topk:
-            wrong += 1
-            continue
-        win = logits[i, s:e].double()
-        win = torch.where(torch.isnan(win), torch.full_like(win, float("-inf")), win)
-        got = torch.sort(win[row], descending=True).values
-        want = torch.sort(win, descending=True).values[:topk]
-        wrong += not torch.equal(got, want)
-    return wrong
+    """Rows of ``sel`` that break docs/spec.md §6 on ``logits`` (:func:`sparse_indexer.testing.topk_errors`)."""
+    return len(topk_errors(sel, windows(logits, starts, ends)))
 
 
 def case_topk(ctx: Ctx, topk: int, workspace: bool, special: bool) -> tuple[str, str, bool]:

@@ -22,6 +22,7 @@ from .fp8 import quantize_k, quantize_q
 from .indexer import sparse_attn_indexer
 from .kcache import new_kv_cache, slots_from_block_table
 from .metadata import build_metadata
+from .testing import topk_errors
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,26 +74,12 @@ def _model_rows(req: _Request, positions: range, fp8_dtype) -> list[torch.Tensor
 
 
 def _check(sel: torch.Tensor, rows: list[torch.Tensor], topk: int, rel_tol: float) -> str | None:
-    """Top-k of every row against its float64 scores: exact for short windows; otherwise every selected score
-    must be within ``rel_tol * max|score|`` of the ``topk``-th best (logits computed with FP8 tensor cores
-    differ from float64 by ~1e-4 relative, which may swap near-ties at the boundary)."""
-    for i, s in enumerate(rows):
-        n = s.shape[0]
-        row = sel[i].cpu()
-        if n <= topk:
-            want = torch.cat([torch.arange(n), torch.full((topk - n,), -1)]).int()
-            if not torch.equal(row, want):
-                return f"row {i} (window {n} <= topk): got {row[:6].tolist()}..."
-            continue
-        if bool((row < 0).any()) or bool((row >= n).any()) or row.unique().numel() != topk:
-            return f"row {i}: indices outside [0, {n}) or repeated"
-        kth = s.topk(topk).values[-1]
-        scale = float(s.abs().max())
-        worst = float((kth - s[row.long()]).max())
-        if worst > rel_tol * scale:
-            return (f"row {i}: a selected score is {worst / scale:.2e} x max|score| below the {topk}-th best "
-                    f"(tolerance {rel_tol:.0e})")
-    return None
+    """Top-k of every row against its float64 scores (:func:`sparse_indexer.testing.topk_errors`): exact for
+    short windows; otherwise every selected score must be within ``rel_tol * max|score|`` of the ``topk``-th best
+    (logits computed with FP8 tensor cores differ from float64 by ~1e-4 relative, which may swap near-ties at the
+    boundary). ``None`` when right, else what is wrong with the first wrong row."""
+    errors = topk_errors(sel, rows, rtol=rel_tol, threshold=True, limit=1)
+    return errors[0] if errors else None
 
 
 def _plural(n: int, word: str) -> str:
