@@ -18,12 +18,10 @@ backend's); with ``clean``, the ``-inf`` mask (cells outside the windows) must m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 __all__ = ["LOGITS_RTOL_L2", "assert_logits", "assert_topk", "logits_error", "rank_key", "top_values",
-           "topk_errors", "windows"]
+           "topk_errors"]
 
 LOGITS_RTOL_L2 = 1e-5
 """Relative L2 error allowed inside the windows against float64 (FP8 products exact in float32, float32 sums)."""
@@ -41,64 +39,105 @@ def top_values(window: torch.Tensor, topk: int) -> torch.Tensor:
     return torch.sort(rank_key(window), descending=True).values[:topk]
 
 
-def windows(logits: torch.Tensor, starts, ends) -> list[torch.Tensor]:
-    """The windows ``logits[i, starts[i]:ends[i]]`` (CPU views; an empty window where ``ends <= starts``)."""
-    logits = logits.cpu()
-    s = [int(x) for x in torch.as_tensor(starts).tolist()]
-    e = [int(x) for x in torch.as_tensor(ends).tolist()]
-    return [logits[i, s[i] : max(s[i], e[i])] for i in range(len(s))]
+def _as_rows(logits, starts, ends) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logits [R, W], starts [R], ends [R])`` from a 2-D tensor and its windows, or from a sequence of 1-D
+    windows (padded into one tensor, each window starting at column 0)."""
+    if starts is None or ends is None:
+        if starts is not None or ends is not None:
+            raise ValueError("give both starts and ends, or neither (logits a sequence of 1-D windows)")
+        rows = list(logits)
+        lens = [int(w.shape[0]) for w in rows]
+        dev = rows[0].device if rows else torch.device("cpu")
+        x = torch.zeros(len(rows), max(lens, default=0), dtype=torch.float64, device=dev)
+        for i, w in enumerate(rows):
+            x[i, : lens[i]] = w
+        return x, torch.zeros(len(rows), dtype=torch.long, device=dev), torch.tensor(lens, device=dev)
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise ValueError(f"logits must be a 2-D tensor when starts/ends are given, got {type(logits).__name__}")
+    return logits, torch.as_tensor(starts).to(logits.device).long(), torch.as_tensor(ends).to(logits.device).long()
 
 
-def topk_errors(sel: torch.Tensor, rows: Sequence[torch.Tensor], *, rtol: float = 0.0, threshold: bool = False,
+def topk_errors(sel: torch.Tensor, logits, starts=None, ends=None, *, rtol: float = 0.0, threshold: bool = False,
                 limit: int | None = None) -> list[str]:
-    """What is wrong with each row of ``sel [R, topk]`` (int32) as the top-k of the 1-D window ``rows[i]``
-    (any float dtype; see the module docstring): one message per wrong row, at most ``limit``; ``[]`` when
-    every row is right."""
-    if sel.dim() != 2 or sel.shape[0] != len(rows):
-        raise ValueError(f"sel must be [R = len(rows) = {len(rows)}, topk], got {tuple(sel.shape)}")
-    sel = sel.cpu()
-    topk = sel.shape[1]
+    """What is wrong with each row of ``sel [R, topk]`` (int32) as the top-k of its window (see the module
+    docstring): ``logits [R, W]`` (any float dtype, any device) with ``starts/ends [R]``, or ``logits`` a
+    sequence of ``R`` 1-D windows. One message per wrong row, at most ``limit``; ``[]`` when every row is
+    right. Vectorized over rows (chunks of at most 2**24 cells) on the tensors' device."""
+    x, s, e = _as_rows(logits, starts, ends)
+    r, w = x.shape
+    if sel.dim() != 2 or sel.shape[0] != r:
+        raise ValueError(f"sel must be [R = {r}, topk], got {tuple(sel.shape)}")
+    sel = sel.to(x.device)
     errors: list[str] = []
-    for i, window in enumerate(rows):
-        if limit is not None and len(errors) >= limit:
-            break
-        n = window.shape[0]
-        row = sel[i].long()
-        if n <= topk:
-            want = torch.cat([torch.arange(n), torch.full((topk - n,), -1)])
-            if not torch.equal(row, want):
-                errors.append(f"row {i} (len {n} <= topk {topk}): got {row[:20].tolist()}..., "
-                              f"want {want[:20].tolist()}...")
-            continue
-        if bool(((row < 0) | (row >= n)).any()):
-            errors.append(f"row {i}: positions outside [0, {n}): {sorted(row.tolist())[:10]}...")
-            continue
-        if row.unique().numel() != topk:
-            errors.append(f"row {i}: {topk - row.unique().numel()} repeated positions")
-            continue
-        w = rank_key(window.cpu())
-        fin_w = torch.isfinite(w)
-        scale = float(w[fin_w].abs().max()) if bool(fin_w.any()) else 0.0
-        got = torch.sort(w[row], descending=True).values
-        want = torch.sort(w, descending=True).values[:topk]
-        if threshold:
-            worst = float((want[-1] - got).max()) if bool(torch.isfinite(want[-1])) else 0.0
-            if worst > rtol * scale:
-                errors.append(f"row {i}: a selected value is {worst:.3e} below the {topk}-th largest "
-                              f"(tolerance {rtol:.0e} x max|value| {scale:.3e})")
-            continue
-        fin = torch.isfinite(want)
-        if not bool((torch.isfinite(got) == fin).all()):
-            errors.append(f"row {i}: selected {int((~torch.isfinite(got)).sum())} -inf/NaN cells, the top-{topk} "
-                          f"have {int((~fin).sum())}")
-            continue
-        diff = (got[fin] - want[fin]).abs()
-        if diff.numel() and float(diff.max()) > rtol * scale:
-            j = int(diff.argmax())
-            errors.append(f"row {i}: sorted selected values differ from the top-{topk} values: "
-                          f"{int((diff > rtol * scale).sum())} mismatches, worst at rank {j}: "
-                          f"got {float(got[fin][j])!r}, want {float(want[fin][j])!r}")
+    step = max(1, (1 << 24) // max(1, w))
+    for r0 in range(0, r, step):
+        r1 = min(r, r0 + step)
+        for i in _bad_rows(sel[r0:r1].long(), x[r0:r1], s[r0:r1], e[r0:r1], rtol, threshold):
+            i += r0
+            errors.append(_row_error(i, sel[i], x[i, int(s[i]) : max(int(s[i]), int(e[i]))], rtol, threshold))
+            if limit is not None and len(errors) >= limit:
+                return errors
     return errors
+
+
+def _bad_rows(pos: torch.Tensor, x: torch.Tensor, s: torch.Tensor, e: torch.Tensor, rtol: float,
+              threshold: bool) -> list[int]:
+    """Indices of the rows of ``pos [rows, topk]`` (int64) that break docs/spec.md §6 on ``x [rows, W]``."""
+    topk = pos.shape[1]
+    n = (e - s).clamp(min=0)
+    ar = torch.arange(topk, device=pos.device)
+    short = n <= topk
+    bad = short & (pos != torch.where(ar[None, :] < n[:, None], ar[None, :], -1)).any(dim=1)
+    lng = ~short
+    if bool(lng.any()):
+        xl, sl, nl, p = x[lng], s[lng], n[lng], pos[lng]
+        cols = torch.arange(x.shape[1], device=x.device)
+        inside = (cols[None, :] >= sl[:, None]) & (cols[None, :] < (sl + nl)[:, None])
+        key = torch.where(inside, rank_key(xl), NEG_INF)  # float64, -inf outside the window
+        wrong = ((p < 0) | (p >= nl[:, None])).any(dim=1) | (p.sort(dim=1).values.diff(dim=1) == 0).any(dim=1)
+        p = p.clamp(min=0).minimum((nl - 1)[:, None])
+        got = key.gather(1, p + sl[:, None]).sort(dim=1, descending=True).values
+        want = key.topk(topk, dim=1).values  # sorted, descending
+        tol = rtol * torch.where(torch.isfinite(key), key.abs(), 0.0).amax(dim=1)
+        if threshold:
+            kth = want[:, -1:]
+            wrong |= torch.where(torch.isfinite(kth), kth - got, 0.0).amax(dim=1) > tol
+        else:
+            fin = torch.isfinite(want)
+            wrong |= (torch.isfinite(got) != fin).any(dim=1)
+            wrong |= torch.where(fin, (got - want).abs(), 0.0).nan_to_num(float("inf")).amax(dim=1) > tol
+        bad[lng] = wrong
+    return bad.nonzero().flatten().tolist()
+
+
+def _row_error(i: int, row: torch.Tensor, window: torch.Tensor, rtol: float, threshold: bool) -> str:
+    """The message of wrong row ``i``: ``row [topk]`` its selection, ``window`` its cells."""
+    row, window = row.cpu().long(), window.cpu()
+    n, topk = window.shape[0], row.shape[0]
+    if n <= topk:
+        want = torch.cat([torch.arange(n), torch.full((topk - n,), -1)])
+        return f"row {i} (len {n} <= topk {topk}): got {row[:20].tolist()}..., want {want[:20].tolist()}..."
+    if bool(((row < 0) | (row >= n)).any()):
+        return f"row {i}: positions outside [0, {n}): {sorted(row.tolist())[:10]}..."
+    if row.unique().numel() != topk:
+        return f"row {i}: {topk - row.unique().numel()} repeated positions"
+    key = rank_key(window)
+    fin_key = torch.isfinite(key)
+    scale = float(key[fin_key].abs().max()) if bool(fin_key.any()) else 0.0
+    got = torch.sort(key[row], descending=True).values
+    want = top_values(window, topk)
+    if threshold:
+        return (f"row {i}: a selected value is {float((want[-1] - got).max()):.3e} below the {topk}-th largest "
+                f"(tolerance {rtol:.0e} x max|value| {scale:.3e})")
+    fin = torch.isfinite(want)
+    if not bool((torch.isfinite(got) == fin).all()):
+        return (f"row {i}: selected {int((~torch.isfinite(got)).sum())} -inf/NaN cells, the top-{topk} have "
+                f"{int((~fin).sum())}")
+    diff = (got[fin] - want[fin]).abs()
+    j = int(diff.argmax())
+    return (f"row {i}: sorted selected values differ from the top-{topk} values: "
+            f"{int((diff > rtol * scale).sum())} mismatches, worst at rank {j}: "
+            f"got {float(got[fin][j])!r}, want {float(want[fin][j])!r}")
 
 
 def assert_topk(sel: torch.Tensor, logits, starts=None, ends=None, *, rtol: float = 0.0,
@@ -106,8 +145,7 @@ def assert_topk(sel: torch.Tensor, logits, starts=None, ends=None, *, rtol: floa
     """Raise ``AssertionError`` naming the first wrong row unless ``sel [R, topk]`` (int32) is the top-k of every
     window: ``logits [R, W]`` with ``starts/ends [R]``, or ``logits`` a sequence of ``R`` 1-D windows."""
     assert sel.dtype == torch.int32, f"top-k output must be int32, got {sel.dtype}"
-    rows = windows(logits, starts, ends) if starts is not None else list(logits)
-    errors = topk_errors(sel, rows, rtol=rtol, threshold=threshold, limit=1)
+    errors = topk_errors(sel, logits, starts, ends, rtol=rtol, threshold=threshold, limit=1)
     if errors:
         raise AssertionError(errors[0])
 
