@@ -78,13 +78,28 @@ def decode_batch(metadata: IndexerMetadata) -> int:
     return max(1, metadata.limits.decode_batch_rows // metadata.decode.next_n)
 
 
+def _require_backend(backend: str, ops: tuple[str, ...], device: torch.device) -> None:
+    """Raise :class:`~sparse_indexer.BackendUnavailable` unless ``backend`` runs every op of ``ops`` on ``device``
+    (an explicitly named backend never falls back, so a step must not start writing with it)."""
+    from . import _dispatch, backends
+
+    for op in dict.fromkeys(ops):
+        _dispatch.candidates(op, backend, device)  # unknown or unavailable backend
+        if not backends.get(backend).implements(op):
+            raise _dispatch.BackendUnavailable(
+                f"backend {backend!r} does not implement {op}, which this step runs; use backend=None (auto) or "
+                f"a backend that implements every op")
+
+
 def check_step(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor, metadata: IndexerMetadata,
                buffers: Buffers, topk_out: torch.Tensor, k: torch.Tensor | None = None,
-               *, prefill: bool = True, decode: bool = True) -> None:
+               *, prefill: bool = True, decode: bool = True, backend: str | None = None) -> None:
     """Raise ``ValueError``/``TypeError``/:class:`BufferTooSmall` unless the step fits; reads no device values.
 
     Shapes: ``q_fp8 [T, H, D]`` fp8, ``k [>= num_tokens, D]``, ``weights [T, H]`` float32,
-    ``topk_out [T_max, topk]`` int32, with ``T >= metadata.num_tokens`` and ``T_max >= T``.
+    ``topk_out [T_max, topk]`` int32, with ``T >= metadata.num_tokens`` and ``T_max >= T``. An explicitly named
+    ``backend`` that cannot run one of the step's ops on this device raises
+    :class:`~sparse_indexer.BackendUnavailable` here, before the step writes anything.
     """
     if not isinstance(metadata, IndexerMetadata):
         raise TypeError(f"metadata must be an IndexerMetadata, got {type(metadata).__name__}")
@@ -129,6 +144,13 @@ def check_step(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tenso
     outputs["topk_out"], outputs["kv_cache"] = topk_out, kv_cache
     C.disjoint(outputs, {"q_fp8": q_fp8, "weights": weights, "k": k, **metadata.tensors()})
     _check_cache_ids(metadata, lay, kv_cache)
+    if backend is not None and backend != "auto":
+        ops = (("write_k_cache",) if k is not None else ())
+        if prefill and metadata.prefill_chunks:
+            ops += ("gather_k_cache", "fp8_mqa_logits", "top_k_per_row")
+        if decode and metadata.decode is not None:
+            ops += ("fp8_paged_mqa_logits", "top_k_per_row")
+        _require_backend(backend, ops, dev)
     if prefill:
         for c in metadata.prefill_chunks:
             buffers.k_view(c.num_k_tokens)
@@ -160,7 +182,7 @@ def indexer_prefill(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.
     request-local top-k positions into ``topk_out[token_start:token_end]``.
     """
     if not _checked:
-        check_step(q_fp8, weights, kv_cache, metadata, buffers, topk_out, decode=False)
+        check_step(q_fp8, weights, kv_cache, metadata, buffers, topk_out, decode=False, backend=backend)
     for c in metadata.prefill_chunks:
         k_fp8, k_scale = buffers.k_view(c.num_k_tokens)
         if c.gather:
@@ -189,7 +211,7 @@ def indexer_decode(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.T
     several programs with it).
     """
     if not _checked:
-        check_step(q_fp8, weights, kv_cache, metadata, buffers, topk_out, prefill=False)
+        check_step(q_fp8, weights, kv_cache, metadata, buffers, topk_out, prefill=False, backend=backend)
     dm = metadata.decode
     if dm is None:
         return topk_out
@@ -248,7 +270,7 @@ def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor | None, weights: to
     Raises:
         BufferTooSmall, ValueError, TypeError: before anything is written.
     """
-    check_step(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k)
+    check_step(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, backend=backend)
     if k is not None and scale_fmt not in SCALE_FMTS:
         raise ValueError(f"scale_fmt must be one of {SCALE_FMTS}, got {scale_fmt!r}")
     # Every op below runs with _checked=True: check_step proved its arguments (the layer's tensors, the buffer

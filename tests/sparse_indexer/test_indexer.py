@@ -287,3 +287,31 @@ def test_k_none_skips_the_cache_write(backend):
     si.sparse_attn_indexer(sc.q, None, sc.w, sc.kv, md, allocate(lim), topk_out, backend=backend)
     assert torch.equal(sc.kv, kv_before)
     check_topk(topk_out, sc.model_scores(), lim.topk)
+
+
+def test_step_refuses_a_backend_that_cannot_run_it_before_writing():
+    """An explicit backend that is unavailable here, or that lacks one of the step's ops, raises
+    BackendUnavailable before the padding fill, the cache write or any op (docs/spec.md §10)."""
+    from sparse_indexer import backends
+
+    lim = limits(next_n=1)
+    sc = Scenario([40, 90], [1, 30], lim=lim, seed=17)
+    md = sc.metadata()
+    buf = allocate(lim)
+    out = torch.full((md.num_tokens + 4, lim.topk), 7, dtype=torch.int32)  # padded: rows [n, T) would get -1
+    q = torch.cat([sc.q, sc.q[:4]])
+    w = torch.cat([sc.w, sc.w[:4]])
+    kv_before, out_before = sc.kv.clone(), out.clone()
+    with pytest.raises(si.BackendUnavailable, match="aiter"):  # no aiter on the CPU
+        si.sparse_attn_indexer(q, None, w, sc.kv, md, buf, out, backend="aiter")
+    assert torch.equal(out, out_before)
+    # a backend that runs here but implements top-k only
+    backends.register(backends.Backend(name="topk_only", unavailable_reason=lambda dev: None,
+                                       ops=("top_k_per_row",), module="sparse_indexer.ops.{op}.reference"))
+    try:
+        for k in (sc.k, None):
+            with pytest.raises(si.BackendUnavailable, match="does not implement"):
+                si.sparse_attn_indexer(q, k, w, sc.kv, md, buf, out, backend="topk_only")
+            assert torch.equal(out, out_before) and torch.equal(sc.kv, kv_before)
+    finally:
+        backends.unregister("topk_only")
