@@ -49,6 +49,7 @@ from . import backends as _registry
 from ._dispatch import BackendUnavailable, unavailable_reason
 from .fp8 import fp8_name, quantize_k, quantize_q
 from .kcache import new_kv_cache
+from .ops._aiter import native_fp8
 from .ops.fp8_mqa_logits import fp8_mqa_logits
 from .ops.fp8_paged_mqa_logits import fp8_paged_mqa_logits, row_limits
 from .ops.gather_k_cache import gather_k_cache
@@ -139,15 +140,6 @@ class Ctx:
     heads: int = HEADS
     head_dim: int = HEAD_DIM
     block_size: int = BLOCK_SIZE
-
-
-def _fp8_dtype_for(device: torch.device) -> torch.dtype:
-    """e4m3fnuz on MI300 (gfx94x), e4m3fn everywhere else (docs/spec.md §2)."""
-    if device.type == "cuda" and torch.version.hip is not None:
-        arch = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "")
-        if "gfx94" in arch:
-            return torch.float8_e4m3fnuz
-    return torch.float8_e4m3fn
 
 
 def _take(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -746,7 +738,7 @@ def run(args: argparse.Namespace) -> int:
         except Exception as e:  # noqa: BLE001 - the anchors are optional; say why they are missing
             reasons["vLLM anchors"] = _err(e)
     torch.manual_seed(int(opt("seed", 0)))
-    ctx = Ctx(device=device, fp8=_fp8_dtype_for(device))
+    ctx = Ctx(device=device, fp8=native_fp8(device))
     timer = Timer(device)
 
     meta = dict(device=_device_name(device), device_str=str(device), torch=torch.__version__,

@@ -118,7 +118,7 @@ def formats(backend: str, device: torch.device) -> tuple[list[torch.dtype], str 
     left out (or ``None``). The reference is only checked on a GPU (on the CPU it is the baseline)."""
     if device.type == "cpu":
         return [FN], "e4m3fnuz: not checked (Triton's CPU interpreter has no float8_e4m3fnuz)"
-    from .ops.write_k_cache.aiter import NATIVE_FP8, gcn_arch
+    from .ops._aiter import NATIVE_FP8, gcn_arch
 
     arch = gcn_arch(device)
     if arch is None:
@@ -132,7 +132,7 @@ def _shuffled(ctx: Ctx, block_size: int) -> bool:
     """Whether the backend under test keeps this cache preshuffled (aiter on gfx942/gfx950, docs/spec.md §4)."""
     if ctx.backend not in ("aiter", "auto") or "aiter" not in _dispatch.available(ctx.device):
         return False
-    from .ops.write_k_cache.aiter import gcn_arch, preshuffled
+    from .ops._aiter import gcn_arch, preshuffled
 
     return preshuffled(block_size, ctx.fp8, gcn_arch(ctx.device))
 
@@ -142,7 +142,7 @@ def _slot_contents(kv: torch.Tensor, fp8: torch.dtype, shuffled: bool) -> tuple[
     values, scales = cache_views(kv, fp8)
     nb, bs, d = values.shape
     if shuffled:
-        from .ops.write_k_cache.aiter import preshuffle_offsets, raw_blocks
+        from .ops._aiter import preshuffle_offsets, raw_blocks
 
         raw, _ = raw_blocks(kv if kv.dim() == 3 else kv[:, :, 0, :])
         v = raw[:, preshuffle_offsets(bs, d)]

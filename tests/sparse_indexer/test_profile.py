@@ -4,7 +4,6 @@ in full (CPU: sizes only; ``tests/gpu/test_engine_gpu.py`` checks the allocator 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from buffers import IndexerLimits, plan
 from sparse_indexer.profile import plan_capacity, profile_step, worst_case_steps
@@ -37,17 +36,3 @@ def test_profile_step_cpu_uses_exactly_the_plan(budget):
     assert r.capacity == plan_capacity(plan(lim))
     assert r.reaches_plan, {k: (r.peaks[k], r.capacity[k]) for k in r.peaks if r.peaks[k] != r.capacity[k]}
 
-
-def test_fake_path_never_profiles(monkeypatch):
-    """Tracing the step (meta/fake tensors) must not run the profiler: it is a host-side helper only."""
-    import sparse_indexer.profile as prof
-
-    calls = []
-    monkeypatch.setattr(prof, "profile_step", lambda *a, **k: calls.append(1))
-    import sparse_indexer as si
-
-    t = torch.zeros(0, 16, 64, dtype=torch.float8_e4m3fn, device="meta")
-    si.fp8_mqa_logits(t, torch.zeros(0, 64, dtype=t.dtype, device="meta"), torch.zeros(0, device="meta"),
-                      torch.zeros(0, 16, device="meta"), torch.zeros(0, dtype=torch.int32, device="meta"),
-                      torch.zeros(0, dtype=torch.int32, device="meta"), out=torch.zeros(0, 0, device="meta"))
-    assert calls == []

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ...fp8 import fn_to_fnuz
-from ..write_k_cache.aiter import aiter_triton_module, gcn_arch
+from .._aiter import aiter_triton_module, gcn_arch
 
 __all__ = ["fnuz_operands", "fp8_mqa_logits"]
 

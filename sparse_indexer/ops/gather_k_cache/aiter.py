@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..write_k_cache.aiter import gcn_arch, preshuffle_offsets, preshuffled, raw_blocks
+from .._aiter import gcn_arch, preshuffle_offsets, preshuffled, raw_blocks
 from . import reference
 
 __all__ = ["gather_k_cache", "gather_k_cache_preshuffled"]

@@ -2,18 +2,17 @@
 
 aiter's ``top_k_per_row_prefill`` returns *absolute* column indices; :func:`localize_topk` makes them relative
 to each row's start (docs/spec.md §6) and :func:`short_rows` writes the exact ``0..len-1, -1...`` rows that §6
-requires for windows no longer than ``topk``. ``top_k_per_row_decode`` (windows starting at 0, where absolute equals
-local) is used through :func:`top_k_decode` by callers that know their rows start at 0; the op itself takes
-arbitrary ``row_starts`` and so always uses the prefill kernel.
+requires for windows no longer than ``topk``. The op takes arbitrary ``row_starts``, so it uses the prefill kernel
+(aiter's ``top_k_per_row_decode`` assumes windows starting at 0).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..write_k_cache.aiter import gcn_arch
+from .._aiter import gcn_arch
 
-__all__ = ["AITER_TOPK", "localize_topk", "short_rows", "top_k_decode", "top_k_per_row"]
+__all__ = ["AITER_TOPK", "localize_topk", "short_rows", "top_k_per_row"]
 
 AITER_TOPK = 2048
 
@@ -37,16 +36,6 @@ def _check(logits, out):
     if arch != "gfx950" or out.shape[1] != AITER_TOPK:
         raise NotImplementedError(f"aiter's top-k runs on gfx950 with topk {AITER_TOPK}; got {arch}, "
                                   f"topk {out.shape[1]}")
-
-
-def top_k_decode(logits, row_ends, *, out) -> None:
-    """Rows whose windows are ``[0, row_ends[r])``: aiter's ``top_k_per_row_decode`` (one row per query)."""
-    _check(logits, out)
-    from aiter.ops.topk import top_k_per_row_decode
-
-    top_k_per_row_decode(logits, 1, row_ends, out, logits.shape[0], logits.stride(0), logits.stride(1),
-                         k=out.shape[1])
-    short_rows(out, torch.zeros_like(row_ends), row_ends)
 
 
 def top_k_per_row(logits, row_starts, row_ends, *, out) -> None:

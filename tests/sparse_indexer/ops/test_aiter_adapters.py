@@ -246,3 +246,12 @@ def test_aiter_backend_unavailable_here_names_what_is_missing():
     with pytest.raises(si.BackendUnavailable, match="aiter"):
         si.top_k_per_row(torch.zeros(1, 4), torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
                          out=torch.empty(1, 2, dtype=torch.int32), backend="aiter")
+
+
+@pytest.mark.parametrize("arch, want", [("gfx942", FNUZ), ("gfx940", FNUZ), ("gfx950", FN), (None, FN)])
+def test_native_fp8_per_arch(monkeypatch, arch, want):
+    """The one arch -> FP8 rule (the bench and the self-check pick their format with it)."""
+    from sparse_indexer.ops import _aiter
+
+    monkeypatch.setattr(_aiter, "gcn_arch", lambda device: arch)
+    assert _aiter.native_fp8(torch.device("cpu")) == want
