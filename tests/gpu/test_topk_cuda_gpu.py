@@ -137,6 +137,25 @@ def test_cuda_topk_sizes(topk):
     _check(x, s, e, out)
 
 
+def test_cases_the_gpu_cannot_run_fall_back(monkeypatch):
+    """Shared memory beyond the device's opt-in limit, or a kernel that cannot be built or loaded, raise
+    NotImplementedError before writing (an explicit request), and ``auto`` takes Triton instead."""
+    tkc = _cuda()
+    g = torch.Generator(device=DEV).manual_seed(5)
+    x = torch.randn(8, 30000, device=DEV, generator=g)
+    s, e = _windows("starts", 8, 30000, 2048, g)
+    for patch, match in ((("_smem_optin", lambda index: 1024)), "shared memory"), \
+                        ((("_usable", lambda index, nt, cs: "could not be built (test)")), "could not be built"):
+        with monkeypatch.context() as m:
+            m.setattr(tkc, *patch)
+            out = torch.full((8, 2048), -7, dtype=torch.int32, device=DEV)
+            with pytest.raises(NotImplementedError, match=match):
+                si.top_k_per_row(x, s, e, out=out, backend="cuda")
+            assert bool((out == -7).all())
+            si.top_k_per_row(x, s, e, out=out)  # auto: Triton
+            _check(x, s, e, out)
+
+
 def test_auto_picks_cuda_on_nvidia():
     _cuda()
     assert si.available(DEV)[:2] in (("cuda", "triton"), ("aiter", "cuda"))

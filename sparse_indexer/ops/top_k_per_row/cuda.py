@@ -16,6 +16,7 @@ capturable). ``topk`` up to :data:`MAX_TOPK`; larger raises :class:`NotImplement
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -96,8 +97,9 @@ def _cache_dir() -> pathlib.Path:
     return pathlib.Path(base) / "sparse_indexer" / "nvrtc"
 
 
-def _compile(arch: str, nt: int, cs: int) -> bytes:
-    """The cubin of the kernel for ``arch`` (``sm_90a``...), from the disk cache or NVRTC."""
+def _compile(arch: str, nt: int, cs: int, *, cached: bool = True) -> bytes:
+    """The cubin of the kernel for ``arch`` (``sm_90a``...), from the disk cache (unless ``cached=False``) or
+    NVRTC."""
     from cuda.bindings import nvrtc
 
     src = SOURCE.read_bytes()
@@ -106,10 +108,11 @@ def _compile(arch: str, nt: int, cs: int) -> bytes:
     ver = _check(nvrtc.nvrtcVersion(), "nvrtcVersion")
     key = hashlib.sha256(src + repr((opts, ver)).encode()).hexdigest()[:32]
     path = _cache_dir() / f"topk_{arch}_{key}.cubin"
-    try:
-        return path.read_bytes()
-    except OSError:
-        pass
+    if cached:
+        try:
+            return path.read_bytes()
+        except OSError:
+            pass
     prog = _check(nvrtc.nvrtcCreateProgram(src, b"topk_kernel.cu", 0, [], []), "nvrtcCreateProgram")
     try:
         bopts = [o.encode() for o in opts]
@@ -124,14 +127,17 @@ def _compile(arch: str, nt: int, cs: int) -> bytes:
         _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
+    tmp = None
     try:  # atomic publish: concurrent processes never see a partial file
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             f.write(cubin)
         os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only cache only costs a compile per process
+    except OSError:  # a read-only or full cache only costs a compile per process
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
     return cubin
 
 
@@ -153,7 +159,12 @@ def _kernel(index: int, nt: int, cs: int):
     from cuda.bindings import driver
 
     torch.cuda.init()
-    lib = _check(driver.cuLibraryLoadData(_compile(_arch(index), nt, cs), [], [], 0, [], [], 0), "cuLibraryLoadData")
+    try:
+        lib = _check(driver.cuLibraryLoadData(_compile(_arch(index), nt, cs), [], [], 0, [], [], 0),
+                     "cuLibraryLoadData")
+    except RuntimeError:  # a damaged cache entry: compile afresh (and overwrite it)
+        lib = _check(driver.cuLibraryLoadData(_compile(_arch(index), nt, cs, cached=False), [], [], 0, [], [], 0),
+                     "cuLibraryLoadData")
     kern = _check(driver.cuLibraryGetKernel(lib, b"si_top_k_per_row"), "cuLibraryGetKernel")
     dev = _check(driver.cuDeviceGet(index), "cuDeviceGet")
     smem = _check(driver.cuDeviceGetAttribute(
@@ -165,6 +176,24 @@ def _kernel(index: int, nt: int, cs: int):
         _check(driver.cuKernelSetAttribute(A.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1, kern, dev),
                "cuKernelSetAttribute(non-portable cluster)")
     return lib, kern
+
+
+@functools.cache
+def _usable(index: int, nt: int, cs: int) -> str | None:
+    """``None`` when the kernel of ``(nt, cs)`` compiles and loads on device ``index``, else why not (an NVRTC
+    too old for the GPU's architecture, a driver older than the NVRTC, ...). Cached, failures included: ``auto``
+    then falls back to Triton on every call without compiling again."""
+    try:
+        _kernel(index, nt, cs)
+    except RuntimeError as e:
+        return f"the CUDA top-k kernel could not be built or loaded on cuda:{index}: {e}"
+    return None
+
+
+@functools.cache
+def _smem_optin(index: int) -> int:
+    """Largest dynamic shared memory one CTA may opt in to on device ``index``, in bytes."""
+    return int(torch.cuda.get_device_properties(index).shared_memory_per_block_optin)
 
 
 @functools.lru_cache(maxsize=256)
@@ -248,6 +277,14 @@ def top_k_per_row(logits, row_starts, row_ends, *, out, workspace=None) -> None:
         return
     nt, cs = config(logits.shape[0], logits.shape[1], logits.device, topk)
     index = logits.device.index or 0
+    # cases this GPU cannot run raise NotImplementedError before anything is written, so auto takes Triton
+    smem = layout(topk, logits.shape[1])[3]
+    if smem > _smem_optin(index):
+        raise NotImplementedError(f"the CUDA top-k needs {smem} bytes of shared memory per CTA for topk={topk}; "
+                                  f"cuda:{index} allows {_smem_optin(index)}")
+    why = _usable(index, nt, cs)
+    if why is not None:
+        raise NotImplementedError(why)
     if torch.cuda.current_device() != index:  # the launch goes to the current context: make it the tensors'
         with torch.cuda.device(index):
             launch(logits, row_starts, row_ends, out, nt=nt, cs=cs)
