@@ -19,8 +19,9 @@ kernel): the current device; the keyword arguments (constexprs and options such 
 value; per tensor its dtype, whether it is a CUDA tensor and whether its data pointer is 16-byte aligned; per
 integer whether it is 1, whether it is divisible by 16 and its size class (int32, int64 or uint64); the type of
 other arguments (floats, bools; ``None``). A call with another specialization takes the full path once and is
-bound in turn. Calls keep Triton's path whenever Triton's launch hooks are set (e.g. a profiler), and always
-under ``TRITON_INTERPRET=1`` (an interpreted kernel has nothing to bind).
+bound in turn. Calls keep Triton's path whenever Triton's launch hooks or its debug mode are set (e.g. a
+profiler), and always under ``TRITON_INTERPRET=1`` (an interpreted kernel has nothing to bind) and on ROCm
+(where Triton also specializes pointers on their storage size).
 """
 
 from __future__ import annotations
@@ -82,8 +83,9 @@ def specialization_key(args) -> tuple:
 
 
 def _hooks_active(knobs) -> bool:
-    """Whether Triton's launch hooks are set (a hook chain with entries, or a hook function)."""
-    if knobs is None:
+    """Whether Triton's launch hooks are set (a hook chain with entries, or a hook function), or its debug mode
+    (which changes the compiled kernel: a binding made before it was switched on must not serve)."""
+    if knobs is None or getattr(knobs.runtime, "debug", False):
         return True
     for h in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
         if h is not None and getattr(h, "calls", True):
@@ -126,8 +128,12 @@ class Launcher:
 
     def __init__(self, kernel):
         self.kernel = kernel
-        # an interpreted kernel (TRITON_INTERPRET=1) has no compiled launcher: always Triton's own path
-        self.bindable = hasattr(kernel, "device_caches") and hasattr(kernel, "arg_names")
+        # an interpreted kernel (TRITON_INTERPRET=1) has no compiled launcher: always Triton's own path. On ROCm
+        # Triton also specializes each pointer on its storage size (buffer loads/stores with 32-bit offsets when
+        # the storage is below 2 GiB), which the key does not hold: a kernel bound on a small tensor must not
+        # serve a larger one, so ROCm keeps Triton's path too.
+        self.bindable = (hasattr(kernel, "device_caches") and hasattr(kernel, "arg_names")
+                         and torch.version.hip is None)
         self._bound: dict = {}
         try:
             from triton import knobs

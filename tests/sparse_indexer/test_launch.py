@@ -125,6 +125,25 @@ def test_launch_with_a_config_binds_per_specialization(fake_gpu):
     assert log[-1][0] == "jit" and log[-1][3] == {"BLOCK": 32}
 
 
+def test_rocm_and_debug_mode_keep_tritons_path(fake_gpu, monkeypatch):
+    """ROCm: Triton specializes pointers on their storage size too (not in the key), so nothing is bound there;
+    Triton's debug mode (another compiled kernel) also keeps its path."""
+    kernel, log = _fake_kernel()
+    with monkeypatch.context() as m:
+        m.setattr(torch.version, "hip", "6.4")
+        assert not Launcher(kernel).bindable
+    launch = Launcher(kernel)
+    x = torch.zeros(64)
+    launch[(1,)](x, 32, 5, BLOCK=16)
+    launch._knobs = types.SimpleNamespace(runtime=types.SimpleNamespace(debug=True, launch_enter_hook=None,
+                                                                        launch_exit_hook=None))
+    launch[(1,)](x, 32, 5, BLOCK=16)
+    assert [e[0] for e in log] == ["jit", "jit"]
+    launch._knobs.runtime.debug = False
+    launch[(1,)](x, 32, 5, BLOCK=16)
+    assert log[-1][0] == "bound"
+
+
 def test_interpreted_kernel_is_not_bound():
     calls = []
 
