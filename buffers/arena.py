@@ -13,25 +13,7 @@ __all__ = ["aligned_arena", "allocate", "carve"]
 
 def carve(plan_: BufferPlan, arena: torch.Tensor) -> Buffers:
     """Views of ``arena`` laid out as ``plan_``; see :meth:`Buffers.from_arena`."""
-    if not isinstance(plan_, BufferPlan):
-        raise TypeError(f"plan must be a BufferPlan, got {type(plan_).__name__}")
-    if not isinstance(arena, torch.Tensor):
-        raise TypeError(f"arena must be a torch.Tensor, got {type(arena).__name__}")
-    if arena.dtype != torch.uint8 or arena.dim() != 1:
-        raise ValueError(f"arena must be a 1-D uint8 tensor, got {arena.dtype} of shape {tuple(arena.shape)}")
-    if not arena.is_contiguous():
-        raise ValueError(f"arena must be contiguous, got stride {arena.stride()}")
-    if arena.numel() < plan_.total_bytes:
-        raise ValueError(f"arena holds {arena.numel()} bytes but the plan needs total_bytes={plan_.total_bytes}")
-    if arena.numel() and arena.data_ptr() % ALIGN:
-        raise ValueError(
-            f"arena data pointer {arena.data_ptr():#x} is not {ALIGN}-byte aligned "
-            f"(offset {arena.data_ptr() % ALIGN}); slice it at an aligned offset"
-        )
-    views = {}
-    for f in plan_.fields:
-        views[f.name] = arena[f.offset : f.offset + f.nbytes].view(f.dtype).view(f.shape)
-    return Buffers(**views)
+    return Buffers.from_arena(plan_, arena)
 
 
 def allocate(limits_or_plan: IndexerLimits | BufferPlan, device: torch.device | str = "cpu") -> Buffers:

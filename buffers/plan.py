@@ -11,19 +11,16 @@ import torch
 from .limits import IndexerLimits
 
 __all__ = ["ALIGN", "FieldPlan", "BufferPlan", "plan", "FIELDS", "PrefillExtremes", "prefill_extremes",
-           "logits_elems", "TOPK_SCRATCH_COUNTERS", "TOPK_SCRATCH_SAMPLE", "TOPK_SCRATCH_SPREAD", "topk_scratch_cap"]
+           "logits_elems", "topk_scratch_cap"]
 
 ALIGN = 256  # byte alignment of every field inside the arena
 
-TOPK_SCRATCH_COUNTERS = 32  # int32 counters at the start of each row of ``topk_scratch``
-TOPK_SCRATCH_SAMPLE = 4096  # cells the split top-k samples per row (sparse_indexer/ops/top_k_per_row/triton.py)
-TOPK_SCRATCH_SPREAD = 4.5  # half-width of its sample bracket, in binomial sigmas
 
 
 def topk_scratch_cap(lim: IndexerLimits) -> int:
     """Candidate slots per row of ``topk_scratch`` for windows up to ``max_model_len``: sized by the top-k op,
-    :func:`sparse_indexer.ops.top_k_per_row.workspace.candidate_cap` (imported at call time: that package imports
-    this one)."""
+    :func:`sparse_indexer.ops.top_k_per_row.workspace.candidate_cap` (imported at call time: the ``sparse_indexer``
+    package imports this one; the workspace module itself imports nothing of either)."""
     from sparse_indexer.ops.top_k_per_row.workspace import candidate_cap
 
     return candidate_cap(lim.max_model_len, lim.topk)

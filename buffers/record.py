@@ -8,6 +8,7 @@ import attrs
 import torch
 
 from .limits import FP8_DTYPES
+from .plan import ALIGN, BufferPlan
 
 __all__ = ["Buffers", "BufferTooSmall"]
 
@@ -191,9 +192,23 @@ class Buffers:
         ``arena``: 1-D contiguous ``uint8`` tensor of at least ``plan.total_bytes`` bytes whose data pointer is
         256-byte aligned. The record's fields are views of it; nothing is copied or allocated.
         """
-        from .arena import carve
-
-        return carve(plan, arena)
+        if not isinstance(plan, BufferPlan):
+            raise TypeError(f"plan must be a BufferPlan, got {type(plan).__name__}")
+        if not isinstance(arena, torch.Tensor):
+            raise TypeError(f"arena must be a torch.Tensor, got {type(arena).__name__}")
+        if arena.dtype != torch.uint8 or arena.dim() != 1:
+            raise ValueError(f"arena must be a 1-D uint8 tensor, got {arena.dtype} of shape {tuple(arena.shape)}")
+        if not arena.is_contiguous():
+            raise ValueError(f"arena must be contiguous, got stride {arena.stride()}")
+        if arena.numel() < plan.total_bytes:
+            raise ValueError(f"arena holds {arena.numel()} bytes but the plan needs total_bytes={plan.total_bytes}")
+        if arena.numel() and arena.data_ptr() % ALIGN:
+            raise ValueError(
+                f"arena data pointer {arena.data_ptr():#x} is not {ALIGN}-byte aligned "
+                f"(offset {arena.data_ptr() % ALIGN}); slice it at an aligned offset"
+            )
+        views = {f.name: arena[f.offset : f.offset + f.nbytes].view(f.dtype).view(f.shape) for f in plan.fields}
+        return cls(**views)
 
     def split_storages(self) -> Buffers:
         """The same record over the same bytes, each field in a storage object of its own (for ``torch.compile``).

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from buffers import IndexerLimits, allocate
-from buffers.plan import TOPK_SCRATCH_COUNTERS, topk_scratch_cap
+from buffers.plan import topk_scratch_cap
 
 from . import _dispatch
 from ._cli import UsageError, require_backend, resolve_device
@@ -45,6 +45,7 @@ from .ops.fp8_mqa_logits import fp8_mqa_logits
 from .ops.fp8_paged_mqa_logits import fp8_paged_mqa_logits, row_limits
 from .ops.gather_k_cache import gather_k_cache
 from .ops.top_k_per_row import top_k_per_row
+from .ops.top_k_per_row.workspace import COUNTERS as TOPK_SCRATCH_COUNTERS
 from .ops.write_k_cache import write_k_cache
 from .testing import logits_error, topk_errors
 

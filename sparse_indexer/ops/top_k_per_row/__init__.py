@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from buffers import BufferTooSmall
-from buffers.plan import TOPK_SCRATCH_COUNTERS
 
 from ... import _checks as C
 from ... import library
+from .workspace import COUNTERS as TOPK_SCRATCH_COUNTERS
 
 __all__ = ["top_k_per_row"]
 

@@ -55,11 +55,10 @@ import torch
 import triton
 import triton.language as tl
 
-from buffers.plan import TOPK_SCRATCH_COUNTERS as CTR
-from buffers.plan import TOPK_SCRATCH_SAMPLE as SPLIT_SAMPLE
-from buffers.plan import TOPK_SCRATCH_SPREAD as SPLIT_SPREAD
-
 from ..._triton_compat import fix_interpreter
+from .workspace import COUNTERS as CTR
+from .workspace import SAMPLE as SPLIT_SAMPLE
+from .workspace import SPREAD as SPLIT_SPREAD
 
 fix_interpreter()  # Triton 3.6's interpreter under NumPy >= 2.4 (sparse_indexer/_triton_compat.py)
 

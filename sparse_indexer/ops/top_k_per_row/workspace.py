@@ -4,16 +4,20 @@
 Only the Triton split-row path uses the workspace (few rows on a GPU without the CUDA backend: ROCm without
 aiter); the CUDA backend keeps its candidates in shared memory and ignores it. A row of the workspace holds
 ``COUNTERS`` int32 counters, then ``cap`` candidate positions and ``cap`` candidate values (float32 bits).
-This module imports nothing of the package, so the planner can call it.
+This module imports nothing of the package (it holds the kernel constants the size depends on), so the planner
+(:mod:`buffers.plan`) can call it.
 """
 
 from __future__ import annotations
 
 import math
 
-from buffers.plan import TOPK_SCRATCH_COUNTERS as COUNTERS
-from buffers.plan import TOPK_SCRATCH_SAMPLE as SAMPLE
-from buffers.plan import TOPK_SCRATCH_SPREAD as SPREAD
+COUNTERS = 32
+"""int32 counters at the start of each workspace row."""
+SAMPLE = 4096
+"""Cells the split top-k samples per row (``triton.py``)."""
+SPREAD = 4.5
+"""Half-width of its sample bracket, in binomial sigmas."""
 
 __all__ = ["COUNTERS", "SAMPLE", "SPREAD", "candidate_cap", "workspace_shape"]
 
