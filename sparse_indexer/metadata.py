@@ -18,6 +18,7 @@ from . import _checks as C
 
 __all__ = [
     "ChunkPlan", "PrefillChunk", "DecodeMetadata", "IndexerMetadata", "plan_prefill_chunks", "build_metadata",
+    "pack_decode",
 ]
 
 
@@ -236,6 +237,39 @@ def _i32(xs, device) -> torch.Tensor:
     return torch.tensor(xs, dtype=torch.int32, device=device)
 
 
+def pack_decode(seq_lens: torch.Tensor, decode_lens: torch.Tensor, next_n: int,
+                num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The packed ``[B, next_n]`` decode grid of requests with ``decode_lens[b] <= next_n`` tokens each, with device
+    tensor ops only (no host sync; :func:`build_metadata` and the vLLM shim both build their decode metadata with it).
+
+    ``seq_lens [B]`` and ``decode_lens [B]`` (integer, one device): request ``b`` has ``seq_lens[b]`` keys, its last
+    ``decode_lens[b]`` tokens are this step's (consecutive token rows, request after request). Token ``j <
+    decode_lens[b]`` of request ``b`` becomes slot ``b * next_n + j`` with the window ``[0, seq_lens[b] -
+    decode_lens[b] + j + 1)`` (docs/spec.md §7); slots past a request's tokens have empty windows and repeat its
+    last token (row 0 for a request without tokens). ``num_rows`` token rows are unpacked; rows past the real
+    tokens (padding) read the first empty slot, whose top-k row is all -1.
+
+    Returns ``(context_lens [B, next_n] int32, pack_src [B * next_n] int64, unpack_src [num_rows] int64)``;
+    ``context_lens`` flattened is the slots' ``row_ends``.
+    """
+    dev = seq_lens.device
+    b = seq_lens.shape[0]
+    dl = decode_lens.to(dev).long()
+    full = seq_lens.long()
+    j = torch.arange(next_n, device=dev)[None, :]
+    lim = torch.where(j < dl[:, None], (full - dl)[:, None] + j + 1, 0).clamp(min=0)
+    ends = torch.cumsum(dl, 0)
+    starts = ends - dl
+    pack_src = torch.where(dl[:, None] > 0, starts[:, None] + torch.minimum(j, (dl - 1).clamp(min=0)[:, None]), 0)
+    t = torch.arange(num_rows, device=dev)
+    req = torch.searchsorted(ends, t, right=True)  # == b for the padding tokens t >= sum(decode_lens)
+    is_real = req < b
+    req = req.clamp(max=b - 1)
+    empty_slot = torch.argmax((lim.reshape(-1) == 0).to(torch.int32))  # first slot with an empty window
+    unpack_src = torch.where(is_real, req * next_n + t - starts[req], empty_slot)
+    return lim.to(torch.int32), pack_src.reshape(-1), unpack_src
+
+
 def build_metadata(seq_lens, query_lens, block_table: torch.Tensor, slot_mapping: torch.Tensor,
                    limits: IndexerLimits, *, device: torch.device | str | None = None,
                    num_blocks: int | None = None, decode_width: int | None = None) -> IndexerMetadata:
@@ -322,25 +356,19 @@ def build_metadata(seq_lens, query_lens, block_table: torch.Tensor, slot_mapping
         d_seq = [seq[i] for i in dec]
         nd = len(dec)
         uniform = all(d == nn for d in d_lens)
-        lim = [[max(0, d_seq[b] - d_lens[b] + j + 1) if j < d_lens[b] else 0 for j in range(nn)] for b in range(nd)]
-        flat = [x for row in lim for x in row]
         pack_src = unpack_src = None
         if uniform:
             ctx = _i32(d_seq, device)
-        else:
-            ctx = _i32(lim, device)
-            starts = [sum(d_lens[:b]) for b in range(nd)]
-            src = []
-            for b in range(nd):  # padded slots repeat the request's last token (their window is empty)
-                src += [starts[b] + min(j, d_lens[b] - 1) for j in range(nn)]
-            pack_src = torch.tensor(src, dtype=torch.int64, device=device)
-            unpack_src = torch.tensor([b * nn + j for b in range(nd) for j in range(d_lens[b])],
-                                      dtype=torch.int64, device=device)
+            row_ends = _i32([max(0, d_seq[b] - nn + j + 1) for b in range(nd) for j in range(nn)], device)
+        else:  # built on the host's CPU, then copied (one copy per tensor, as for the other fields)
+            lim, pack_src, unpack_src = pack_decode(torch.tensor(d_seq), torch.tensor(d_lens), nn, num_decode_tokens)
+            ctx, row_ends = lim.to(device), lim.reshape(-1).to(device, copy=True)  # two tensors, as above
+            pack_src, unpack_src = pack_src.to(device), unpack_src.to(device)
         dec_bt = bt[:num_decodes] if nd == num_decodes else bt[torch.tensor(dec, device=device)]
         decode = DecodeMetadata(
             num_reqs=nd, next_n=nn, uniform=uniform, width=width, context_lens=ctx,
-            block_table=dec_bt, row_starts=torch.zeros(len(flat), dtype=torch.int32, device=device),
-            row_ends=_i32(flat, device), pack_src=pack_src, unpack_src=unpack_src,
+            block_table=dec_bt, row_starts=torch.zeros(nd * nn, dtype=torch.int32, device=device),
+            row_ends=row_ends, pack_src=pack_src, unpack_src=unpack_src,
         )
 
     chunks = []

@@ -37,7 +37,7 @@ from buffers.limits import MiB
 from buffers.plan import BufferPlan
 
 from ..indexer import sparse_attn_indexer
-from ..metadata import DecodeMetadata, IndexerMetadata, PrefillChunk
+from ..metadata import DecodeMetadata, IndexerMetadata, PrefillChunk, pack_decode
 from ..ops.fp8_paged_mqa_logits import row_limits
 
 __all__ = [
@@ -214,26 +214,12 @@ def _decode_from_vllm(d, num_decode_tokens: int, width: int, next_n: int) -> Dec
     rows = min(num_decode_tokens, b * nn)
     if d.decode_lens.shape != (b,):
         raise ValueError(f"decode.decode_lens has shape {tuple(d.decode_lens.shape)}, expected [{b}]")
-    dl = d.decode_lens.to(dev).long()
-    full = (seq_lens[:, -1] if seq_lens.dim() == 2 else seq_lens).long()
-    j = torch.arange(nn, device=dev)[None, :]
-    real = j < dl[:, None]
-    lim = torch.where(real, (full - dl)[:, None] + j + 1, 0).clamp(min=0)
-    ends = torch.cumsum(dl, 0)
-    starts = ends - dl
-    # slots past a request's tokens repeat its last token (row 0 for padding requests): their windows are empty
-    pack_src = torch.where(dl[:, None] > 0, starts[:, None] + torch.minimum(j, (dl - 1).clamp(min=0)[:, None]), 0)
-    t = torch.arange(rows, device=dev)
-    req = torch.searchsorted(ends, t, right=True)  # == b for the padding tokens t >= sum(d_b)
-    is_real = req < b
-    req = req.clamp(max=b - 1)
-    row_ends = lim.reshape(-1)
-    empty_slot = torch.argmax((row_ends == 0).to(torch.int32))  # first slot with an empty window
-    unpack_src = torch.where(is_real, req * nn + t - starts[req], empty_slot)
+    full = seq_lens[:, -1] if seq_lens.dim() == 2 else seq_lens
+    lim, pack_src, unpack_src = pack_decode(full, d.decode_lens, nn, rows)
     return DecodeMetadata(
-        num_reqs=b, next_n=nn, uniform=False, width=width, context_lens=lim.to(torch.int32), block_table=bt[:b],
+        num_reqs=b, next_n=nn, uniform=False, width=width, context_lens=lim, block_table=bt[:b],
         row_starts=torch.zeros(b * nn, dtype=torch.int32, device=dev),
-        row_ends=row_ends.to(torch.int32), pack_src=pack_src.reshape(-1), unpack_src=unpack_src,
+        row_ends=lim.reshape(-1).clone(), pack_src=pack_src, unpack_src=unpack_src,
     )
 
 
