@@ -100,8 +100,9 @@ class PrefillChunk:
         gather: ``False`` when the keys are already in the buffers (a later query piece of a split request).
         block_table: ``[R_c, max_blocks]`` int32 — the chunk's requests.
         cu_seq_lens: ``[R_c + 1]`` int32 — gathered key offsets.
-        cu_seqlen_ks, cu_seqlen_ke: ``[token_end - token_start]`` int32 — each query's key window in the
-            gathered keys (causal).
+        cu_seqlen_ks, cu_seqlen_ke: ``[token_end - token_start]`` int32 — each query's key window
+            ``[ks, ke)`` in the gathered keys (causal). DeepGEMM's names: per-query window bounds, not
+            cumulative sums (``cu_seq_lens`` is the cumulative one).
     """
 
     token_start: int

@@ -21,10 +21,15 @@ def fp8_mqa_logits(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, 
         k_fp8: ``[N, D]`` fp8 keys, same format as ``q``.
         k_scale: ``[N]`` float32 key scales.
         weights: ``[M, H]`` float32 (signed) head weights.
-        cu_seqlen_ks: ``[M]`` int32, first key of each query's window.
+        cu_seqlen_ks: ``[M]`` int32, first key of each query's window (``ks``; DeepGEMM's name: per-query
+            window bounds, not cumulative sums, unlike ``gather_k_cache``'s ``cu_seq_lens``).
         cu_seqlen_ke: ``[M]`` int32, one past the last key (``ke <= N``; ``ke <= ks`` is an empty window).
         out: ``[M, N]`` float32 (unit stride in the last dim), written in place; allocated when ``None``.
         clean: ``True`` writes ``-inf`` outside every window; ``False`` leaves those cells undefined.
+        backend: ``None``/``"auto"`` (the best backend available on the device; the next one when it raises
+            ``NotImplementedError`` for the case) or a backend's name (``sparse_indexer.backends.names()``).
+        check_values: check the windows against ``N`` (reads device values: a sync on a GPU); default: on the
+            CPU only.
 
     Returns:
         ``out``.

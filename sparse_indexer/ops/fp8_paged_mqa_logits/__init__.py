@@ -41,6 +41,10 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
         out: ``[B * next_n, W]`` float32 (unit last stride), ``W >= max(limit)``; allocated with
             ``W = max_blocks * block_size`` when ``None``.
         clean: see above.
+        backend: ``None``/``"auto"`` (the best backend available on the device; the next one when it raises
+            ``NotImplementedError`` for the case) or a backend's name (``sparse_indexer.backends.names()``).
+        check_values: check the context lengths against ``W`` and ``block_table``, and the block ids against the
+            cache (reads device values: a sync on a GPU); default: on the CPU only.
         qk: optional ``[H, B * next_n, W]`` float32 scratch (a :meth:`Buffers.qk_view`) for backends that
             materialise per-head scores (aiter's stage1 kernel on AMD GPUs other than gfx942/gfx950); the other
             backends ignore it. Its contents afterwards are undefined.

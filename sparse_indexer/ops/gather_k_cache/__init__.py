@@ -25,6 +25,10 @@ def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_len
             ``[cu_seq_lens[r], cu_seq_lens[r + 1])``.
         out_k: ``[N, D]`` fp8 (the cache's format), ``N >= cu_seq_lens[R]``; rows beyond are not touched.
         out_scale: ``[N]`` float32.
+        backend: ``None``/``"auto"`` (the best backend available on the device; the next one when it raises
+            ``NotImplementedError`` for the case) or a backend's name (``sparse_indexer.backends.names()``).
+        check_values: check ``cu_seq_lens`` and the block ids against ``block_table`` and the cache (reads
+            device values: a sync on a GPU); default: on the CPU only.
         _checked: for :func:`sparse_indexer.sparse_attn_indexer` alone (see :func:`sparse_indexer.top_k_per_row`).
     """
     if _checked:

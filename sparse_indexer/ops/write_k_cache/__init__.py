@@ -25,7 +25,8 @@ def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.T
             negative slots are skipped.
         scale_fmt: ``"ue8m0"`` or ``None`` (plain float32 scales).
         fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e4m3fnuz``.
-        backend: ``None``/``"auto"``, ``"reference"``, ``"triton"`` or ``"aiter"``.
+        backend: ``None``/``"auto"`` (the best backend available on the device; the next one when it raises
+            ``NotImplementedError`` for the case) or a backend's name (``sparse_indexer.backends.names()``).
         check_values: check slot values against the cache (a device sync on GPU); default: on CPU only.
         _checked: for :func:`sparse_indexer.sparse_attn_indexer` alone (see :func:`sparse_indexer.top_k_per_row`).
     """
