@@ -66,7 +66,7 @@ __all__ = ["top_k_per_row"]
 
 BLOCK = 4096
 NUM_WARPS = 16
-NUM_THR = 4  # thresholds per counting pass (4 or 8; 4 was faster on the H200: 123 vs 138 us decode)
+NUM_THR = 4  # thresholds per counting pass (8 was slower on the H200: 138 vs 123 us decode; _count takes 4)
 SAMPLE = 1024  # strided sample cells
 QBITS = 16  # key bits resolved for the sample quantiles
 SPREAD = 3.0  # half-width of the sample thresholds, in binomial sigmas
@@ -106,17 +106,13 @@ def _pick(v, jm, j: tl.constexpr):
 
 
 @triton.jit
-def _count(base, s4, e4, ex, f0, f1, f2, f3, f4, f5, f6, f7, M: tl.constexpr, BLOCK: tl.constexpr):
-    """Cells of the window with ``x >= f_j`` (middle ``[s4, e4)`` by vector loads, edge cells ``ex``)."""
+def _count(base, s4, e4, ex, f0, f1, f2, f3, BLOCK: tl.constexpr):
+    """Cells of the window with ``x >= f_j``, ``j < 4`` (middle ``[s4, e4)`` by vector loads, edge cells ``ex``)."""
     offs = tl.arange(0, BLOCK)
     a0 = tl.zeros([BLOCK], tl.int32)
     a1 = tl.zeros([BLOCK], tl.int32)
     a2 = tl.zeros([BLOCK], tl.int32)
     a3 = tl.zeros([BLOCK], tl.int32)
-    a4 = tl.zeros([BLOCK], tl.int32)
-    a5 = tl.zeros([BLOCK], tl.int32)
-    a6 = tl.zeros([BLOCK], tl.int32)
-    a7 = tl.zeros([BLOCK], tl.int32)
     e4 = tl.multiple_of(e4, 4)
     for i in range(s4, e4, BLOCK):
         o = tl.multiple_of(i, 4) + offs
@@ -125,20 +121,11 @@ def _count(base, s4, e4, ex, f0, f1, f2, f3, f4, f5, f6, f7, M: tl.constexpr, BL
         a1 += (x >= f1).to(tl.int32)
         a2 += (x >= f2).to(tl.int32)
         a3 += (x >= f3).to(tl.int32)
-        if M > 4:
-            a4 += (x >= f4).to(tl.int32)
-            a5 += (x >= f5).to(tl.int32)
-            a6 += (x >= f6).to(tl.int32)
-            a7 += (x >= f7).to(tl.int32)
     c0 = tl.sum(a0, 0) + tl.sum((ex >= f0).to(tl.int32), 0)
     c1 = tl.sum(a1, 0) + tl.sum((ex >= f1).to(tl.int32), 0)
     c2 = tl.sum(a2, 0) + tl.sum((ex >= f2).to(tl.int32), 0)
     c3 = tl.sum(a3, 0) + tl.sum((ex >= f3).to(tl.int32), 0)
-    c4 = tl.sum(a4, 0) + tl.sum((ex >= f4).to(tl.int32), 0)
-    c5 = tl.sum(a5, 0) + tl.sum((ex >= f5).to(tl.int32), 0)
-    c6 = tl.sum(a6, 0) + tl.sum((ex >= f6).to(tl.int32), 0)
-    c7 = tl.sum(a7, 0) + tl.sum((ex >= f7).to(tl.int32), 0)
-    return c0, c1, c2, c3, c4, c5, c6, c7
+    return c0, c1, c2, c3
 
 
 @triton.jit
@@ -154,6 +141,7 @@ def _short_row(orow, n, topk, BLOCK: tl.constexpr):
 def _row_topk(orow, base, start, n, topk, BLOCK: tl.constexpr, M: tl.constexpr, SAMPLE: tl.constexpr,
               QBITS: tl.constexpr, SPREAD: tl.constexpr, WIN: tl.constexpr):
     """The ``n > topk`` row of window ``[start, start + n)`` of ``base`` (the row's logits): all of ``orow``."""
+    tl.static_assert(M == 4, "a counting pass takes 4 thresholds (_count)")
     offs = tl.arange(0, BLOCK)
     end = start + n
     s4 = (start + 3) // 4 * 4  # 4-aligned middle [s4, e4) (empty when s4 >= e4)
@@ -192,23 +180,9 @@ def _row_topk(orow, base, start, n, topk, BLOCK: tl.constexpr, M: tl.constexpr, 
         t1 = _pick(thr, jm, 1)
         t2 = _pick(thr, jm, 2)
         t3 = _pick(thr, jm, 3)
-        t4 = t0
-        t5 = t0
-        t6 = t0
-        t7 = t0
-        if M > 4:
-            t4 = _pick(thr, jm, 4)
-            t5 = _pick(thr, jm, 5)
-            t6 = _pick(thr, jm, 6)
-            t7 = _pick(thr, jm, 7)
-        c0, c1, c2, c3, c4, c5, c6, c7 = _count(
-            base, s4, e4, ex, _thr_f32(t0), _thr_f32(t1), _thr_f32(t2), _thr_f32(t3), _thr_f32(t4),
-            _thr_f32(t5), _thr_f32(t6), _thr_f32(t7), M, BLOCK)
+        c0, c1, c2, c3 = _count(base, s4, e4, ex, _thr_f32(t0), _thr_f32(t1), _thr_f32(t2), _thr_f32(t3), BLOCK)
         cv = tl.where(jm == 0, c0, 0) + tl.where(jm == 1, c1, 0) + tl.where(jm == 2, c2, 0) + \
             tl.where(jm == 3, c3, 0)
-        if M > 4:
-            cv += tl.where(jm == 4, c4, 0) + tl.where(jm == 5, c5, 0) + tl.where(jm == 6, c6, 0) + \
-                tl.where(jm == 7, c7, 0)
         ge = cv >= topk
         lo = tl.maximum(lo, tl.max(tl.where(ge, thr, -1), 0))
         c_lo = tl.minimum(c_lo, tl.min(tl.where(ge, cv, n), 0))
@@ -455,8 +429,8 @@ def _split_finish_kernel(
                       SPREAD, WIN)
 
 
-def _launch(logits, row_starts, row_ends, out, *, block=BLOCK, num_warps=NUM_WARPS, num_thr=NUM_THR,
-            sample=SAMPLE, qbits=QBITS, spread=SPREAD, win=WIN):
+def _launch(logits, row_starts, row_ends, out, *, block=BLOCK, num_warps=NUM_WARPS, sample=SAMPLE, qbits=QBITS,
+            spread=SPREAD, win=WIN):
     r = logits.shape[0]
     if r == 0:
         return
@@ -464,7 +438,7 @@ def _launch(logits, row_starts, row_ends, out, *, block=BLOCK, num_warps=NUM_WAR
         raise NotImplementedError(f"{block=} must be < 2**16 (packed counters)")
     _top_k_per_row_kernel[(r,)](
         out, logits, row_starts, row_ends, logits.stride(0), out.stride(0), out.shape[1],
-        BLOCK=block, M=num_thr, SAMPLE=sample, QBITS=qbits, SPREAD=spread, WIN=win, num_warps=num_warps,
+        BLOCK=block, M=NUM_THR, SAMPLE=sample, QBITS=qbits, SPREAD=spread, WIN=win, num_warps=num_warps,
     )
 
 
@@ -477,11 +451,9 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _launch_split(logits, row_starts, row_ends, out, workspace, *, block=SPLIT_BLOCK, num_warps=SPLIT_WARPS,
-                  programs_per_sm=SPLIT_PROGRAMS_PER_SM, sample=SPLIT_SAMPLE, spread=SPLIT_SPREAD, stages=3,
+                  programs_per_sm=SPLIT_PROGRAMS_PER_SM, sample=SPLIT_SAMPLE, spread=SPLIT_SPREAD,
                   sample_warps=SPLIT_SAMPLE_WARPS, finish_warps=SPLIT_FINISH_WARPS):
-    """Split-row path: sample (rows) -> collect (rows x splits) -> finish (rows); three launches, no host sync.
-
-    ``stages < 3`` stops early (timing of the stages only; ``out`` is then incomplete)."""
+    """Split-row path: sample (rows) -> collect (rows x splits) -> finish (rows); three launches, no host sync."""
     r, w = logits.shape
     if r == 0:
         return
@@ -495,11 +467,7 @@ def _launch_split(logits, row_starts, row_ends, out, workspace, *, block=SPLIT_B
             out.shape[1])
     _split_sample_kernel[(r,)](*args, BLOCK=BLOCK, SAMPLE=sample, QBITS=QBITS, SPREAD=spread,
                                num_warps=sample_warps)
-    if stages < 2:
-        return
     _split_collect_kernel[(r, splits)](*args, cap, chunk, BLOCK=block, CTR=CTR, num_warps=num_warps)
-    if stages < 3:
-        return
     _split_finish_kernel[(r,)](*args, cap, CTR=CTR, CBLOCK=CBLOCK, BLOCK=BLOCK, M=NUM_THR, SAMPLE=SAMPLE,
                                QBITS=QBITS, SPREAD=SPREAD, WIN=WIN, num_warps=finish_warps)
 
