@@ -21,6 +21,7 @@ import sparse_indexer as si
 from sparse_indexer.kcache import cache_views, new_kv_cache
 from sparse_indexer.ops.fp8_mqa_logits import triton as ragged_tr
 from sparse_indexer.ops.fp8_paged_mqa_logits import triton as paged_tr
+from sparse_indexer.testing import logits_error
 
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 SMOKE = dev == "cpu"  # interpreter smoke test of this script: tiny shapes, no timing
@@ -118,11 +119,12 @@ def paged_f64_rows(q, kv, wts, cl, bt, rows):
 
 
 def rel_err_rows(out, f64rows, rows):
-    num = den = 0.0
-    for r, (ref, n) in zip(rows, f64rows):
-        num += (out[r, :n].double() - ref).pow(2).sum().item()
-        den += ref.pow(2).sum().item()
-    return (num / max(den, 1e-300)) ** 0.5
+    """Relative L2 error of ``out``'s ``rows`` inside their windows (:func:`sparse_indexer.testing.logits_error`);
+    ``f64rows``: ``(values, start, end)`` of each row's window, float64."""
+    want = torch.full((len(rows), out.shape[1]), float("-inf"), dtype=torch.float64)
+    for i, (ref, a, e) in enumerate(f64rows):
+        want[i, a:e] = ref.cpu()
+    return logits_error(out[rows], want, clean=False)[0]
 
 
 def check_paged(name, b, L, next_n, **kw):
@@ -142,8 +144,8 @@ def check_paged(name, b, L, next_n, **kw):
     nan_ok = not torch.isnan(got).any().item()
     rows = sorted(set([0, 1, b * next_n - 1] + torch.randint(0, b * next_n, (6,)).tolist()))
     f64 = paged_f64_rows(q, kv, wts, cl, bt, rows)
-    e_tr = rel_err_rows(got, f64, rows)
-    e_ref = rel_err_rows(ref, f64, rows)
+    e_tr = rel_err_rows(got, [(v, 0, n) for v, n in f64], rows)
+    e_ref = rel_err_rows(ref, [(v, 0, n) for v, n in f64], rows)
     ok = mask_ok and noclean_ok and nan_ok and e_tr < 1e-3
     log(f"CHECK paged {name}: err_triton={e_tr:.2e} err_ref32={e_ref:.2e} mask={mask_ok} noclean={noclean_ok} "
         f"nan_ok={nan_ok} {'OK' if ok else 'FAIL'}")
@@ -219,12 +221,7 @@ def check_ragged(name, mq, nk, multi=False):
     nan_ok = not torch.isnan(got).any().item()
     rows = sorted(set([0, mq - 1] + torch.randint(0, mq, (6,)).tolist()))
     f64 = ragged_f64_rows(q, k, ksc, wts, ks, ke, rows)
-    num = den = num_r = 0.0
-    for r, (rf, a, e) in zip(rows, f64):
-        num += (got[r, a:e].double() - rf).pow(2).sum().item()
-        num_r += (ref[r, a:e].double() - rf).pow(2).sum().item()
-        den += rf.pow(2).sum().item()
-    e_tr, e_ref = (num / max(den, 1e-300)) ** 0.5, (num_r / max(den, 1e-300)) ** 0.5
+    e_tr, e_ref = rel_err_rows(got, f64, rows), rel_err_rows(ref, f64, rows)
     ok = mask_ok and noclean_ok and nan_ok and e_tr < 1e-3
     log(f"CHECK ragged {name}: err_triton={e_tr:.2e} err_ref32={e_ref:.2e} mask={mask_ok} noclean={noclean_ok} "
         f"nan_ok={nan_ok} {'OK' if ok else 'FAIL'}")
@@ -315,7 +312,7 @@ def paged_sweep():
                 out.fill_(float("nan"))
                 fn()
                 sync()
-                err = ((out[fin].double() - ref[fin].double()).norm() / ref[fin].double().norm()).item()
+                err = logits_error(out, ref, fin, clean=False)[0]
                 ms = bench(fn)
             except Exception as e:  # noqa
                 log(f"  cfg {cfg} failed: {type(e).__name__}: {str(e)[:300]}")
