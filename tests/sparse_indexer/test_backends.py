@@ -148,6 +148,12 @@ def test_readme_table_matches_registry():
         assert row[2] == entry.where, row
 
 
+def test_readme_lists_every_script():
+    text = (ROOT / "README.md").read_text()
+    listed = set(re.findall(r"^\| `scripts/(\w+\.py)` \|", text, flags=re.M))
+    assert listed == {p.name for p in (ROOT / "scripts").glob("*.py")}
+
+
 def test_registry_rejects_bad_entries():
     with pytest.raises(ValueError, match="unknown ops"):
         backends.Backend("x", lambda d: None, ops=("nope",))

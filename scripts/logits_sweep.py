@@ -1,6 +1,6 @@
 """GPU check + benchmark of the Triton logits kernels (H200).
 
-Usage: ``PYTHONPATH=. python3 scripts/gpu_logits_bench.py [quick|paged]`` (``paged``: the paged kernel only,
+Usage: ``PYTHONPATH=. python3 scripts/logits_sweep.py [quick|paged]`` (``paged``: the paged kernel only,
 checks and a KSC_PF/num_stages sweep, calling the backends directly rather than the registered op)
 (on the CPU under ``TRITON_INTERPRET=1`` it
 runs a smoke test of itself on tiny shapes).

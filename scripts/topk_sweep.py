@@ -1,6 +1,6 @@
 """GPU check + timing of top_k_per_row (CUDA and Triton backends) beside vLLM's kernels, and the decode step.
 
-    PYTHONPATH=. python3 scripts/gpu_topk_bench.py [--anchors .anchors/vllm_topk] [--sections check,topk,dist,step]
+    PYTHONPATH=. python3 scripts/topk_sweep.py [--anchors .anchors/vllm_topk] [--sections check,topk,dist,step]
 
 One device call: (1) correctness of the CUDA kernel in every launch configuration against the reference backend
 (docs/spec.md §6: short rows exact, long rows distinct in-window positions whose value multiset equals the
@@ -8,7 +8,7 @@ reference's) on every value distribution and window shape; (2) top-k timings (tr
 flushed; CUDA-graph replays over distinct input sets) of the CUDA kernel (auto config and a config sweep), the
 Triton paths, vLLM's kernels (measuring only, loaded from --anchors) and torch.topk; (3) the decode step (paged
 logits + top-k as ``indexer_decode`` runs them) in a CUDA graph. Prints a table last and writes
-``$OUT/gpu_topk_bench.json``. ``--smoke`` runs tiny shapes on the CPU (no CUDA backend) to check the script.
+``$OUT/topk_sweep.json``. ``--smoke`` runs tiny shapes on the CPU (no CUDA backend) to check the script.
 """
 import argparse
 import json
@@ -460,5 +460,5 @@ print(f"\n{'case':24s} {'what':58s} {'us':>9s} note")
 for r in rows:
     print(f"{r[0]:24s} {r[1]:58s} {r[2]:>9s} {r[3]}")
 res["rows"] = rows
-with open(os.path.join(OUT, "gpu_topk_bench.json"), "w") as f:
+with open(os.path.join(OUT, "topk_sweep.json"), "w") as f:
     json.dump(res, f, indent=1, default=str)
