@@ -15,6 +15,10 @@ One run measures the Triton backend, the reference backend on the same device an
   (16, 1, 64K)``; a backend of some ops means ``auto`` there (``cuda``: Triton logits, CUDA top-k);
 * ``write_k_cache`` and ``gather_k_cache`` of 64K tokens.
 
+The cases of each op live beside it (``sparse_indexer/ops/<op>/bench.py``: ``specs(smoke)``, ``build(spec, ctx)``,
+on the shared case interface of ``sparse_indexer/_bench_cases.py``); this module holds the decode step's cases,
+the timer, the floors, the CLI and the reports. The backends are the registry's (``sparse_indexer.backends``).
+
 ``--anchors DIR`` times vLLM's CUDA top-k kernels (a measuring instrument loaded from ``DIR/vllm_topk.py``,
 never imported otherwise) beside ours on the same top-k inputs.
 
@@ -39,382 +43,52 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
-from buffers import IndexerLimits, plan
-
 from . import backends as _registry
+from ._bench_cases import LOGITS_RTOL, Case, CaseSpec, Ctx, k_str, spread, topk_verdict
 from ._dispatch import BackendUnavailable, unavailable_reason
-from .fp8 import fp8_name, quantize_k, quantize_q
-from .kcache import new_kv_cache
+from .fp8 import fp8_name
 from .ops._aiter import native_fp8
-from .ops.fp8_mqa_logits import fp8_mqa_logits
-from .ops.fp8_paged_mqa_logits import fp8_paged_mqa_logits, row_limits
-from .ops.gather_k_cache import gather_k_cache
-from .ops.top_k_per_row import top_k_per_row
-from .ops.write_k_cache import write_k_cache
-from .testing import logits_error, topk_errors
+from .ops.fp8_mqa_logits import bench as prefill_cases
+from .ops.fp8_paged_mqa_logits import bench as decode_cases
+from .ops.gather_k_cache import bench as gather_cases
+from .ops.top_k_per_row import bench as topk_cases
+from .ops.write_k_cache import bench as write_cases
 
 __all__ = ["CaseSpec", "add_arguments", "case_specs", "run"]
 
 GROUPS = ("decode", "prefill", "topk", "step", "cache")
 CASE_OPS = {"decode": "fp8_paged_mqa_logits", "prefill": "fp8_mqa_logits", "topk": "top_k_per_row",
             "step": "top_k_per_row", "cache": "write_k_cache"}  # a partial backend runs a group if it has this op
-TOPK_DISTRIBUTIONS = ("gaussian", "logits", "ints0-3", "all-equal", "heavy", "sorted", "95%-inf", "nan+inf")
+CASE_MODULES = {"decode": {"": decode_cases}, "prefill": {"": prefill_cases}, "topk": {"": topk_cases},
+                "cache": {"write": write_cases, "gather": gather_cases}}
+"""The modules of each group's cases (``ops/<op>/bench.py``: ``specs(smoke)``, ``build(spec, ctx)``), by the
+``op`` parameter of their specs; the step's cases are :class:`StepCase`."""
+TOPK_DISTRIBUTIONS = topk_cases.TOPK_DISTRIBUTIONS
 L2_FLUSH_BYTES = 256 << 20
-LOGITS_RTOL = 1e-3  # relative L2 error allowed on in-window logits (float32 accumulation, any order)
-HEADS, HEAD_DIM, BLOCK_SIZE = 64, 128, 64
 
 
 # --------------------------------------------------------------------------------------------- cases
 
 
-@dataclass(frozen=True)
-class CaseSpec:
-    """One benchmark case: ``group`` (``--cases`` selects by group or key), ``key`` and a readable title."""
-
-    group: str
-    key: str
-    title: str
-    params: dict = field(default_factory=dict, hash=False, compare=False)
-
-
-def _k(n: int) -> str:
-    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
-
-
 def case_specs(smoke: bool = False) -> list[CaseSpec]:
-    """The cases of a full run (or of ``--smoke``), in run order."""
-    if smoke:
-        decode = [(2, 1, 256), (2, 2, 256)]
-        prefill = [(64, 64), (64, 256)]
-        topk = [("decode", 4, 4096, 256), ("decode-nows", 4, 4096, 256), ("ragged", 4, 4096, 256),
-                ("prefill", 64, 4096, 256), ("causal", 64, 4096, 256)]
-        dist = (4, 4096, 256)
-        dists = ("logits", "95%-inf")  # (a spoiled selection on all-equal or few-valued rows can look right)
-        step = [(2, 1, 4096), (2, 2, 4096)]
-        cache_tokens, cache_reqs = 1024, 4
-    else:
-        decode = [(64, 1, 65536), (64, 2, 65536), (128, 1, 32768), (256, 1, 16384), (32, 1, 131072)]
-        prefill = [(8192, 8192), (8192, 65536)]
-        topk = [("decode", 64, 65536, 2048), ("decode-nows", 64, 65536, 2048), ("ragged", 64, 65536, 2048),
-                ("decode", 16, 65536, 2048), ("decode", 1, 65536, 2048), ("prefill", 8192, 65536, 2048),
-                ("causal", 8192, 65536, 2048), ("causal", 8192, 8192, 2048)]
-        dist = (64, 65536, 2048)
-        dists = TOPK_DISTRIBUTIONS
-        step = [(64, 1, 65536), (64, 2, 65536), (256, 1, 16384), (1, 1, 65536), (4, 1, 65536), (16, 1, 65536)]
-        cache_tokens, cache_reqs = 65536, 16
+    """The cases of a full run (or of ``--smoke``), in run order: each op's (from ``ops/<op>/bench.py``) and the
+    decode step's."""
+    step = ([(2, 1, 4096), (2, 2, 4096)] if smoke else
+            [(64, 1, 65536), (64, 2, 65536), (256, 1, 16384), (1, 1, 65536), (4, 1, 65536), (16, 1, 65536)])
+    steps = [CaseSpec("step", f"step-{how}-{b}x{n}x{k_str(seq)}", f"step ({how}) B={b} next_n={n} L={seq}",
+                      dict(B=b, next_n=n, L=seq, graph=graph))
+             for graph, how in ((False, "eager"), (True, "graph")) for b, n, seq in step]
     specs = []
-    for b, n, seq in decode:
-        specs.append(CaseSpec("decode", f"decode-{b}x{n}x{_k(seq)}", f"decode B={b} next_n={n} L={seq}",
-                              dict(B=b, next_n=n, L=seq)))
-    for m, n in prefill:
-        specs.append(CaseSpec("prefill", f"prefill-{_k(m)}x{_k(n)}", f"prefill M={m} N={n} causal",
-                              dict(M=m, N=n)))
-    for kind, r, w, k in topk:
-        specs.append(CaseSpec("topk", f"topk-{kind}-{_k(r)}x{_k(w)}", f"topk {kind} R={r} W={w} topk={k}",
-                              dict(kind=kind, R=r, W=w, topk=k)))
-    for name in dists:
-        r, w, k = dist
-        specs.append(CaseSpec("topk", f"topk-dist-{name}-{_k(r)}x{_k(w)}", f"topk {name} R={r} W={w} topk={k}",
-                              dict(kind="decode", R=r, W=w, topk=k, dist=name)))
-    for graph in (False, True):
-        for b, n, seq in step:
-            how = "graph" if graph else "eager"
-            specs.append(CaseSpec("step", f"step-{how}-{b}x{n}x{_k(seq)}",
-                                  f"step ({how}) B={b} next_n={n} L={seq}", dict(B=b, next_n=n, L=seq, graph=graph)))
-    specs.append(CaseSpec("cache", f"cache-write-{_k(cache_tokens)}", f"cache write T={cache_tokens}",
-                          dict(op="write", T=cache_tokens)))
-    specs.append(CaseSpec("cache", f"cache-gather-{_k(cache_tokens)}",
-                          f"cache gather T={cache_tokens} R={cache_reqs}",
-                          dict(op="gather", T=cache_tokens, R=cache_reqs)))
-    return specs
-
-
-@dataclass
-class Ctx:
-    device: torch.device
-    fp8: torch.dtype
-    heads: int = HEADS
-    head_dim: int = HEAD_DIM
-    block_size: int = BLOCK_SIZE
-
-
-def _take(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``t[idx]`` along dim 0, also for FP8 tensors (indexed through a uint8 view)."""
-    if t.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
-        return t.view(torch.uint8)[idx].view(t.dtype).contiguous()
-    return t[idx].contiguous()
-
-
-def _spread(n: int, count: int, device) -> torch.Tensor:
-    """Up to ``count`` distinct row indices spread over ``[0, n)``, first and last included."""
-    return torch.linspace(0, n - 1, min(n, count)).round().long().unique().to(device)
-
-
-def _fill_cache(ctx: Ctx, cache: torch.Tensor, num_slots: int, chunk: int = 1 << 20) -> None:
-    """Quantize random normal keys into slots ``[0, num_slots)`` (reference backend, in chunks)."""
-    for t0 in range(0, num_slots, chunk):
-        t1 = min(num_slots, t0 + chunk)
-        k = torch.randn(t1 - t0, ctx.head_dim, device=ctx.device, dtype=torch.bfloat16)
-        slots = torch.arange(t0, t1, device=ctx.device, dtype=torch.int64)
-        write_k_cache(k, cache, slots, fp8_dtype=ctx.fp8, backend="reference")
-        del k, slots
-
-
-def _queries(ctx: Ctx, rows: int):
-    """FP8 queries ``[rows, H, D]`` and weights ``[rows, H]`` with the query scale folded in (docs/spec.md §5)."""
-    h, d = ctx.heads, ctx.head_dim
-    q8, q_scale = quantize_q(torch.randn(rows, h, d, device=ctx.device), fp8_dtype=ctx.fp8)
-    weights = (torch.randn(rows, h, device=ctx.device) * (h ** -0.5) * (d ** -0.5) * q_scale).contiguous()
-    return q8, weights
-
-
-class Case:
-    """A built case: inputs, a preallocated output, its traffic/FLOP model, a check against the reference."""
-
-    unit = "TB/s"  # or "TFLOP/s"
-    amount = 0.0  # bytes moved or FLOPs of one call
-    note = ""
-
-    def fn(self, backend: str) -> Callable[[], object]:
-        raise NotImplementedError
-
-    def reset(self) -> None:
-        """Poison the output before a backend runs, so that cells it fails to write are caught."""
-
-    def check(self, backend: str) -> tuple[bool, str]:
-        raise NotImplementedError
-
-
-class DecodeCase(Case):
-    note = "clean=False"
-
-    def __init__(self, ctx: Ctx, B: int, next_n: int, L: int):  # noqa: N803 - the paper's names
-        dev, bs, h, d = ctx.device, ctx.block_size, ctx.heads, ctx.head_dim
-        self.B, self.next_n, self.L = B, next_n, L
-        per = -(-L // bs)
-        nb = B * per
-        self.cache = new_kv_cache(nb, bs, d, device=dev)
-        _fill_cache(ctx, self.cache, nb * bs)
-        self.block_table = torch.randperm(nb, device=dev).view(B, per).to(torch.int32).contiguous()
-        self.context_lens = torch.full((B,), L, dtype=torch.int32, device=dev)
-        q8, self.weights = _queries(ctx, B * next_n)
-        self.q = q8.view(B, next_n, h, d)
-        self.out = torch.empty(B * next_n, per * bs, dtype=torch.float32, device=dev)
-        self.limits = row_limits(self.context_lens, next_n)
-        rows = B * next_n
-        self.amount = float(B * L * (d + 4) + rows * h * d + rows * h * 4 + B * per * 4 + B * 4
-                            + int(self.limits.sum()) * 4)
-
-    def fn(self, backend):
-        return lambda: fp8_paged_mqa_logits(self.q, self.cache, self.weights, self.context_lens,
-                                            self.block_table, out=self.out, clean=False, backend=backend)
-
-    def reset(self):
-        self.out.fill_(float("nan"))
-
-    def check(self, backend):
-        reqs = _spread(self.B, 3, self.q.device)
-        rows = (reqs[:, None] * self.next_n + torch.arange(self.next_n, device=reqs.device)).flatten()
-        ref = torch.empty(rows.numel(), self.out.shape[1], dtype=torch.float32, device=self.out.device)
-        fp8_paged_mqa_logits(_take(self.q, reqs), self.cache, _take(self.weights, rows),
-                             _take(self.context_lens, reqs), _take(self.block_table, reqs), out=ref,
-                             clean=True, backend="reference")
-        cols = torch.arange(self.out.shape[1], device=ref.device)
-        inside = cols[None, :] < self.limits[rows][:, None]
-        err, _ = logits_error(self.out[rows], ref, inside, clean=False)
-        return err <= LOGITS_RTOL, f"rel L2 {err:.1e} on {rows.numel()} rows"
-
-
-class PrefillCase(Case):
-    unit = "TFLOP/s"
-    note = "clean=False"
-
-    def __init__(self, ctx: Ctx, M: int, N: int):  # noqa: N803
-        dev, h, d = ctx.device, ctx.heads, ctx.head_dim
-        self.M, self.N = M, N
-        k = torch.randn(N, d, device=dev, dtype=torch.bfloat16)
-        self.k8, self.k_scale = quantize_k(k, fp8_dtype=ctx.fp8)
-        self.q, self.weights = _queries(ctx, M)
-        j = torch.arange(M, device=dev)
-        self.ks = torch.zeros(M, dtype=torch.int32, device=dev)
-        self.ke = (N - M + j + 1).clamp(0, N).to(torch.int32)
-        self.out = torch.empty(M, N, dtype=torch.float32, device=dev)
-        pairs = int((self.ke.long() - self.ks.long()).clamp(min=0).sum())
-        self.amount = 2.0 * h * d * pairs
-
-    def fn(self, backend):
-        return lambda: fp8_mqa_logits(self.q, self.k8, self.k_scale, self.weights, self.ks, self.ke,
-                                      out=self.out, clean=False, backend=backend)
-
-    def reset(self):
-        self.out.fill_(float("nan"))
-
-    def check(self, backend):
-        rows = _spread(self.M, 32, self.q.device)
-        ks, ke = self.ks[rows], self.ke[rows]
-        ref = torch.empty(rows.numel(), self.N, dtype=torch.float32, device=self.out.device)
-        fp8_mqa_logits(_take(self.q, rows), self.k8, self.k_scale, _take(self.weights, rows), ks, ke, out=ref,
-                       clean=True, backend="reference")
-        cols = torch.arange(self.N, device=ref.device)
-        inside = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None])
-        err, _ = logits_error(self.out[rows], ref, inside, clean=False)
-        return err <= LOGITS_RTOL, f"rel L2 {err:.1e} on {rows.numel()} rows"
-
-
-def topk_logits(ctx: Ctx, dist: str, r: int, w: int) -> torch.Tensor:
-    """``[r, w]`` float32 logits of one of :data:`TOPK_DISTRIBUTIONS` (``logits``: the paged logits op's output
-    on random FP8 queries and keys)."""
-    dev = ctx.device
-    x = torch.randn(r, w, dtype=torch.float32, device=dev)
-    if dist == "gaussian":
-        return x
-    if dist == "logits":
-        case = DecodeCase(ctx, r, 1, w)
-        case.fn("reference" if dev.type == "cpu" else None)()
-        return case.out[:, :w].contiguous()
-    if dist == "ints0-3":
-        return torch.randint(0, 4, (r, w), device=dev).float()
-    if dist == "all-equal":
-        return torch.full((r, w), 0.5, device=dev)
-    if dist == "heavy":
-        return torch.exp(4 * x)
-    if dist == "sorted":
-        return x.sort(dim=1).values
-    if dist == "95%-inf":
-        return torch.where(torch.rand(r, w, device=dev) < 0.95, float("-inf"), x)
-    if dist == "nan+inf":
-        u = torch.rand(r, w, device=dev)
-        x = torch.where(u < 0.01, float("nan"), x)
-        x = torch.where((u >= 0.01) & (u < 0.015), float("inf"), x)
-        return torch.where((u >= 0.015) & (u < 0.03), float("-inf"), x)
-    raise ValueError(f"unknown distribution {dist!r}; choose from {TOPK_DISTRIBUTIONS}")
-
-
-class TopKCase(Case):
-    """kinds: ``decode`` full rows with the planned workspace (as the step), ``decode-nows`` without one,
-    ``ragged`` windows ``[0, L_r)`` with ``L_r`` in ``[W/2, W]``, ``prefill`` tail windows ``[0, W - R + j + 1)``,
-    ``causal`` windows ``[0, (j + 1) W / R)``."""
-
-    def __init__(self, ctx: Ctx, kind: str, R: int, W: int, topk: int, dist: str = "gaussian"):  # noqa: N803
-        dev = ctx.device
-        self.R, self.W, self.topk, self.kind = R, W, topk, kind
-        self.logits = topk_logits(ctx, dist, R, W)
-        self.starts = torch.zeros(R, dtype=torch.int32, device=dev)
-        j = torch.arange(R, device=dev)
-        if kind == "prefill":
-            self.ends = (W - R + j + 1).clamp(0, W).to(torch.int32)
-        elif kind == "causal":
-            self.ends = ((j + 1) * W // R).to(torch.int32)
-        elif kind == "ragged":
-            self.ends = torch.randint(W // 2, W + 1, (R,), dtype=torch.int32, device=dev)
+    for group in GROUPS:
+        if group == "step":
+            specs += steps
         else:
-            self.ends = torch.full((R,), W, dtype=torch.int32, device=dev)
-        self.out = torch.empty(R, topk, dtype=torch.int32, device=dev)
-        self.amount = float(int((self.ends.long() - self.starts.long()).clamp(min=0).sum()) * 4)
-        self.workspace = None
-        if kind in ("decode", "ragged"):  # as the decode step: with the planned top-k scratch
-            lim = IndexerLimits(max_model_len=W, max_num_batched_tokens=R, max_num_seqs=R, topk=topk)
-            self.workspace = torch.empty(plan(lim)["topk_scratch"].shape, dtype=torch.int32, device=dev)
-            self.note = "with Buffers.topk_scratch as workspace (what the decode step passes)"
-        elif kind == "decode-nows":
-            self.note = "no workspace"
-
-    def anchors(self, mod) -> list[tuple[str, Callable[[], object]]]:
-        """vLLM's kernels that apply to this case (``mod``: the loaded ``vllm_topk`` anchor module)."""
-        if self.topk != getattr(mod, "K", 2048):
-            return []
-        lg, s, e, o = self.logits, self.starts, self.ends, self.out
-        if self.kind in ("prefill", "causal"):
-            return [("vLLM prefill kernel", lambda: mod.prefill(lg, s, e, o))]
-        found = [("vLLM persistent kernel", lambda: mod.persistent(lg, e, o))]
-        if self.R <= 16:  # what vLLM's dispatcher picks for few rows on Hopper
-            found.append(("vLLM cooperative kernel", lambda: mod.cooperative(lg, e, o)))
-        return found
-
-    def fn(self, backend):
-        return lambda: top_k_per_row(self.logits, self.starts, self.ends, out=self.out, backend=backend,
-                                     workspace=self.workspace)
-
-    def reset(self):
-        self.out.fill_(-2)
-
-    def check(self, backend):
-        rows = _spread(self.R, 16, self.logits.device)
-        return _topk_verdict(self.out[rows], self.logits[rows], self.starts[rows], self.ends[rows])
-
-
-def _same_bytes_copy(amount: float, device) -> Callable[[], object]:
-    half = max(1, int(amount) // 2)
-    src = torch.ones(half, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return lambda: dst.copy_(src)
-
-
-class WriteCase(Case):
-    def __init__(self, ctx: Ctx, T: int):  # noqa: N803
-        dev, bs, d = ctx.device, ctx.block_size, ctx.head_dim
-        self.ctx = ctx
-        per = -(-T // bs)
-        self.nb = 2 * per
-        self.cache = new_kv_cache(self.nb, bs, d, device=dev)
-        blocks = torch.randperm(self.nb, device=dev)[:per]
-        self.slots = (blocks[:, None] * bs + torch.arange(bs, device=dev)[None, :]).flatten()[:T].contiguous()
-        self.k = torch.randn(T, d, dtype=torch.bfloat16, device=dev)
-        self.amount = float(T * d * 2 + T * 8 + T * (d + 4))
-
-    def fn(self, backend):
-        return lambda: write_k_cache(self.k, self.cache, self.slots, fp8_dtype=self.ctx.fp8, backend=backend)
-
-    def reset(self):
-        self.cache.zero_()
-
-    def copy_baseline(self):
-        """A device copy of the bytes the op moves (read + written), for the 'within 2x of a copy' target."""
-        return _same_bytes_copy(self.amount, self.ctx.device)
-
-    def check(self, backend):
-        ref = new_kv_cache(self.nb, self.ctx.block_size, self.ctx.head_dim, device=self.cache.device)
-        write_k_cache(self.k, ref, self.slots, fp8_dtype=self.ctx.fp8, backend="reference")
-        diff = int((ref != self.cache).sum())
-        return diff == 0, "bytes equal" if diff == 0 else f"{diff} bytes differ"
-
-
-class GatherCase(Case):
-    def __init__(self, ctx: Ctx, T: int, R: int):  # noqa: N803
-        dev, bs, d = ctx.device, ctx.block_size, ctx.head_dim
-        per_req = T // R
-        per = -(-per_req // bs)
-        nb = 2 * R * per
-        self.cache = new_kv_cache(nb, bs, d, device=dev)
-        _fill_cache(ctx, self.cache, nb * bs)
-        self.block_table = torch.randperm(nb, device=dev)[: R * per].view(R, per).to(torch.int32).contiguous()
-        self.cu = (torch.arange(R + 1, device=dev) * per_req).to(torch.int32)
-        total = per_req * R
-        self.out_k = torch.empty(total, d, dtype=ctx.fp8, device=dev)
-        self.out_scale = torch.empty(total, dtype=torch.float32, device=dev)
-        self.amount = float(2 * total * (d + 4) + R * per * 4 + (R + 1) * 4)
-
-    def copy_baseline(self):
-        return _same_bytes_copy(self.amount, self.cache.device)
-
-    def fn(self, backend):
-        return lambda: gather_k_cache(self.cache, self.block_table, self.cu, out_k=self.out_k,
-                                      out_scale=self.out_scale, backend=backend)
-
-    def reset(self):
-        self.out_k.view(torch.uint8).fill_(0x5A)
-        self.out_scale.fill_(float("nan"))
-
-    def check(self, backend):
-        rk, rs = torch.empty_like(self.out_k), torch.empty_like(self.out_scale)
-        gather_k_cache(self.cache, self.block_table, self.cu, out_k=rk, out_scale=rs, backend="reference")
-        ok = torch.equal(rk.view(torch.uint8), self.out_k.view(torch.uint8)) and torch.equal(
-            rs.view(torch.int32), self.out_scale.view(torch.int32))
-        return ok, "bytes equal" if ok else "bytes differ"
+            for mod in CASE_MODULES[group].values():
+                specs += mod.specs(smoke)
+    return specs
 
 
 class StepCase(Case):
@@ -423,7 +97,7 @@ class StepCase(Case):
     the decode logits' bytes plus the logits read again by the top-k."""
 
     def __init__(self, ctx: Ctx, B: int, next_n: int, L: int, graph: bool):  # noqa: N803
-        from buffers import allocate
+        from buffers import IndexerLimits, allocate
 
         from .indexer import indexer_decode
         from .metadata import build_metadata
@@ -431,7 +105,7 @@ class StepCase(Case):
         dev, bs = ctx.device, ctx.block_size
         self.graph = graph and dev.type == "cuda"
         self.note = "CUDA graph replay" if self.graph else "eager"
-        self.logits_case = DecodeCase(ctx, B, next_n, L)
+        self.logits_case = decode_cases.DecodeCase(ctx, B, next_n, L)
         lc = self.logits_case
         lim = IndexerLimits(max_model_len=L, max_num_batched_tokens=B * next_n, max_num_seqs=B, next_n=next_n,
                             n_heads=ctx.heads, head_dim=ctx.head_dim, block_size=bs, topk=2048 if L >= 8192 else 256,
@@ -481,32 +155,17 @@ class StepCase(Case):
     def check(self, backend):
         self.fn(backend)()  # one more step, then judge its selection on its own logits
         logits = self.bufs.logits_view(self.rows, self.md.decode.width)
-        rows = _spread(self.rows, 16, logits.device)
+        rows = spread(self.rows, 16, logits.device)
         s, e = self.md.decode.row_starts[rows], self.md.decode.row_ends[rows]
-        return _topk_verdict(self.out[rows], logits[rows], s, e)
-
-
-def _topk_verdict(got, lg, s, e) -> tuple[bool, str]:
-    """docs/spec.md §6 on a subset of rows (:func:`sparse_indexer.testing.topk_errors`): short rows exact, long rows
-    the value multiset of the window's top-k."""
-    errors = topk_errors(got, lg, s, e)
-    first = f"; {errors[0]}" if errors else ""
-    return not errors, f"{got.shape[0] - len(errors)}/{got.shape[0]} rows equal (multiset){first}"
+        return topk_verdict(self.out[rows], logits[rows], s, e)
 
 
 def build_case(spec: CaseSpec, ctx: Ctx) -> Case:
-    p = spec.params
-    if spec.group == "decode":
-        return DecodeCase(ctx, p["B"], p["next_n"], p["L"])
-    if spec.group == "prefill":
-        return PrefillCase(ctx, p["M"], p["N"])
-    if spec.group == "topk":
-        return TopKCase(ctx, p["kind"], p["R"], p["W"], p["topk"], p.get("dist", "gaussian"))
+    """The case of ``spec``, built by the module of its group (:data:`CASE_MODULES`) or the step's."""
     if spec.group == "step":
+        p = spec.params
         return StepCase(ctx, p["B"], p["next_n"], p["L"], p["graph"])
-    if p["op"] == "write":
-        return WriteCase(ctx, p["T"])
-    return GatherCase(ctx, p["T"], p["R"])
+    return CASE_MODULES[spec.group][spec.params.get("op", "")].build(spec, ctx)
 
 
 # --------------------------------------------------------------------------------------------- timing

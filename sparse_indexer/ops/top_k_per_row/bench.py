@@ -1,0 +1,125 @@
+"""Benchmark cases of ``top_k_per_row`` (``python -m sparse_indexer bench --cases topk``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from buffers import IndexerLimits, plan
+
+from ..._bench_cases import Case, CaseSpec, Ctx, k_str, spread, topk_verdict
+from ..fp8_paged_mqa_logits.bench import DecodeCase
+from . import top_k_per_row
+
+__all__ = ["TOPK_DISTRIBUTIONS", "TopKCase", "build", "specs", "topk_logits"]
+
+TOPK_DISTRIBUTIONS = ("gaussian", "logits", "ints0-3", "all-equal", "heavy", "sorted", "95%-inf", "nan+inf")
+
+
+def specs(smoke: bool = False) -> list[CaseSpec]:
+    """Window kinds and shapes ``(kind, R, W, topk)``, then every value distribution at one shape."""
+    if smoke:
+        shapes = [("decode", 4, 4096, 256), ("decode-nows", 4, 4096, 256), ("ragged", 4, 4096, 256),
+                  ("prefill", 64, 4096, 256), ("causal", 64, 4096, 256)]
+        dist = (4, 4096, 256)
+        dists = ("logits", "95%-inf")  # (a spoiled selection on all-equal or few-valued rows can look right)
+    else:
+        shapes = [("decode", 64, 65536, 2048), ("decode-nows", 64, 65536, 2048), ("ragged", 64, 65536, 2048),
+                  ("decode", 16, 65536, 2048), ("decode", 1, 65536, 2048), ("prefill", 8192, 65536, 2048),
+                  ("causal", 8192, 65536, 2048), ("causal", 8192, 8192, 2048)]
+        dist = (64, 65536, 2048)
+        dists = TOPK_DISTRIBUTIONS
+    out = [CaseSpec("topk", f"topk-{kind}-{k_str(r)}x{k_str(w)}", f"topk {kind} R={r} W={w} topk={k}",
+                    dict(kind=kind, R=r, W=w, topk=k)) for kind, r, w, k in shapes]
+    r, w, k = dist
+    out += [CaseSpec("topk", f"topk-dist-{name}-{k_str(r)}x{k_str(w)}", f"topk {name} R={r} W={w} topk={k}",
+                     dict(kind="decode", R=r, W=w, topk=k, dist=name)) for name in dists]
+    return out
+
+
+def build(spec: CaseSpec, ctx: Ctx) -> Case:
+    p = spec.params
+    return TopKCase(ctx, p["kind"], p["R"], p["W"], p["topk"], p.get("dist", "gaussian"))
+
+
+def topk_logits(ctx: Ctx, dist: str, r: int, w: int) -> torch.Tensor:
+    """``[r, w]`` float32 logits of one of :data:`TOPK_DISTRIBUTIONS` (``logits``: the paged logits op's output
+    on random FP8 queries and keys)."""
+    dev = ctx.device
+    x = torch.randn(r, w, dtype=torch.float32, device=dev)
+    if dist == "gaussian":
+        return x
+    if dist == "logits":
+        case = DecodeCase(ctx, r, 1, w)
+        case.fn("reference" if dev.type == "cpu" else None)()
+        return case.out[:, :w].contiguous()
+    if dist == "ints0-3":
+        return torch.randint(0, 4, (r, w), device=dev).float()
+    if dist == "all-equal":
+        return torch.full((r, w), 0.5, device=dev)
+    if dist == "heavy":
+        return torch.exp(4 * x)
+    if dist == "sorted":
+        return x.sort(dim=1).values
+    if dist == "95%-inf":
+        return torch.where(torch.rand(r, w, device=dev) < 0.95, float("-inf"), x)
+    if dist == "nan+inf":
+        u = torch.rand(r, w, device=dev)
+        x = torch.where(u < 0.01, float("nan"), x)
+        x = torch.where((u >= 0.01) & (u < 0.015), float("inf"), x)
+        return torch.where((u >= 0.015) & (u < 0.03), float("-inf"), x)
+    raise ValueError(f"unknown distribution {dist!r}; choose from {TOPK_DISTRIBUTIONS}")
+
+
+class TopKCase(Case):
+    """kinds: ``decode`` full rows with the planned workspace (as the step), ``decode-nows`` without one,
+    ``ragged`` windows ``[0, L_r)`` with ``L_r`` in ``[W/2, W]``, ``prefill`` tail windows ``[0, W - R + j + 1)``,
+    ``causal`` windows ``[0, (j + 1) W / R)``."""
+
+    def __init__(self, ctx: Ctx, kind: str, R: int, W: int, topk: int, dist: str = "gaussian"):  # noqa: N803
+        dev = ctx.device
+        self.R, self.W, self.topk, self.kind = R, W, topk, kind
+        self.logits = topk_logits(ctx, dist, R, W)
+        self.starts = torch.zeros(R, dtype=torch.int32, device=dev)
+        j = torch.arange(R, device=dev)
+        if kind == "prefill":
+            self.ends = (W - R + j + 1).clamp(0, W).to(torch.int32)
+        elif kind == "causal":
+            self.ends = ((j + 1) * W // R).to(torch.int32)
+        elif kind == "ragged":
+            self.ends = torch.randint(W // 2, W + 1, (R,), dtype=torch.int32, device=dev)
+        else:
+            self.ends = torch.full((R,), W, dtype=torch.int32, device=dev)
+        self.out = torch.empty(R, topk, dtype=torch.int32, device=dev)
+        self.amount = float(int((self.ends.long() - self.starts.long()).clamp(min=0).sum()) * 4)
+        self.workspace = None
+        if kind in ("decode", "ragged"):  # as the decode step: with the planned top-k scratch
+            lim = IndexerLimits(max_model_len=W, max_num_batched_tokens=R, max_num_seqs=R, topk=topk)
+            self.workspace = torch.empty(plan(lim)["topk_scratch"].shape, dtype=torch.int32, device=dev)
+            self.note = "with Buffers.topk_scratch as workspace (what the decode step passes)"
+        elif kind == "decode-nows":
+            self.note = "no workspace"
+
+    def anchors(self, mod) -> list[tuple[str, Callable[[], object]]]:
+        """vLLM's kernels that apply to this case (``mod``: the loaded ``vllm_topk`` anchor module)."""
+        if self.topk != getattr(mod, "K", 2048):
+            return []
+        lg, s, e, o = self.logits, self.starts, self.ends, self.out
+        if self.kind in ("prefill", "causal"):
+            return [("vLLM prefill kernel", lambda: mod.prefill(lg, s, e, o))]
+        found = [("vLLM persistent kernel", lambda: mod.persistent(lg, e, o))]
+        if self.R <= 16:  # what vLLM's dispatcher picks for few rows on Hopper
+            found.append(("vLLM cooperative kernel", lambda: mod.cooperative(lg, e, o)))
+        return found
+
+    def fn(self, backend):
+        return lambda: top_k_per_row(self.logits, self.starts, self.ends, out=self.out, backend=backend,
+                                     workspace=self.workspace)
+
+    def reset(self):
+        self.out.fill_(-2)
+
+    def check(self, backend):
+        rows = spread(self.R, 16, self.logits.device)
+        return topk_verdict(self.out[rows], self.logits[rows], self.starts[rows], self.ends[rows])
