@@ -35,7 +35,7 @@ import torch
 from buffers import IndexerLimits, allocate
 from buffers.plan import topk_scratch_cap
 
-from . import _dispatch
+from . import _dispatch, backends
 from ._cli import UsageError, require_backend, resolve_device
 from .fp8 import fp8_name, quantize_k, quantize_q
 from .indexer import sparse_attn_indexer
@@ -490,7 +490,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto",
                    help="device to check: cpu, cuda, cuda:N, or auto = cuda when a GPU is visible, else cpu "
                         "(default: %(default)s)")
-    p.add_argument("--backend", default="all", choices=("all", "auto", *_dispatch.BACKENDS),
+    p.add_argument("--backend", default="all", choices=("all", "auto", *backends.names()),
                    help="backend to check against the CPU reference; all = every backend available on the device "
                         "(on the CPU: triton under its interpreter; on a GPU also the reference itself, and the "
                         "whole step with auto = the best backend of each op) (default: %(default)s)")
@@ -527,7 +527,8 @@ def _ops_of(backend: str) -> tuple[str, ...]:
     ``auto`` the end-to-end step (its ops are each backend's, checked in their own rows)."""
     if backend == "auto":
         return ("step",)
-    return tuple(getattr(_dispatch, "PARTIAL_BACKENDS", {}).get(backend, CHECKS))
+    ops = backends.get(backend).ops
+    return CHECKS if ops is None else tuple(ops)
 
 
 def _prepare_interpreter(device: torch.device, requested: str) -> str | None:

@@ -16,7 +16,7 @@ import torch
 
 from buffers import IndexerLimits, allocate, plan
 
-from . import _dispatch
+from . import _dispatch, backends
 from ._cli import Progress, UsageError, require_backend, resolve_device
 from .fp8 import quantize_k, quantize_q
 from .indexer import sparse_attn_indexer
@@ -26,7 +26,7 @@ from .testing import topk_errors
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", default="reference", choices=("auto", *_dispatch.BACKENDS),
+    p.add_argument("--backend", default="reference", choices=("auto", *backends.names()),
                    help="backend of every op; auto = the best one available on the device (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
     p.add_argument("--requests", type=_positive, default=3, help="number of requests (default: %(default)s)")
