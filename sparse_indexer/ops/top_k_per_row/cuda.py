@@ -258,7 +258,7 @@ def launch(logits, row_starts, row_ends, out, *, nt: int, cs: int, stop: int = 0
     index = logits.device.index or 0
     cap, samp, small_max, smem = layout(topk, w, small)
     _, kern = _kernel(index, nt, cs)
-    cfg = _launch_config(index, nt, cs, r * cs, smem, torch.cuda.current_stream(logits.device).cuda_stream)
+    cfg = _launch_config(index, nt, cs, r * cs, smem, torch._C._cuda_getCurrentRawStream(index))  # torch's stream
     vec_ok = int(logits.data_ptr() % 16 == 0)
     args = (logits.data_ptr(), logits.stride(0), row_starts.data_ptr(), row_ends.data_ptr(), out.data_ptr(),
             out.stride(0), topk, cap, samp, small_max, vec_ok, stop)
