@@ -11,25 +11,20 @@ import torch
 from .limits import IndexerLimits
 
 __all__ = ["ALIGN", "FieldPlan", "BufferPlan", "plan", "FIELDS", "PrefillExtremes", "prefill_extremes",
-           "logits_elems", "topk_scratch_cap"]
+           "logits_elems"]
 
 ALIGN = 256  # byte alignment of every field inside the arena
 
 
+def _topk_scratch_shape(lim: IndexerLimits) -> tuple[int, int] | None:
+    """``[decode_batch_rows, cols]``: the top-k workspace of one decode sub-batch, as wide as the widest
+    ``topk_workspace`` the registered backends declare (:func:`sparse_indexer.backends.topk_workspace_cols`;
+    imported at call time: the ``sparse_indexer`` package imports this one, and the registry imports nothing of
+    ``buffers``); absent when no backend declares one."""
+    from sparse_indexer.backends import topk_workspace_cols
 
-def topk_scratch_cap(lim: IndexerLimits) -> int:
-    """Candidate slots per row of ``topk_scratch`` for windows up to ``max_model_len``: sized by the top-k op,
-    :func:`sparse_indexer.ops.top_k_per_row.workspace.candidate_cap` (imported at call time: the ``sparse_indexer``
-    package imports this one; the workspace module itself imports nothing of either)."""
-    from sparse_indexer.ops.top_k_per_row.workspace import candidate_cap
-
-    return candidate_cap(lim.max_model_len, lim.topk)
-
-
-def _topk_scratch_shape(lim: IndexerLimits) -> tuple[int, int]:
-    from sparse_indexer.ops.top_k_per_row.workspace import workspace_shape
-
-    return workspace_shape(lim.decode_batch_rows, lim.max_model_len, lim.topk)
+    cols = topk_workspace_cols(lim)
+    return None if cols is None else (lim.decode_batch_rows, cols)
 
 @attrs.frozen
 class PrefillExtremes:
@@ -121,7 +116,7 @@ def logits_elems(lim: IndexerLimits) -> int:
 
 
 # name -> (shape function of the limits, dtype function of the limits); a shape of None means "absent".
-# Backends that need scratch add one line here; the field then exists in every plan with its size. Every size
+# A top-k backend that needs scratch declares its width in the backend registry (topk_scratch below). Every size
 # is the largest that some step allowed by the limits uses (tests/buffers/test_plan_tight.py).
 FIELDS = {
     "k_fp8": (lambda lim: (prefill_extremes(lim).keys, lim.head_dim), lambda lim: lim.fp8_dtype),
@@ -147,8 +142,9 @@ FIELDS = {
         lambda lim: (lim.max_decode_rows, lim.topk) if lim.next_n > 1 else None,
         lambda lim: torch.int32,
     ),
-    # Split-row top-k of the decode rows (Triton), one sub-batch at a time: per row, counters, then the
-    # positions and the values of up to topk_scratch_cap(lim) candidate cells.
+    # The top-k workspace of the decode rows, one sub-batch at a time: its width is what the backends of the
+    # registry declare (sparse_indexer.backends, Backend.topk_workspace; the Triton split-row top-k: per row,
+    # counters, then the positions and the values of its candidate cells).
     "topk_scratch": (
         _topk_scratch_shape,
         lambda lim: torch.int32,
@@ -209,7 +205,8 @@ def plan(limits: IndexerLimits) -> BufferPlan:
     """Lay out every field of :class:`buffers.Buffers` for ``limits``; pure, needs no device.
 
     Fields are placed in the order of :data:`FIELDS` at 256-byte-aligned offsets; absent fields (``qk`` unless
-    ``limits.with_qk``; ``q_pack``, ``w_pack``, ``topk_pack`` when ``next_n == 1``) take no bytes.
+    ``limits.with_qk``; ``q_pack``, ``w_pack``, ``topk_pack`` when ``next_n == 1``; ``topk_scratch`` when no
+    registered backend declares a top-k workspace) take no bytes.
     ``total_bytes`` is what an engine reserves.
     """
     if not isinstance(limits, IndexerLimits):

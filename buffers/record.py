@@ -83,8 +83,10 @@ class Buffers:
             decode slots of a step whose requests have fewer than ``next_n`` new tokens.
         topk_scratch: ``[decode_batch * next_n, 32 + 2 * cap]`` int32 or ``None`` — the split-row top-k's global
             scratch for the rows of one decode sub-batch (per row: counters, then positions and values of up to ``cap``
-            candidates, :func:`buffers.plan.topk_scratch_cap`); backends that do not split rows ignore it.
-            Every plan has it; a record built by hand may leave it out (the step then passes no workspace).
+            candidates, ``sparse_indexer.ops.top_k_per_row.workspace.topk_scratch_cap``; the plan's width is the widest
+            ``topk_workspace`` of the backend registry); backends that do not split rows ignore it.
+            Every plan has it (while a registered backend declares a workspace); a record built by hand may leave
+            it out (the step then passes no workspace).
             It is not a pytree leaf: a record rebuilt by ``torch.utils._pytree`` (``torch.func`` transforms,
             which run the reference backend) has ``topk_scratch=None``.
     """

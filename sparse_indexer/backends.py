@@ -4,14 +4,17 @@ An entry (:class:`Backend`) holds the backend's name, the ops it implements, whe
 lives (``sparse_indexer/ops/<op>/<name>.py`` by default), whether it can run on a device, and where ``auto``
 tries it. Dispatch (:mod:`sparse_indexer._dispatch`: ``backend=`` of every op, the ``auto`` order), the
 benchmark's backend list (``python -m sparse_indexer bench``), the tests' ``backend`` parametrization and skips
-(``tests/conftest.py``) and the README's backend table (checked by ``tests/sparse_indexer/test_backends.py``)
-all read this table.
+(``tests/conftest.py``), the README's backend table (checked by ``tests/sparse_indexer/test_backends.py``) and
+the size of the top-k workspace in the buffer plan (``Buffers.topk_scratch``: the widest ``topk_workspace`` of
+the registered backends, :func:`topk_workspace_cols`) all read this table.
 
 Adding a backend ``foo`` of one op: write ``sparse_indexer/ops/<op>/foo.py`` with a function named like the op
 and the signature of ``reference.py`` (arguments already checked by the public function; write the outputs in
 place; raise :class:`NotImplementedError` before writing anything for a case it does not handle, and ``auto``
 tries the next backend), then add one :class:`Backend` entry to :data:`_BUILTIN` (or, outside this package,
-call :func:`register`). Check it with :mod:`sparse_indexer.testing` and ``SPARSE_INDEXER_TEST_BACKENDS=foo``.
+call :func:`register`). A top-k that needs global scratch takes ``workspace=`` and declares its width per row
+with ``topk_workspace=`` in its entry; the plan then holds it (nothing in ``buffers/`` changes).
+Check it with :mod:`sparse_indexer.testing` and ``SPARSE_INDEXER_TEST_BACKENDS=foo``.
 
 The table is process-wide state by design (as a dispatch table is): :func:`register` and :func:`unregister`
 change it; each change bumps :data:`generation`, which the dispatch caches are keyed on.
@@ -27,7 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["OPS", "Backend", "auto_order", "generation", "get", "names", "register", "unregister"]
+__all__ = ["OPS", "Backend", "auto_order", "generation", "get", "names", "register", "topk_workspace_cols",
+           "unregister"]
 
 OPS = ("write_k_cache", "gather_k_cache", "fp8_mqa_logits", "fp8_paged_mqa_logits", "top_k_per_row")
 """Every op, in the order of a step."""
@@ -45,7 +49,10 @@ class Backend:
     tries it; ``rank``: its place there, lower first (ties: table order). ``ops``: the ops it implements
     (``None``: every op of :data:`OPS`). ``module``: the module holding its implementation of an op, formatted
     with ``op`` and ``name``; the function is named like the op. ``where``: where it runs (one line, as in the
-    README's table).
+    README's table). ``topk_workspace(limits)``: for a backend whose ``top_k_per_row`` uses the ``workspace=``
+    argument, the int32 columns per row it needs for the steps an :class:`~buffers.IndexerLimits` allows (``None``:
+    it uses none); the plan's ``topk_scratch`` has ``decode_batch_rows`` rows of the widest such width
+    (:func:`topk_workspace_cols`). It must be a pure function of the limits and must not import ``buffers``.
     """
 
     name: str
@@ -55,6 +62,7 @@ class Backend:
     ops: tuple[str, ...] | None = None
     module: str = "sparse_indexer.ops.{op}.{name}"
     where: str = ""
+    topk_workspace: Callable[..., int] | None = None  # (limits: IndexerLimits) -> int
 
     def __post_init__(self):
         if not self.name.isidentifier() or self.name == "auto":
@@ -62,6 +70,8 @@ class Backend:
         bad = [op for op in self.ops or () if op not in OPS]
         if bad:
             raise ValueError(f"backend {self.name!r}: unknown ops {bad}; choose from {OPS}")
+        if self.topk_workspace is not None and not self.implements("top_k_per_row"):
+            raise ValueError(f"backend {self.name!r}: topk_workspace= needs a backend that implements top_k_per_row")
 
     def implements(self, op: str) -> bool:
         return self.ops is None or op in self.ops
@@ -82,6 +92,12 @@ def _module_ok(name: str) -> str | None:
 def _interpret() -> bool:
     """``TRITON_INTERPRET`` is set (Triton then runs its kernels on the CPU)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _triton_topk_workspace(limits) -> int:
+    from .ops.top_k_per_row.workspace import workspace_cols  # imports nothing of the package
+
+    return workspace_cols(limits)
 
 
 def _reference_reason(device: torch.device) -> str | None:
@@ -114,7 +130,7 @@ def _cuda_reason(device: torch.device) -> str | None:
 _BUILTIN = (
     Backend("reference", _reference_reason, auto=(ANY_DEVICE,), rank=30,
             where="CPU and GPU, pure torch"),
-    Backend("triton", _triton_reason, auto=("cuda",), rank=20,
+    Backend("triton", _triton_reason, auto=("cuda",), rank=20, topk_workspace=_triton_topk_workspace,
             where="NVIDIA (Hopper tested on an H200) and AMD GPUs; the CPU under `TRITON_INTERPRET=1`"),
     Backend("aiter", _aiter_reason, auto=("cuda",), rank=0,
             where="ROCm GPUs with AMD's aiter installed"),
@@ -166,3 +182,11 @@ def auto_order(device_type: str) -> tuple[str, ...]:
     """The backends ``auto`` considers on devices of ``device_type``, best first (availability not checked)."""
     entries = [b for b in _table.values() if ANY_DEVICE in b.auto or device_type in b.auto]
     return tuple(b.name for b in sorted(entries, key=lambda b: b.rank))
+
+
+def topk_workspace_cols(limits) -> int | None:
+    """int32 columns per row of the top-k workspace (``Buffers.topk_scratch``) for ``limits``: the widest
+    ``topk_workspace`` of the registered backends (``None`` when none declares one). :func:`buffers.plan.plan`
+    calls this; the width depends on the table, so plan after registering a backend."""
+    widths = [int(b.topk_workspace(limits)) for b in _table.values() if b.topk_workspace is not None]
+    return max(widths, default=None)

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 import torch
 
 from buffers import IndexerLimits, allocate
-from buffers.plan import topk_scratch_cap
 
 from . import _dispatch, backends
 from ._cli import UsageError, require_backend, resolve_device
@@ -46,6 +45,7 @@ from .ops.fp8_paged_mqa_logits import fp8_paged_mqa_logits, row_limits
 from .ops.gather_k_cache import gather_k_cache
 from .ops.top_k_per_row import top_k_per_row
 from .ops.top_k_per_row.workspace import COUNTERS as TOPK_SCRATCH_COUNTERS
+from .ops.top_k_per_row.workspace import topk_scratch_cap
 from .ops.write_k_cache import write_k_cache
 from .testing import logits_error, topk_errors
 

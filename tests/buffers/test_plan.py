@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from buffers import ALIGN, BufferPlan, IndexerLimits, plan
-from buffers.plan import prefill_extremes, topk_scratch_cap
+from buffers.plan import prefill_extremes
 from sparse_indexer.ops.top_k_per_row.workspace import COUNTERS as TOPK_SCRATCH_COUNTERS
+from sparse_indexer.ops.top_k_per_row.workspace import topk_scratch_cap
 
 BASE = dict(max_model_len=1000, max_num_batched_tokens=77, max_num_seqs=5, n_heads=32, head_dim=64,
             max_logits_bytes=12345, prefill_k_tokens=1001)

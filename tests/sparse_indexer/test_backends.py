@@ -1,6 +1,6 @@
 """The backend registry (``sparse_indexer.backends``): a toy backend registered here is picked up by dispatch,
-``auto``, the benchmark's backend list and the tests' ``backend`` parametrization, with no other file touched;
-the README's backend table matches the registry."""
+``auto``, the benchmark's backend list, the tests' ``backend`` parametrization and (declaring a top-k workspace)
+the buffer plan, with no other file touched; the README's backend table matches the registry."""
 
 from __future__ import annotations
 
@@ -10,20 +10,25 @@ import pathlib
 import re
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
 import sparse_indexer as si
+from buffers import IndexerLimits, allocate, plan
 from sparse_indexer import _dispatch, backends, bench
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CALLS: list[str] = []
+WORKSPACES: list[tuple[int, ...] | None] = []
 
 
-def top_k_per_row(logits, row_starts, row_ends, *, out) -> None:
-    """The toy backend's top-k: the reference's, counted (and spoiled when ``TOY_BACKEND_BROKEN`` is set)."""
+def top_k_per_row(logits, row_starts, row_ends, *, out, workspace=None) -> None:
+    """The toy backend's top-k: the reference's, counted (and spoiled when ``TOY_BACKEND_BROKEN`` is set); the
+    shape of the workspace it was given is recorded (it takes one, as a backend that declares one does)."""
     CALLS.append("top_k_per_row")
+    WORKSPACES.append(None if workspace is None else tuple(workspace.shape))
     if log := os.environ.get("TOY_BACKEND_LOG"):
         with open(log, "a") as f:
             f.write("call\n")
@@ -43,6 +48,7 @@ def toy_entry() -> backends.Backend:
 def toy():
     backends.register(toy_entry())
     CALLS.clear()
+    WORKSPACES.clear()
     try:
         yield
     finally:
@@ -92,6 +98,44 @@ def test_toy_backend_in_bench(toy, tmp_path):
     rows = [r for r in json.loads((tmp_path / "results.json").read_text())["rows"] if r["backend"] == "toy"]
     assert rows and all(r["status"] == "ok" and r["check"] == "ok" for r in rows), rows
     assert CALLS
+
+
+def test_toy_backend_workspace_in_plan():
+    """A toy top-k declaring a workspace wider than Triton's widens the plan's ``topk_scratch`` (and the arena)
+    and the step hands it that workspace; a narrower one changes nothing; unregistered, the plan is as before."""
+    lim = IndexerLimits(max_model_len=128, max_num_batched_tokens=64, max_num_seqs=4, next_n=2, n_heads=16,
+                        head_dim=64, topk=8)
+    base = plan(lim)
+    rows, cols = base["topk_scratch"].shape
+    backends.register(replace(toy_entry(), topk_workspace=lambda limits: 4 * limits.max_model_len + 1000))
+    CALLS.clear()
+    WORKSPACES.clear()
+    try:
+        grown = plan(lim)
+        assert grown["topk_scratch"].shape == (rows, 4 * 128 + 1000) and 4 * 128 + 1000 > cols
+        assert grown.total_bytes > base.total_bytes
+        assert backends.topk_workspace_cols(lim) == 4 * 128 + 1000
+
+        from tests.sparse_indexer.test_indexer import Scenario
+
+        sc = Scenario([40, 7, 100, 64], [2, 2, 2, 1], lim=lim, seed=31)
+        md = sc.metadata()
+        bufs = allocate(lim)
+        assert tuple(bufs.topk_scratch.shape) == (rows, 4 * 128 + 1000)
+        got = torch.full((md.num_tokens, lim.topk), 7, dtype=torch.int32)
+        si.sparse_attn_indexer(sc.q, sc.k, sc.w, sc.kv, md, bufs, got)  # auto on the CPU: the toy's top-k
+        assert CALLS and (md.decode.num_rows, 4 * 128 + 1000) in WORKSPACES, WORKSPACES
+        want = torch.full_like(got, 7)
+        si.sparse_attn_indexer(sc.q, sc.k, sc.w, sc.kv, md, bufs, want, backend="reference")
+        assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)
+
+        backends.register(replace(toy_entry(), topk_workspace=lambda limits: 40), replace=True)
+        assert plan(lim) == base  # the widest declared width wins (Triton's)
+    finally:
+        backends.unregister("toy")
+    assert plan(lim) == base
+    with pytest.raises(ValueError, match="topk_workspace"):
+        backends.Backend("x", lambda d: None, ops=("gather_k_cache",), topk_workspace=lambda limits: 64)
 
 
 def _pytest_with_toy(tmp_path, broken: bool) -> tuple[subprocess.CompletedProcess, int]:
