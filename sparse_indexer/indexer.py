@@ -144,7 +144,8 @@ def check_step(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tenso
     outputs["topk_out"], outputs["kv_cache"] = topk_out, kv_cache
     C.disjoint(outputs, {"q_fp8": q_fp8, "weights": weights, "k": k, **metadata.tensors()})
     _check_cache_ids(metadata, lay, kv_cache)
-    if backend is not None and backend != "auto":
+    # (resolving a backend imports modules, which Dynamo cannot trace; a compiled step raises from the op)
+    if backend is not None and backend != "auto" and not torch.compiler.is_compiling():
         ops = (("write_k_cache",) if k is not None else ())
         if prefill and metadata.prefill_chunks:
             ops += ("gather_k_cache", "fp8_mqa_logits", "top_k_per_row")
