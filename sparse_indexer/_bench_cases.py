@@ -6,6 +6,7 @@ case interface and input helpers. The cases of each op live beside it (``sparse_
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -15,7 +16,7 @@ from .fp8 import quantize_q
 from .ops.write_k_cache import write_k_cache
 from .testing import topk_errors
 
-__all__ = ["LOGITS_RTOL", "Case", "CaseSpec", "Ctx"]
+__all__ = ["LOGITS_RTOL", "Case", "CaseSpec", "Ctx", "SweepEnv"]
 
 LOGITS_RTOL = 1e-3  # relative L2 error allowed on in-window logits (float32 accumulation, any order)
 HEADS, HEAD_DIM, BLOCK_SIZE = 64, 128, 64
@@ -47,6 +48,33 @@ class Ctx:
     heads: int = HEADS
     head_dim: int = HEAD_DIM
     block_size: int = BLOCK_SIZE
+
+
+@dataclass
+class SweepEnv:
+    """What ``python -m sparse_indexer bench --sweep NAME`` hands a kernel sweep (``ops/<op>/sweep.py``:
+    ``run(env) -> (rows, results)``): the device, the bench's timer (``timer.times_us(fn, iters, warmup)``: CUDA
+    events, L2 flushed; ``time.perf_counter`` on the CPU) and the floors it measured in the same run
+    (``floors["bandwidth"]["value"]`` TB/s, ``floors["compute"]["value"]`` TFLOP/s, ``None`` when unmeasured),
+    ``--smoke`` (tiny shapes, also on the CPU), ``--sections`` (``None``: all), ``--configs`` (the sweep's launch
+    configurations, its own syntax; ``None``: its default list) and the vLLM anchor module (``--anchors``)."""
+
+    device: torch.device
+    timer: object
+    floors: dict
+    iters: int
+    warmup: int
+    smoke: bool
+    sections: frozenset[str] | None = None
+    configs: str | None = None
+    anchors: object = None
+
+    def median_us(self, fn: Callable[[], object]) -> float:
+        """Median time of ``fn`` in microseconds (the bench's timer, ``iters`` after ``warmup``)."""
+        return statistics.median(self.timer.times_us(fn, self.iters, self.warmup))
+
+    def want(self, section: str) -> bool:
+        return self.sections is None or section in self.sections
 
 
 def take(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,13 @@ and a spot check of the output against the reference backend on a subset of rows
 ``--out`` receives ``results.md``, ``results.json`` and ``results.png`` (matplotlib, when installed).
 
 ``--smoke`` uses tiny shapes and also runs on the CPU (``time.perf_counter``, no L2 flush).
+
+``--sweep topk|logits`` runs a kernel sweep instead of the case table, on the same timer and floors
+(:data:`SWEEPS`: ``ops/top_k_per_row/sweep.py``: the CUDA top-k's launch configurations checked and timed beside
+Triton, vLLM's kernels and ``torch.topk``, and the decode step; ``ops/fp8_paged_mqa_logits/sweep.py``: the Triton
+logits kernels checked against float64 and their configurations timed); ``--sections`` picks parts of it,
+``--configs`` the top-k launch configurations. It writes ``sweep-<name>.md`` and ``sweep-<name>.json`` to
+``--out``.
 """
 
 from __future__ import annotations
@@ -47,17 +54,19 @@ from collections.abc import Callable
 import torch
 
 from . import backends as _registry
-from ._bench_cases import LOGITS_RTOL, Case, CaseSpec, Ctx, k_str, spread, topk_verdict
+from ._bench_cases import LOGITS_RTOL, Case, CaseSpec, Ctx, SweepEnv, k_str, spread, topk_verdict
 from ._dispatch import BackendUnavailable, unavailable_reason
 from .fp8 import fp8_name
 from .ops._aiter import native_fp8
 from .ops.fp8_mqa_logits import bench as prefill_cases
 from .ops.fp8_paged_mqa_logits import bench as decode_cases
+from .ops.fp8_paged_mqa_logits import sweep as logits_sweep
 from .ops.gather_k_cache import bench as gather_cases
 from .ops.top_k_per_row import bench as topk_cases
+from .ops.top_k_per_row import sweep as topk_sweep
 from .ops.write_k_cache import bench as write_cases
 
-__all__ = ["CaseSpec", "add_arguments", "case_specs", "run"]
+__all__ = ["SWEEPS", "CaseSpec", "add_arguments", "case_specs", "run"]
 
 GROUPS = ("decode", "prefill", "topk", "step", "cache")
 CASE_OPS = {"decode": "fp8_paged_mqa_logits", "prefill": "fp8_mqa_logits", "topk": "top_k_per_row",
@@ -66,6 +75,8 @@ CASE_MODULES = {"decode": {"": decode_cases}, "prefill": {"": prefill_cases}, "t
                 "cache": {"write": write_cases, "gather": gather_cases}}
 """The modules of each group's cases (``ops/<op>/bench.py``: ``specs(smoke)``, ``build(spec, ctx)``), by the
 ``op`` parameter of their specs; the step's cases are :class:`StepCase`."""
+SWEEPS = {"topk": topk_sweep, "logits": logits_sweep}
+"""The kernel sweeps of ``--sweep NAME`` (each ``run(SweepEnv) -> (rows, results)``, ``SECTIONS``)."""
 TOPK_DISTRIBUTIONS = topk_cases.TOPK_DISTRIBUTIONS
 L2_FLUSH_BYTES = 256 << 20
 
@@ -287,7 +298,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--anchors", default=None,
                         help="folder holding vllm_topk.py (vLLM's CUDA top-k kernels, a measuring instrument): "
-                             "timed beside ours on the top-k cases (default: none)")
+                             "timed beside ours on the top-k cases and in --sweep topk (default: none)")
+    parser.add_argument("--sweep", choices=tuple(SWEEPS), default=None,
+                        help="run a kernel sweep instead of the case table: topk (the CUDA top-k's launch "
+                             "configurations checked and timed beside Triton, vLLM and torch.topk; the decode "
+                             "step) or logits (the Triton logits kernels checked against float64, configurations "
+                             "timed); same timer and floors; writes sweep-<name>.md/.json to --out (default: "
+                             "none, the case table)")
+    parser.add_argument("--sections", default=None,
+                        help="comma-separated parts of the sweep: topk: " + ",".join(topk_sweep.SECTIONS)
+                             + " (default all); logits: " + ",".join(logits_sweep.SECTIONS)
+                             + " (default " + ",".join(logits_sweep.DEFAULT_SECTIONS) + ")")
+    parser.add_argument("--configs", default=None,
+                        help="--sweep topk: the CUDA kernel's launch configurations, threads x CTAs per row "
+                             f"(default {topk_sweep.DEFAULT_CONFIGS})")
 
 
 def _err(e: BaseException, limit: int = 300) -> str:
@@ -385,6 +409,7 @@ def run(args: argparse.Namespace) -> int:
         bad = [b for b in backends if b not in known]
         if bad:
             raise ValueError(f"unknown --backends {bad}; choose from {known}")
+        sweep, sections = _sweep_options(opt("sweep", None), opt("sections", None), opt("configs", None))
     except (ValueError, RuntimeError) as e:
         print(f"bench: {e}", file=sys.stderr)
         return 2
@@ -416,6 +441,10 @@ def run(args: argparse.Namespace) -> int:
     print("measuring floors ...", end=" ", flush=True)
     floors = measure_floors(ctx, timer, iters)
     print(", ".join(_floor_str(f) for f in floors.values()), flush=True)
+    if sweep is not None:
+        env = SweepEnv(device=device, timer=timer, floors=floors, iters=iters, warmup=warmup, smoke=smoke,
+                       sections=sections, configs=opt("configs", None), anchors=anchor_mod)
+        return run_sweep(sweep, env, meta, floors, opt("out", "bench-out") or "bench-out")
 
     rows: list[dict] = []
     n = len(specs)
@@ -527,6 +556,65 @@ def run(args: argparse.Namespace) -> int:
     written = ["results.md", "results.json"] + (["results.png"] if png else [])
     print(f"\nwrote {', '.join(os.path.join(out_dir, w) for w in written)}", flush=True)
     failed = [r for r in rows if r["check"] in ("FAIL", "error") or r["status"] == "error"]
+    return 1 if failed else 0
+
+
+def _sweep_options(sweep: str | None, sections: str | None, configs: str | None):
+    """``(sweep, sections)`` from the options; ``ValueError`` naming the option on a bad value."""
+    if sweep is None:
+        if sections or configs:
+            raise ValueError("--sections and --configs are options of --sweep")
+        return None, None
+    if sweep not in SWEEPS:
+        raise ValueError(f"unknown --sweep {sweep!r}; choose from {tuple(SWEEPS)}")
+    if configs and sweep != "topk":
+        raise ValueError("--configs is an option of --sweep topk")
+    if configs:
+        for c in configs.split(","):
+            parts = c.split("x")
+            if len(parts) != 2 or not all(v.isdigit() and int(v) > 0 for v in parts):
+                raise ValueError(f"--configs: {c!r} is not THREADSxCTAS (e.g. 1024x2)")
+    if not sections:
+        return sweep, None
+    want = frozenset(x.strip() for x in sections.split(",") if x.strip())
+    bad = sorted(want - set(SWEEPS[sweep].SECTIONS))
+    if bad:
+        raise ValueError(f"unknown --sections {bad} of --sweep {sweep}; choose from {SWEEPS[sweep].SECTIONS}")
+    return sweep, want
+
+
+def run_sweep(name: str, env: SweepEnv, meta: dict, floors: dict, out_dir: str) -> int:
+    """Run the sweep ``name`` (:data:`SWEEPS`) on ``env`` and write its table and results beside the bench's
+    metadata and floors (``sweep-<name>.md``, ``sweep-<name>.json`` in ``out_dir``). Returns 1 when a check
+    failed or a section raised, else 0."""
+    try:
+        rows, results = SWEEPS[name].run(env)
+    except Exception as e:  # noqa: BLE001 - the sweep could not start (e.g. the logits sweep on the CPU sans interpreter)
+        print(f"bench --sweep {name}: {_err(e)}", file=sys.stderr, flush=True)
+        return 2 if isinstance(e, RuntimeError) else 1
+    meta = dict(meta, sweep=name, sections=sorted(env.sections) if env.sections else "default",
+                finished=time.strftime("%Y-%m-%d %H:%M:%S"))
+    failed = [r for r in rows if r[1] == "FAILED" or "MISMATCH" in r[3] or r[1].startswith("BAD")
+              or " FAIL" in r[1]]
+    failed += [k for k, v in results.items() if (k == "check_bad_rows" and v) or (k.startswith("check_ok") and not v)]
+    heads = ("case", "what", "us", "note")
+    widths = [max([len(h)] + [len(str(r[i])) for r in rows]) for i, h in enumerate(heads)]
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    print("\n" + "\n".join([line(heads), line(["-" * w for w in widths]), *(line(r) for r in rows)]), flush=True)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"sweep-{name}.json"), "w") as f:
+        json.dump(dict(meta=meta, floors=floors, rows=rows, results=results), f, indent=1, default=str)
+    md = lambda c: str(c).replace("|", "\\|")  # noqa: E731
+    text = [f"# sparse-indexer bench --sweep {name}", "", f"- device: {meta['device']} (`{meta['device_str']}`)",
+            f"- versions: torch {meta['torch']}, triton {meta['triton']}", f"- timing: {meta['timing']}",
+            *(f"- {k} floor: " + _floor_str(f) for k, f in floors.items()),
+            f"- command: `{meta['command']}`", f"- run: {meta['started']} .. {meta['finished']}", "",
+            "| " + " | ".join(heads) + " |", "|---|---|---:|---|",
+            *("| " + " | ".join(md(c) for c in r) + " |" for r in rows)]
+    with open(os.path.join(out_dir, f"sweep-{name}.md"), "w") as f:
+        f.write("\n".join(text) + "\n")
+    print(f"\nwrote {os.path.join(out_dir, f'sweep-{name}.md')}, {os.path.join(out_dir, f'sweep-{name}.json')}"
+          + (f"; {len(failed)} failure(s)" if failed else ""), flush=True)
     return 1 if failed else 0
 
 

@@ -8,7 +8,7 @@ sum over heads, times the key scale, masked store. Programs run the last query b
 under causal prefill). With ``clean=True`` each program then fills its rows' cells outside their windows
 with ``-inf`` (outside the hot loop, so ``clean`` costs only the extra bytes).
 
-H200, DeepSeek shapes (scripts/logits_sweep.py): 8K queries causal over 64K keys 9.10-9.17 ms (~900 TFLOP/s,
+H200, DeepSeek shapes (``bench --sweep logits``): 8K queries causal over 64K keys 9.10-9.17 ms (~900 TFLOP/s,
 73% of cuBLAS fp8 at 8192^3); 8K causal over 8K 0.60 ms.
 
 No host synchronisation and no allocation: the grid is ``cdiv(M, BLOCK_Q)``.
@@ -103,7 +103,7 @@ def _mqa_logits_kernel(
                      mask=rmask[:, None] & (cols[None, :] >= ke_f[:, None]) & (cols < N)[None, :])
 
 
-# Tuned on an H200 (see scripts/logits_sweep.py); overridable for benchmarking.
+# Tuned on an H200 (``bench --sweep logits``); overridable for benchmarking.
 CONFIG = {"BLOCK_Q": 8, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
 
 

@@ -16,7 +16,7 @@ Triton's software pipeliner prefetches only the loads that feed a ``tl.dot`` (th
 their address needs); the key scales would be a plain load, a full memory round trip every tile, so with
 ``KSC_PF`` they are read one tile ahead by hand (loop-carried registers).
 
-H200, B=64, L=64K, block 64, clean=False, L2 flushed (``scripts/logits_sweep.py paged``): next_n=1 152 us
+H200, B=64, L=64K, block 64, clean=False, L2 flushed (``bench --sweep logits --sections paged``): next_n=1 152 us
 (3.64 TB/s, 86% of the 4.24 TB/s copy floor of 131 us; 159 us without the scale prefetch), next_n=2 186 us (70%;
 the prefetch does not help there); the dot + relu/weight/head-sum epilogue per 64-key tile is not overlapped with
 the loads well enough to reach the floor (no warp specialization in this kernel).
@@ -273,7 +273,7 @@ def _occupancy(key, args, kwargs) -> int | None:
     return _OCCUPANCY[key]
 
 
-# Tuned on an H200 (see scripts/logits_sweep.py); overridable for benchmarking.
+# Tuned on an H200 (``bench --sweep logits``, ops/fp8_paged_mqa_logits/sweep.py); overridable for benchmarking.
 # programs_per_sm caps the persistent grid (the occupancy of the compiled kernel decides below it).
 CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 6, "programs_per_sm": 4, "SPLIT": False, "KSC_PF": 1}
 # next_n = 2: a 128-register cap lifts occupancy from 3 to 4 programs per SM (196 -> 186 us at B=64, L=64K).

@@ -200,7 +200,7 @@ def _smem_optin(index: int) -> int:
 def config(rows: int, width: int, device: torch.device, topk: int = 2048) -> tuple[int, int]:
     """``(threads per CTA, CTAs per row)`` for a call of ``rows`` rows of ``width`` cells (shapes only).
 
-    Measured on an H200 (scripts/topk_sweep.py sweep, docs/benchmarks.md): up to one row per SM, 1024
+    Measured on an H200 (``bench --sweep topk``, docs/benchmarks.md): up to one row per SM, 1024
     threads and the rows split over clusters (sm_90+) of 8 CTAs while ``8 rows`` fit half the SMs, of 4 likewise,
     of 2 while ``2 rows`` fit the SMs (larger clusters wait for a free group of SMs in one GPC), each piece at
     least :data:`MIN_SPLIT_CELLS` cells; more rows one CTA each, 512 threads (256 when every window fits shared

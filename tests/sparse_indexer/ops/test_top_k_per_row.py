@@ -306,7 +306,7 @@ def test_step_uses_topk_scratch_and_checks_it(backend):
 
 
 # the value distributions of issue #10 (the CUDA and Triton kernels are timed and checked on the GPU on the same
-# ones: scripts/topk_sweep.py, tests/gpu/test_topk_cuda_gpu.py)
+# ones: bench --sweep topk, tests/gpu/test_topk_cuda_gpu.py)
 DISTRIBUTIONS = ("gaussian", "logits", "ints0-3", "all-equal", "heavy", "sorted", "95%-inf", "nan+inf")
 
 
