@@ -50,6 +50,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -382,6 +383,29 @@ def _load_anchors(folder: str):
     return mod
 
 
+def _resolve_device(name: str) -> torch.device:
+    """``--device``: a CUDA device must be there (made current, with its index); ``ValueError`` otherwise."""
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda but torch.cuda.is_available() is False (try --smoke --device cpu)")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    return device
+
+
+def _backend_list(names: str | None) -> list[str]:
+    """``--backends`` (default: every registered backend) in the registry's order, the row order of every case;
+    ``ValueError`` naming an unknown one."""
+    known = _registry.names()
+    want = [b.strip() for b in (names or ",".join(known)).split(",") if b.strip()]
+    bad = [b for b in want if b not in known]
+    if bad:
+        raise ValueError(f"unknown --backends {bad}; choose from {known}")
+    return [b for b in known if b in want]
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args`` (see :func:`add_arguments`). Returns 0 when every check
     passed and every available backend ran, 1 otherwise, 2 on a usage error."""
@@ -394,26 +418,13 @@ def run(args: argparse.Namespace) -> int:
     ref_iters = min(iters, int(opt("ref_iters", 3)))
     skip_ref, no_check = bool(opt("skip_reference", False)), bool(opt("no_check", False))
     try:
-        device = torch.device(opt("device", "cuda"))
-        if device.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ValueError("--device cuda but torch.cuda.is_available() is False "
-                                 "(try --smoke --device cpu)")
-            if device.index is None:
-                device = torch.device("cuda", torch.cuda.current_device())
-            torch.cuda.set_device(device)
+        device = _resolve_device(opt("device", "cuda"))
         specs = _select(case_specs(smoke), opt("cases", None))
-        known = _registry.names()  # the row order of every case: the registry's
-        names = opt("backends", None) or ",".join(known)
-        backends = [b.strip() for b in names.split(",") if b.strip()]
-        bad = [b for b in backends if b not in known]
-        if bad:
-            raise ValueError(f"unknown --backends {bad}; choose from {known}")
+        backends = _backend_list(opt("backends", None))
         sweep, sections = _sweep_options(opt("sweep", None), opt("sections", None), opt("configs", None))
     except (ValueError, RuntimeError) as e:
         print(f"bench: {e}", file=sys.stderr)
         return 2
-    backends = [b for b in known if b in backends]
     reasons = {b: why for b in backends if (why := unavailable_reason(b, device)) is not None}
     anchor_mod = None
     if opt("anchors", None):
@@ -446,106 +457,145 @@ def run(args: argparse.Namespace) -> int:
                        sections=sections, configs=opt("configs", None), anchors=anchor_mod)
         return run_sweep(sweep, env, meta, floors, opt("out", "bench-out") or "bench-out")
 
+    table = _Table(ctx=ctx, timer=timer, floors=floors, backends=backends, reasons=reasons, iters=iters,
+                   warmup=warmup, ref_iters=ref_iters, skip_ref=skip_ref, no_check=no_check, anchors=anchor_mod)
     rows: list[dict] = []
-    n = len(specs)
     for i, spec in enumerate(specs, 1):
-        tag = f"[{i}/{n}] {spec.title}"
-        print(f"{tag}: building inputs ...", flush=True)
         torch.manual_seed(int(opt("seed", 0)) + i)
-        case = None
-        try:
-            case = build_case(spec, ctx)
-            timer.sync()
-            build_error = None
-        except Exception as e:  # noqa: BLE001 - report and go on with the next case
-            build_error = _err(e)
-            print(f"{tag}: input construction failed: {build_error}", flush=True)
-        for b in backends:
-            if not _registry.get(b).implements(CASE_OPS[spec.group]):
-                continue  # a backend of some ops only (cuda: top-k, and the step through auto)
-            row = dict(case=spec.title, key=spec.key, group=spec.group, backend=b, status="ok",
-                       median_us=None, iters=None, times_us=None, amount=None, achieved=None,
-                       unit=case.unit if case else None, floor_fraction=None, check="", check_detail="",
-                       note=case.note if case else "")
-            rows.append(row)
-            if b in reasons:
-                row.update(status="n/a", check="n/a", check_detail=reasons[b], detail_in_header=True)
-                print(f"{tag} {b} ... n/a", flush=True)
-                continue
-            if b == "reference" and skip_ref:
-                row.update(status="skipped", check="skipped", check_detail="--skip-reference")
-                print(f"{tag} {b} ... skipped", flush=True)
-                continue
-            if case is None:
-                row.update(status="error", check="error", check_detail=f"inputs: {build_error}")
-                print(f"{tag} {b} ... error (inputs)", flush=True)
-                continue
-            print(f"{tag} {b} ...", end=" ", flush=True)
-            ref = b == "reference"
-            its, wu = (ref_iters, min(warmup, 1)) if ref else (iters, warmup)
-            try:
-                case.reset()
-                times = timer.times_us(case.fn(b), its, wu)
-            except (BackendUnavailable, NotImplementedError) as e:  # this backend lacks the op or the case
-                row.update(status="n/a", check="n/a", check_detail=_err(e))
-                print(f"n/a ({row['check_detail']})", flush=True)
-                continue
-            except Exception as e:  # noqa: BLE001
-                row.update(status="error", check="error", check_detail=_err(e))
-                print(f"error: {row['check_detail']}", flush=True)
-                _free(device)
-                continue
-            med = statistics.median(times)
-            achieved = case.amount / (med * 1e-6) / 1e12  # TB/s or TFLOP/s
-            floor = floors["compute" if case.unit == "TFLOP/s" else "bandwidth"]["value"]
-            row.update(median_us=med, iters=its, times_us=times, amount=case.amount, achieved=achieved,
-                       floor_fraction=(achieved / floor) if floor else None)
-            if ref:
-                row.update(check="ref", check_detail="the reference backend is the baseline of the checks")
-            elif no_check:
-                row.update(check="-", check_detail="--no-check")
-            else:
-                try:
-                    ok, detail = case.check(b)
-                    row.update(check="ok" if ok else "FAIL", check_detail=detail)
-                except Exception as e:  # noqa: BLE001
-                    row.update(check="error", check_detail=_err(e))
-            frac = f", {row['floor_fraction']:.2f} of floor" if row["floor_fraction"] is not None else ""
-            extra = f" ({row['check_detail']})" if row["check"] not in ("ok", "ref", "-") else ""
-            print(f"{med:.1f} us  {achieved:.3g} {case.unit}{frac}  check {row['check']}{extra}", flush=True)
-        for name, fn in (case.anchors(anchor_mod) if case is not None and anchor_mod is not None
-                         and hasattr(case, "anchors") else []):
-            try:
-                times = timer.times_us(fn, iters, warmup)
-            except Exception as e:  # noqa: BLE001
-                print(f"{tag} {name} ... error: {_err(e)}", flush=True)
-                continue
-            med = statistics.median(times)
-            achieved = case.amount / (med * 1e-6) / 1e12
-            floor = floors["bandwidth"]["value"]
-            rows.append(dict(case=spec.title, key=spec.key, group=spec.group, backend=name, status="ok",
-                             median_us=med, iters=iters, times_us=times, amount=case.amount, achieved=achieved,
-                             unit=case.unit, floor_fraction=(achieved / floor) if floor else None,
-                             check="anchor", check_detail="vLLM's CUDA kernel, measuring only", note=case.note))
-            print(f"{tag} {name} ... {med:.1f} us", flush=True)
-        if case is not None and hasattr(case, "copy_baseline"):
-            times = timer.times_us(case.copy_baseline(), iters, warmup)
-            med = statistics.median(times)
-            achieved = case.amount / (med * 1e-6) / 1e12
-            floor = floors["bandwidth"]["value"]
-            rows.append(dict(case=spec.title, key=spec.key, group=spec.group, backend="copy (same bytes)",
-                             status="ok", median_us=med, iters=iters, times_us=times, amount=case.amount,
-                             achieved=achieved, unit=case.unit, floor_fraction=(achieved / floor) if floor else None,
-                             check="floor", check_detail="torch copy_ of the bytes the op reads + writes",
-                             note=case.note))
-            print(f"{tag} copy of the same bytes ... {med:.1f} us", flush=True)
-        del case
-        _free(device)
-
+        rows += _run_case(table, spec, f"[{i}/{len(specs)}] {spec.title}")
     meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    _write_reports(meta, floors, rows, opt("out", "bench-out") or "bench-out")
+    failed = [r for r in rows if r["check"] in ("FAIL", "error") or r["status"] == "error"]
+    return 1 if failed else 0
+
+
+@dataclass(frozen=True)
+class _Table:
+    """What the case table's rows share: the device context, the timer and floors, the backends (with the
+    reasons of those unavailable here) and the timing and checking options."""
+
+    ctx: Ctx
+    timer: Timer
+    floors: dict
+    backends: list[str]
+    reasons: dict
+    iters: int
+    warmup: int
+    ref_iters: int
+    skip_ref: bool
+    no_check: bool
+    anchors: object = None
+
+
+def _run_case(t: _Table, spec: CaseSpec, tag: str) -> list[dict]:
+    """Every row of one case: its inputs built once, then each backend that has the case's op (timed and
+    checked), vLLM's kernels (``--anchors``) and the copy of the same bytes where the case has one."""
+    print(f"{tag}: building inputs ...", flush=True)
+    case = None
+    try:
+        case = build_case(spec, t.ctx)
+        t.timer.sync()
+        build_error = None
+    except Exception as e:  # noqa: BLE001 - report and go on with the next case
+        build_error = _err(e)
+        print(f"{tag}: input construction failed: {build_error}", flush=True)
+    rows = [_backend_row(t, spec, case, build_error, b, tag) for b in t.backends
+            if _registry.get(b).implements(CASE_OPS[spec.group])]  # a backend of some ops runs some groups
+    if case is not None:
+        rows += _measure_only_rows(t, spec, case, tag)
+    del case
+    _free(t.ctx.device)
+    return rows
+
+
+def _backend_row(t: _Table, spec: CaseSpec, case: Case | None, build_error: str | None, b: str, tag: str) -> dict:
+    """The row of backend ``b`` on ``case``: n/a, skipped or an input error, else its median time, the achieved
+    rate and fraction of the floor, and the spot check against the reference backend."""
+    row = dict(case=spec.title, key=spec.key, group=spec.group, backend=b, status="ok",
+               median_us=None, iters=None, times_us=None, amount=None, achieved=None,
+               unit=case.unit if case else None, floor_fraction=None, check="", check_detail="",
+               note=case.note if case else "")
+    if b in t.reasons:
+        row.update(status="n/a", check="n/a", check_detail=t.reasons[b], detail_in_header=True)
+        print(f"{tag} {b} ... n/a", flush=True)
+        return row
+    if b == "reference" and t.skip_ref:
+        row.update(status="skipped", check="skipped", check_detail="--skip-reference")
+        print(f"{tag} {b} ... skipped", flush=True)
+        return row
+    if case is None:
+        row.update(status="error", check="error", check_detail=f"inputs: {build_error}")
+        print(f"{tag} {b} ... error (inputs)", flush=True)
+        return row
+    print(f"{tag} {b} ...", end=" ", flush=True)
+    ref = b == "reference"
+    its, wu = (t.ref_iters, min(t.warmup, 1)) if ref else (t.iters, t.warmup)
+    try:
+        case.reset()
+        times = t.timer.times_us(case.fn(b), its, wu)
+    except (BackendUnavailable, NotImplementedError) as e:  # this backend lacks the op or the case
+        row.update(status="n/a", check="n/a", check_detail=_err(e))
+        print(f"n/a ({row['check_detail']})", flush=True)
+        return row
+    except Exception as e:  # noqa: BLE001
+        row.update(status="error", check="error", check_detail=_err(e))
+        print(f"error: {row['check_detail']}", flush=True)
+        _free(t.ctx.device)
+        return row
+    med = statistics.median(times)
+    achieved = case.amount / (med * 1e-6) / 1e12  # TB/s or TFLOP/s
+    floor = t.floors["compute" if case.unit == "TFLOP/s" else "bandwidth"]["value"]
+    row.update(median_us=med, iters=its, times_us=times, amount=case.amount, achieved=achieved,
+               floor_fraction=(achieved / floor) if floor else None)
+    if ref:
+        row.update(check="ref", check_detail="the reference backend is the baseline of the checks")
+    elif t.no_check:
+        row.update(check="-", check_detail="--no-check")
+    else:
+        try:
+            ok, detail = case.check(b)
+            row.update(check="ok" if ok else "FAIL", check_detail=detail)
+        except Exception as e:  # noqa: BLE001
+            row.update(check="error", check_detail=_err(e))
+    frac = f", {row['floor_fraction']:.2f} of floor" if row["floor_fraction"] is not None else ""
+    extra = f" ({row['check_detail']})" if row["check"] not in ("ok", "ref", "-") else ""
+    print(f"{med:.1f} us  {achieved:.3g} {case.unit}{frac}  check {row['check']}{extra}", flush=True)
+    return row
+
+
+def _measure_only_rows(t: _Table, spec: CaseSpec, case: Case, tag: str) -> list[dict]:
+    """Rows that are measured, not checked: vLLM's kernels on the case's inputs (``--anchors``, cases with
+    ``anchors``) and a torch copy of the bytes the op moves (cases with ``copy_baseline``)."""
+    rows = []
+    floor = t.floors["bandwidth"]["value"]
+
+    def timed(backend: str, fn, check: str, detail: str) -> None:
+        times = t.timer.times_us(fn, t.iters, t.warmup)
+        med = statistics.median(times)
+        achieved = case.amount / (med * 1e-6) / 1e12
+        rows.append(dict(case=spec.title, key=spec.key, group=spec.group, backend=backend, status="ok",
+                         median_us=med, iters=t.iters, times_us=times, amount=case.amount, achieved=achieved,
+                         unit=case.unit, floor_fraction=(achieved / floor) if floor else None,
+                         check=check, check_detail=detail, note=case.note))
+
+    for name, fn in (case.anchors(t.anchors) if t.anchors is not None and hasattr(case, "anchors") else []):
+        try:
+            timed(name, fn, "anchor", "vLLM's CUDA kernel, measuring only")
+        except Exception as e:  # noqa: BLE001
+            print(f"{tag} {name} ... error: {_err(e)}", flush=True)
+            continue
+        print(f"{tag} {name} ... {rows[-1]['median_us']:.1f} us", flush=True)
+    if hasattr(case, "copy_baseline"):
+        timed("copy (same bytes)", case.copy_baseline(), "floor", "torch copy_ of the bytes the op reads + writes")
+        print(f"{tag} copy of the same bytes ... {rows[-1]['median_us']:.1f} us", flush=True)
+    return rows
+
+
+def _write_reports(meta: dict, floors: dict, rows: list[dict], out_dir: str) -> None:
+    """Print the table; write ``results.json``, ``results.md`` and ``results.png`` (with matplotlib) to
+    ``out_dir``."""
     print()
     print(format_table(rows))
-    out_dir = opt("out", "bench-out") or "bench-out"
     os.makedirs(out_dir, exist_ok=True)
     result = dict(meta=meta, floors=floors, rows=rows)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
@@ -555,8 +605,6 @@ def run(args: argparse.Namespace) -> int:
     png = write_chart(rows, os.path.join(out_dir, "results.png"))
     written = ["results.md", "results.json"] + (["results.png"] if png else [])
     print(f"\nwrote {', '.join(os.path.join(out_dir, w) for w in written)}", flush=True)
-    failed = [r for r in rows if r["check"] in ("FAIL", "error") or r["status"] == "error"]
-    return 1 if failed else 0
 
 
 def _sweep_options(sweep: str | None, sections: str | None, configs: str | None):
