@@ -188,5 +188,12 @@ def topk_workspace_cols(limits) -> int | None:
     """int32 columns per row of the top-k workspace (``Buffers.topk_scratch``) for ``limits``: the widest
     ``topk_workspace`` of the registered backends (``None`` when none declares one). :func:`buffers.plan.plan`
     calls this; the width depends on the table, so plan after registering a backend."""
-    widths = [int(b.topk_workspace(limits)) for b in _table.values() if b.topk_workspace is not None]
+    widths = []
+    for b in _table.values():
+        if b.topk_workspace is not None:
+            w = b.topk_workspace(limits)
+            if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+                raise ValueError(f"backend {b.name!r}: topk_workspace(limits) must return a positive int (int32 "
+                                 f"columns per row), got {w!r}")
+            widths.append(w)
     return max(widths, default=None)

@@ -131,6 +131,9 @@ def test_toy_backend_workspace_in_plan():
 
         backends.register(replace(toy_entry(), topk_workspace=lambda limits: 40), replace=True)
         assert plan(lim) == base  # the widest declared width wins (Triton's)
+        backends.register(replace(toy_entry(), topk_workspace=lambda limits: 0), replace=True)
+        with pytest.raises(ValueError, match="'toy': topk_workspace"):
+            plan(lim)
     finally:
         backends.unregister("toy")
     assert plan(lim) == base

@@ -21,7 +21,6 @@ import traceback
 
 import torch
 
-from ...fp8 import fp8_name
 from ...indexer import indexer_decode
 from ...kcache import new_kv_cache
 from ...metadata import build_metadata
@@ -47,7 +46,7 @@ def run(env) -> tuple[list[tuple[str, str, str, str]], dict]:
     dev = env.device
     BW = env.floors.get("bandwidth", {}).get("value")  # noqa: N806 - TB/s measured by the bench
     rows: list[tuple[str, str, str, str]] = []
-    res: dict = {"fp8": fp8_name(torch.float8_e4m3fn)}
+    res: dict = {}
     SWEEP = [tuple(int(v) for v in c.split("x")) for c in (env.configs or DEFAULT_CONFIGS).split(",") if c]  # noqa: N806
     V = env.anchors  # noqa: N806 - vLLM's kernels (measuring only) or None
     if not SMOKE:
