@@ -150,7 +150,8 @@ def test_budget_of_256_mib_at_1m_context_on_gpu(backend):
         si.indexer_decode(q, w, kv, md, bufs, replayed, backend=backend)
     graph.replay()
     torch.cuda.synchronize()
-    same_selection(replayed.cpu(), got.cpu())
+    # ties at the k-th value may go either way (the split-row top-k's atomics): compare selected multisets
+    same_selection(replayed.cpu(), got.cpu(), logits)
 
 
 def test_profile_step_with_budget_allocates_nothing_and_reaches_the_plan(backend):
