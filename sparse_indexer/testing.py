@@ -20,12 +20,82 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["LOGITS_RTOL_L2", "assert_logits", "assert_topk", "logits_error", "rank_key", "top_values",
-           "topk_errors"]
+__all__ = ["ADVERSARIAL_DISTRIBUTIONS", "LOGITS_RTOL_L2", "TOPK_DISTRIBUTIONS", "assert_logits", "assert_topk",
+           "logits_error", "rank_key", "top_values", "topk_errors", "topk_values"]
 
 LOGITS_RTOL_L2 = 1e-5
 """Relative L2 error allowed inside the windows against float64 (FP8 products exact in float32, float32 sums)."""
 NEG_INF = float("-inf")
+
+TOPK_DISTRIBUTIONS = ("gaussian", "logits", "ints0-3", "all-equal", "heavy", "sorted", "95%-inf", "nan+inf")
+"""Value distributions every top-k backend is tested and timed on (:func:`topk_values`)."""
+ADVERSARIAL_DISTRIBUTIONS = ("adv-overflow", "adv-miss")
+"""Distributions aimed at a sampling top-k that samples every 32nd cell: big cells the sample never sees (its
+candidate buffer overflows), or only sampled cells big (its threshold is too high); both force exact fallbacks."""
+
+
+def topk_values(name: str, rows: int, width: int, *, device: torch.device | str = "cpu",
+                generator: torch.Generator | None = None, real_logits=None) -> torch.Tensor:
+    """``[rows, width]`` float32 values of one of :data:`TOPK_DISTRIBUTIONS` or :data:`ADVERSARIAL_DISTRIBUTIONS`.
+
+    ``gaussian``; ``logits``: scores of the paged logits op (``real_logits(rows, width)`` when given, else random
+    FP8 queries and keys through ``fp8_paged_mqa_logits``, small heads on the CPU); ``ints0-3`` (massive ties);
+    ``all-equal``; ``heavy`` (``exp(4 x Gaussian)``); ``sorted`` ascending rows; ``95%-inf``; ``nan+inf`` (1% NaN,
+    0.5% ``+inf``, 1.5% ``-inf``); ``adv-overflow``, ``adv-miss`` (see :data:`ADVERSARIAL_DISTRIBUTIONS`).
+    ``generator`` must live on ``device``.
+    """
+    dev, g, shape = torch.device(device), generator, (rows, width)
+    x = torch.randn(shape, device=dev, generator=g)
+    if name == "gaussian":
+        return x
+    if name == "logits":
+        if real_logits is not None:
+            return real_logits(rows, width)
+        return _paged_logits(rows, width, dev, g)
+    if name == "ints0-3":
+        return torch.randint(0, 4, shape, device=dev, generator=g).float()
+    if name == "all-equal":
+        return torch.full(shape, 0.5, device=dev)
+    if name == "heavy":
+        return torch.exp(4 * x)
+    if name == "sorted":
+        return x.sort(dim=1).values
+    if name == "95%-inf":
+        return torch.where(torch.rand(shape, device=dev, generator=g) < 0.95, NEG_INF, x)
+    if name == "nan+inf":
+        u = torch.rand(shape, device=dev, generator=g)
+        x = torch.where(u < 0.01, float("nan"), x)
+        x = torch.where((u >= 0.01) & (u < 0.015), float("inf"), x)
+        return torch.where((u >= 0.015) & (u < 0.03), NEG_INF, x)
+    if name == "adv-overflow":
+        y = x * 1e-3
+        for o in (1, 2, 3):
+            y[:, o::32] += 10 + x[:, o::32]
+        return y
+    if name == "adv-miss":
+        y = x * 1e-3
+        y[:, ::32] += 10 + x[:, ::32]
+        return y
+    raise ValueError(f"unknown distribution {name!r}; choose from {TOPK_DISTRIBUTIONS + ADVERSARIAL_DISTRIBUTIONS}")
+
+
+def _paged_logits(rows: int, width: int, dev: torch.device, g) -> torch.Tensor:
+    """Scores of ``fp8_paged_mqa_logits`` on random FP8 queries and keys (``B = rows``, ``next_n = 1``,
+    ``L = width``): DeepSeek-V3.2's heads on a GPU, small ones (reference backend) on the CPU."""
+    import sparse_indexer as si
+
+    gpu = dev.type != "cpu"
+    bs, d, h = (64, 128, 64) if gpu else (16, 64, 4)
+    backend = None if gpu else "reference"
+    nb = rows * ((width + bs - 1) // bs)
+    kv = si.new_kv_cache(nb, bs, d, device=dev)
+    si.write_k_cache(torch.randn(nb * bs, d, device=dev, generator=g), kv, torch.arange(nb * bs, device=dev),
+                     backend=backend)
+    bt = torch.randperm(nb, device=dev, generator=g).int().view(rows, -1)
+    q = (torch.randn(rows, 1, h, d, device=dev, generator=g) * 2).to(torch.float8_e4m3fn)
+    wt = torch.randn(rows, h, device=dev, generator=g) / (h * d) ** 0.5
+    lens = torch.full((rows,), width, dtype=torch.int32, device=dev)
+    return si.fp8_paged_mqa_logits(q, kv, wt, lens, bt, backend=backend)[:, :width].contiguous()
 
 
 def rank_key(x: torch.Tensor) -> torch.Tensor:

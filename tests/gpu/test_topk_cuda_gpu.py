@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import sparse_indexer as si
-from sparse_indexer.testing import assert_topk
-from tests.sparse_indexer.ops.test_top_k_per_row import DISTRIBUTIONS
+from sparse_indexer.testing import TOPK_DISTRIBUTIONS as DISTRIBUTIONS
+from sparse_indexer.testing import assert_topk, topk_values
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -28,43 +28,7 @@ def _cuda():
 
 
 def _dist(name, r, w, g):
-    x = torch.randn(r, w, device=DEV, generator=g)
-    if name == "gaussian":
-        return x
-    if name == "logits":  # the paged logits op's output on random FP8 queries and keys
-        bs, d, h = 64, 128, 64
-        nb = r * ((w + bs - 1) // bs)
-        kv = si.new_kv_cache(nb, bs, d, device=DEV)
-        si.write_k_cache(torch.randn(nb * bs, d, device=DEV, generator=g), kv, torch.arange(nb * bs, device=DEV))
-        bt = torch.randperm(nb, device=DEV, generator=g).int().view(r, -1)
-        q = (torch.randn(r, 1, h, d, device=DEV, generator=g) * 2).to(torch.float8_e4m3fn)
-        wt = torch.randn(r, h, device=DEV, generator=g) / math.sqrt(h * d)
-        return si.fp8_paged_mqa_logits(q, kv, wt, torch.full((r,), w, dtype=torch.int32, device=DEV), bt)
-    if name == "ints0-3":
-        return torch.randint(0, 4, (r, w), device=DEV, generator=g).float()
-    if name == "all-equal":
-        return torch.full((r, w), 0.5, device=DEV)
-    if name == "heavy":
-        return torch.exp(4 * x)
-    if name == "sorted":
-        return x.sort(dim=1).values
-    if name == "95%-inf":
-        return torch.where(torch.rand(r, w, device=DEV, generator=g) < 0.95, float("-inf"), x)
-    if name == "nan+inf":
-        u = torch.rand(r, w, device=DEV, generator=g)
-        x = torch.where(u < 0.01, float("nan"), x)
-        x = torch.where((u >= 0.01) & (u < 0.015), float("inf"), x)
-        return torch.where((u >= 0.015) & (u < 0.03), float("-inf"), x)
-    if name == "adv-overflow":  # big cells the sample never sees: the candidates overflow -> exact fallback
-        y = x * 1e-3
-        for o in (1, 2, 3):
-            y[:, o::32] += 10 + x[:, o::32]
-        return y
-    if name == "adv-miss":  # only the sampled cells are big: the threshold is too high -> exact fallback
-        y = x * 1e-3
-        y[:, ::32] += 10 + x[:, ::32]
-        return y
-    raise ValueError(name)
+    return topk_values(name, r, w, device=DEV, generator=g)
 
 
 def _windows(kind, r, w, topk, g):

@@ -87,3 +87,20 @@ def test_logits_checks():
     with pytest.raises(AssertionError, match="non-finite"):
         assert_logits(got, want, clean=False)
     assert logits_error(got, want, clean=False)[0] == float("inf")
+
+
+def test_topk_values_shapes_and_contents():
+    """Every distribution of the shared generator: the asked shape, float32, and what its name says."""
+    from sparse_indexer.testing import ADVERSARIAL_DISTRIBUTIONS, TOPK_DISTRIBUTIONS, topk_values
+
+    g = torch.Generator().manual_seed(3)
+    for name in TOPK_DISTRIBUTIONS + ADVERSARIAL_DISTRIBUTIONS:
+        x = topk_values(name, 3, 1000, generator=g)
+        assert x.shape == (3, 1000) and x.dtype == torch.float32, name
+    assert set(topk_values("ints0-3", 2, 500, generator=g).unique().tolist()) <= {0.0, 1.0, 2.0, 3.0}
+    assert bool((topk_values("sorted", 2, 500, generator=g).diff(dim=1) >= 0).all())
+    assert 0.9 < float(topk_values("95%-inf", 4, 5000, generator=g).isneginf().float().mean()) < 0.99
+    y = topk_values("nan+inf", 4, 5000, generator=g)
+    assert y.isnan().any() and y.isposinf().any() and y.isneginf().any()
+    with pytest.raises(ValueError, match="unknown distribution"):
+        topk_values("nope", 1, 10)

@@ -9,12 +9,11 @@ import torch
 from buffers import IndexerLimits, plan
 
 from ..._bench_cases import Case, CaseSpec, Ctx, k_str, spread, topk_verdict
+from ...testing import TOPK_DISTRIBUTIONS, topk_values
 from ..fp8_paged_mqa_logits.bench import DecodeCase
 from . import top_k_per_row
 
 __all__ = ["TOPK_DISTRIBUTIONS", "TopKCase", "build", "specs", "topk_logits"]
-
-TOPK_DISTRIBUTIONS = ("gaussian", "logits", "ints0-3", "all-equal", "heavy", "sorted", "95%-inf", "nan+inf")
 
 
 def specs(smoke: bool = False) -> list[CaseSpec]:
@@ -44,32 +43,17 @@ def build(spec: CaseSpec, ctx: Ctx) -> Case:
 
 
 def topk_logits(ctx: Ctx, dist: str, r: int, w: int) -> torch.Tensor:
-    """``[r, w]`` float32 logits of one of :data:`TOPK_DISTRIBUTIONS` (``logits``: the paged logits op's output
-    on random FP8 queries and keys)."""
-    dev = ctx.device
-    x = torch.randn(r, w, dtype=torch.float32, device=dev)
-    if dist == "gaussian":
-        return x
-    if dist == "logits":
-        case = DecodeCase(ctx, r, 1, w)
-        case.fn("reference" if dev.type == "cpu" else None)()
-        return case.out[:, :w].contiguous()
-    if dist == "ints0-3":
-        return torch.randint(0, 4, (r, w), device=dev).float()
-    if dist == "all-equal":
-        return torch.full((r, w), 0.5, device=dev)
-    if dist == "heavy":
-        return torch.exp(4 * x)
-    if dist == "sorted":
-        return x.sort(dim=1).values
-    if dist == "95%-inf":
-        return torch.where(torch.rand(r, w, device=dev) < 0.95, float("-inf"), x)
-    if dist == "nan+inf":
-        u = torch.rand(r, w, device=dev)
-        x = torch.where(u < 0.01, float("nan"), x)
-        x = torch.where((u >= 0.01) & (u < 0.015), float("inf"), x)
-        return torch.where((u >= 0.015) & (u < 0.03), float("-inf"), x)
-    raise ValueError(f"unknown distribution {dist!r}; choose from {TOPK_DISTRIBUTIONS}")
+    """``[r, w]`` float32 logits of one of :data:`TOPK_DISTRIBUTIONS` (:func:`sparse_indexer.testing.topk_values`;
+    ``logits``: the bench's own paged logits case on random FP8 queries and keys)."""
+    if dist not in TOPK_DISTRIBUTIONS:
+        raise ValueError(f"unknown distribution {dist!r}; choose from {TOPK_DISTRIBUTIONS}")
+
+    def real(rows: int, width: int) -> torch.Tensor:
+        case = DecodeCase(ctx, rows, 1, width)
+        case.fn("reference" if ctx.device.type == "cpu" else None)()
+        return case.out[:, :width].contiguous()
+
+    return topk_values(dist, r, w, device=ctx.device, real_logits=real)
 
 
 class TopKCase(Case):

@@ -24,7 +24,7 @@ import torch
 from ...indexer import indexer_decode
 from ...kcache import new_kv_cache
 from ...metadata import build_metadata
-from ...testing import topk_errors
+from ...testing import TOPK_DISTRIBUTIONS, topk_errors, topk_values
 from ..fp8_paged_mqa_logits import fp8_paged_mqa_logits
 from ..write_k_cache import write_k_cache
 from . import top_k_per_row
@@ -35,7 +35,7 @@ SECTIONS = ("check", "topk", "dist", "step")
 DEFAULT_CONFIGS = "256x1,512x1,1024x1,512x2,1024x2,512x4,1024x4,1024x8,1024x16"
 """The CUDA kernel's launch configurations swept by default (threads per CTA x CTAs per row)."""
 K = 2048
-DISTS = ("gaussian", "logits", "ints0-3", "all-equal", "heavy", "sorted", "95%-inf", "nan+inf")
+DISTS = TOPK_DISTRIBUTIONS
 
 
 def run(env) -> tuple[list[tuple[str, str, str, str]], dict]:
@@ -102,7 +102,6 @@ def run(env) -> tuple[list[tuple[str, str, str, str]], dict]:
         print(f"  {case:24s} {what:58s} {rows[-1][2]:>9s} {note}", flush=True)
 
     # ------------------------------------------------------------------ inputs
-    DISTS = ("gaussian", "logits", "ints0-3", "all-equal", "heavy", "sorted", "95%-inf", "nan+inf")
     _REAL = {}
 
 
@@ -123,36 +122,7 @@ def run(env) -> tuple[list[tuple[str, str, str, str]], dict]:
 
 
     def make(dist, r, w, g):
-        x = torch.randn(r, w, device=dev, generator=g)
-        if dist == "gaussian":
-            return x
-        if dist == "logits":
-            return real_logits(r, w, g)
-        if dist == "ints0-3":
-            return torch.randint(0, 4, (r, w), device=dev, generator=g).float()
-        if dist == "all-equal":
-            return torch.full((r, w), 0.5, device=dev)
-        if dist == "heavy":
-            return torch.exp(4 * x)
-        if dist == "sorted":
-            return x.sort(dim=1).values
-        if dist == "95%-inf":
-            return torch.where(torch.rand(r, w, device=dev, generator=g) < 0.95, float("-inf"), x)
-        if dist == "adv-overflow":  # unsampled big cells (stride 32 offsets 1..3): the candidates overflow
-            y = x * 1e-3
-            for o in (1, 2, 3):
-                y[:, o::32] += 10 + x[:, o::32]
-            return y
-        if dist == "adv-miss":  # only the sampled cells (stride 32) are big: the sample threshold is too high
-            y = x * 1e-3
-            y[:, ::32] += 10 + x[:, ::32]
-            return y
-        if dist == "nan+inf":
-            u = torch.rand(r, w, device=dev, generator=g)
-            x = torch.where(u < 0.01, float("nan"), x)
-            x = torch.where((u >= 0.01) & (u < 0.015), float("inf"), x)
-            return torch.where((u >= 0.015) & (u < 0.03), float("-inf"), x)
-        raise ValueError(dist)
+        return topk_values(dist, r, w, device=dev, generator=g, real_logits=lambda rr, ww: real_logits(rr, ww, g))
 
 
     def windows(kind, r, w, g, topk=K):

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from buffers import BufferTooSmall
 from sparse_indexer import top_k_per_row
+from sparse_indexer.testing import TOPK_DISTRIBUTIONS, topk_values
 from tests.cases import assert_topk, expect_error, gen, hyp_settings, int32
 
 NINF, NAN, INF = float("-inf"), float("nan"), float("inf")
@@ -307,42 +308,7 @@ def test_step_uses_topk_scratch_and_checks_it(backend):
 
 # the value distributions of issue #10 (the CUDA and Triton kernels are timed and checked on the GPU on the same
 # ones: bench --sweep topk, tests/gpu/test_topk_cuda_gpu.py)
-DISTRIBUTIONS = ("gaussian", "logits", "ints0-3", "all-equal", "heavy", "sorted", "95%-inf", "nan+inf")
-
-
-def distribution(name: str, r: int, w: int, g: torch.Generator) -> torch.Tensor:
-    """``[r, w]`` float32 logits of one of :data:`DISTRIBUTIONS` (``logits``: the paged logits op's output)."""
-    x = torch.randn(r, w, generator=g)
-    if name == "gaussian":
-        return x
-    if name == "logits":
-        import sparse_indexer as si
-
-        bs, d, h = 16, 64, 4
-        nb = r * ((w + bs - 1) // bs)
-        kv = si.new_kv_cache(nb, bs, d)
-        si.write_k_cache(torch.randn(nb * bs, d, generator=g), kv, torch.arange(nb * bs), backend="reference")
-        bt = torch.randperm(nb, generator=g).int().view(r, -1)
-        q = (torch.randn(r, 1, h, d, generator=g) * 2).to(torch.float8_e4m3fn)
-        wt = torch.randn(r, h, generator=g)
-        return si.fp8_paged_mqa_logits(q, kv, wt, torch.full((r,), w, dtype=torch.int32), bt,
-                                       backend="reference")
-    if name == "ints0-3":
-        return torch.randint(0, 4, (r, w), generator=g).float()
-    if name == "all-equal":
-        return torch.full((r, w), 0.5)
-    if name == "heavy":
-        return torch.exp(4 * x)
-    if name == "sorted":
-        return x.sort(dim=1).values
-    if name == "95%-inf":
-        return torch.where(torch.rand(r, w, generator=g) < 0.95, NINF, x)
-    if name == "nan+inf":
-        u = torch.rand(r, w, generator=g)
-        x = torch.where(u < 0.01, NAN, x)
-        x = torch.where((u >= 0.01) & (u < 0.015), INF, x)
-        return torch.where((u >= 0.015) & (u < 0.03), NINF, x)
-    raise ValueError(name)
+DISTRIBUTIONS = TOPK_DISTRIBUTIONS
 
 
 @pytest.mark.parametrize("dist", DISTRIBUTIONS)
@@ -350,7 +316,7 @@ def test_value_distributions(backend, dist):
     """Every distribution, full / ragged / short windows, with and without the workspace (split path)."""
     g = gen(11)
     w, topk = 3000, 256
-    x = distribution(dist, 4, w, g)
+    x = topk_values(dist, 4, w, generator=g)
     starts, ends = [0, 0, 17, 5], [w, 2500, 2999, 200]
     for ws in (None, torch.empty(4, 32 + 2 * 1024, dtype=torch.int32)):
         out = torch.full((4, topk), 7, dtype=torch.int32)
