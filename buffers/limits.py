@@ -64,6 +64,9 @@ class IndexerLimits:
         fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e4m3fnuz``.
         with_qk: also plan the ``qk`` buffer ``[H, max_num_seqs * next_n, max_model_len]`` float32, needed only
             by backends that materialise per-head scores (aiter's paged stage1).
+        world_size: ranks of a context-parallel group (:mod:`sparse_indexer.parallel`, docs/spec.md §11) that
+            share each request's keys; 1 (default) plans no context-parallel field, more plans ``cp_scratch``
+            (the candidates and the merge of one decode sub-batch's rows).
     """
 
     max_model_len: int = attrs.field(validator=_positive)
@@ -85,6 +88,7 @@ class IndexerLimits:
     min_prefill_query_len: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
     fp8_dtype: torch.dtype = attrs.field(default=torch.float8_e4m3fn, validator=_one_of(*FP8_DTYPES))
     with_qk: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    world_size: int = attrs.field(default=1, validator=_positive)
 
     def __attrs_post_init__(self):
         if self.prefill_k_tokens < self.max_model_len:

@@ -11,7 +11,7 @@ import torch
 from .limits import IndexerLimits
 
 __all__ = ["ALIGN", "FieldPlan", "BufferPlan", "plan", "FIELDS", "PrefillExtremes", "prefill_extremes",
-           "logits_elems"]
+           "logits_elems", "cp_scratch_cols"]
 
 ALIGN = 256  # byte alignment of every field inside the arena
 
@@ -25,6 +25,21 @@ def _topk_scratch_shape(lim: IndexerLimits) -> tuple[int, int] | None:
 
     cols = topk_workspace_cols(lim)
     return None if cols is None else (lim.decode_batch_rows, cols)
+
+def cp_scratch_cols(world_size: int, topk: int) -> int:
+    """int32 columns per row of ``cp_scratch`` (context parallel, docs/spec.md §11): the local candidates
+    ``2 * topk`` (values as float32 bits, global positions), the gathered ones ``2 * world_size * topk``, the
+    merge's values and positions ``2 * world_size * topk``, and the merge's window bounds 2."""
+    return (2 + 4 * world_size) * topk + 2
+
+
+def _cp_scratch_shape(lim: IndexerLimits) -> tuple[int, int] | None:
+    """``[decode_batch_rows, cp_scratch_cols]`` when ``world_size > 1``: the merge runs on pieces of at most
+    ``decode_batch_rows`` rows (a decode sub-batch; prefill chunks are merged in pieces of that many tokens)."""
+    if lim.world_size == 1:
+        return None
+    return (lim.decode_batch_rows, cp_scratch_cols(lim.world_size, lim.topk))
+
 
 @attrs.frozen
 class PrefillExtremes:
@@ -149,6 +164,12 @@ FIELDS = {
         _topk_scratch_shape,
         lambda lim: torch.int32,
     ),
+    # Context parallel (world_size > 1 only): candidates, gathered candidates and merge of one piece of rows
+    # (sparse_indexer.parallel).
+    "cp_scratch": (
+        _cp_scratch_shape,
+        lambda lim: torch.int32,
+    ),
 }
 
 
@@ -206,7 +227,7 @@ def plan(limits: IndexerLimits) -> BufferPlan:
 
     Fields are placed in the order of :data:`FIELDS` at 256-byte-aligned offsets; absent fields (``qk`` unless
     ``limits.with_qk``; ``q_pack``, ``w_pack``, ``topk_pack`` when ``next_n == 1``; ``topk_scratch`` when no
-    registered backend declares a top-k workspace) take no bytes.
+    registered backend declares a top-k workspace; ``cp_scratch`` when ``world_size == 1``) take no bytes.
     ``total_bytes`` is what an engine reserves.
     """
     if not isinstance(limits, IndexerLimits):

@@ -12,7 +12,7 @@ from .plan import ALIGN, BufferPlan
 
 __all__ = ["Buffers", "BufferTooSmall"]
 
-OPTIONAL = ("qk", "q_pack", "w_pack", "topk_pack", "topk_scratch")
+OPTIONAL = ("qk", "q_pack", "w_pack", "topk_pack", "topk_scratch", "cp_scratch")
 
 
 SIZED_BY = {
@@ -26,6 +26,8 @@ SIZED_BY = {
     "topk_pack": "raise IndexerLimits.max_num_seqs * next_n (planned only when next_n > 1; topk columns)",
     "topk_scratch": "raise IndexerLimits.max_num_seqs * next_n (its rows; its columns follow max_model_len and "
                     "topk), or use a record built by buffers.allocate / Buffers.from_arena",
+    "cp_scratch": "plan with IndexerLimits(world_size=...) of the process group; its rows follow "
+                  "max_num_seqs * next_n (or max_decode_logits_bytes), its columns world_size and topk",
     "workspace": "pass Buffers.topk_scratch_view(rows) of a plan with IndexerLimits.max_num_seqs * next_n >= rows",
 }
 """What to change when a field is too small: a :class:`BufferTooSmall` says it."""
@@ -89,6 +91,9 @@ class Buffers:
             it out (the step then passes no workspace).
             It is not a pytree leaf: a record rebuilt by ``torch.utils._pytree`` (``torch.func`` transforms,
             which run the reference backend) has ``topk_scratch=None``.
+        cp_scratch: ``[decode_batch * next_n, (2 + 4 * world_size) * topk + 2]`` int32 or ``None`` — context
+            parallel only (``IndexerLimits.world_size > 1``): the local candidates, the gathered candidates and the
+            merge of one piece of rows (:mod:`sparse_indexer.parallel`). Not a pytree leaf either.
     """
 
     k_fp8: torch.Tensor = attrs.field(validator=_tensor(2, FP8_DTYPES))
@@ -99,6 +104,7 @@ class Buffers:
     w_pack: torch.Tensor | None = attrs.field(default=None, validator=_tensor(2, (torch.float32,)))
     topk_pack: torch.Tensor | None = attrs.field(default=None, validator=_tensor(2, (torch.int32,)))
     topk_scratch: torch.Tensor | None = attrs.field(default=None, validator=_tensor(2, (torch.int32,)))
+    cp_scratch: torch.Tensor | None = attrs.field(default=None, validator=_tensor(2, (torch.int32,)))
 
     def __attrs_post_init__(self):
         if self.k_scale.shape[0] != self.k_fp8.shape[0]:
@@ -229,7 +235,7 @@ class Buffers:
             raw = torch.from_dlpack(t.view(-1).view(torch.uint8).__dlpack__())  # new storage, same memory
             return raw.view(t.dtype).view(t.shape)
 
-        return Buffers(**{n: own(getattr(self, n)) for n in (*_FIELDS, "topk_scratch")})
+        return Buffers(**{n: own(getattr(self, n)) for n in (*_FIELDS, "topk_scratch", "cp_scratch")})
 
 
 # The pytree leaves. ``topk_scratch`` is not one: only the Triton backend uses it, never under ``torch.func``
@@ -250,6 +256,7 @@ def _unflatten(children, context) -> Buffers:
         for name, value in zip(_FIELDS, children):
             object.__setattr__(b, name, value)
         object.__setattr__(b, "topk_scratch", None)
+        object.__setattr__(b, "cp_scratch", None)
         return b
 
 

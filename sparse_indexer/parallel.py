@@ -1,0 +1,362 @@
+"""Context parallel: one request's keys over ``world_size`` ranks, exact top-k through ``torch.distributed``
+(docs/spec.md §11).
+
+Pure functions over an explicit process group (NCCL on GPUs, gloo on the CPU); no global state, no hidden
+buffers (the candidates and the merge live in ``Buffers.cp_scratch``, planned when
+``IndexerLimits.world_size > 1``).
+
+Sharding: interleaved by cache block. Block ``j`` of a request (its keys ``[j * bs, (j + 1) * bs)``) lives on
+rank ``j % world_size``; the request's block table row lists, in column ``j``, the id of that block in the cache of
+its rank. Rank ``r``'s local keys of a request are the concatenation of its blocks ``r, r + W, r + 2W, ...``, so
+local position ``p`` is global position ``((p // bs) * W + r) * bs + p % bs``, and a request of ``n`` keys has
+:func:`local_lens` ``(n)`` of them on rank ``r`` (the last, partial block counts on its owner only). vLLM's
+decode context parallel interleaves by token by default (``cp_kv_cache_interleave_size = 1``, token ``t`` on rank
+``t % W``) and lets the interleave size grow up to the block size. We use whole blocks: each rank's keys stay
+whole pages of an ordinary paged cache, so the existing paged logits op, the gather and the cache write run
+unchanged on a rank's own block table; the imbalance is at most one block per request (``bs`` keys), which is
+nothing next to the 128K-1M-key contexts context parallel is for.
+
+A step (:func:`cp_decode`, :func:`cp_prefill`, :func:`cp_sparse_attn_indexer`): every rank builds the same global
+:class:`~sparse_indexer.metadata.IndexerMetadata` (``build_metadata`` on the global lengths and block table),
+turns it into its local one once per step (:func:`shard_metadata`), scores its local keys with the library's
+ops, selects its local top-k, maps it to global positions and the values it selected, and merges: the global
+top-k of a row lies inside the union of the ranks' local top-k (a key outside its rank's top-k has ``topk``
+larger keys on that rank alone), so one ``all_gather_into_tensor`` of the ``(value, position)`` candidates
+(``world_size x rows x topk``) and one ``top_k_per_row`` over the ``world_size * topk`` candidates of each row
+give the same multiset as one device holding the whole cache. Local windows shorter than ``topk`` pad with
+position ``-1`` and value ``-inf``; a real ``-inf``/NaN logit is carried as the lowest finite float32, so it
+still ranks last among real keys but above every padding candidate (as the single-device top-k ranks in-window
+``-inf``/NaN below every finite value). ``topk_out`` has ``sparse_attn_indexer``'s contract: request-local
+(global) positions, ``-1`` padding, rows of a window ``n <= topk`` hold every position ``0..n-1`` (in another
+order than the single-device op: compare multisets).
+
+CUDA graphs: the merge (:func:`merge_topk`) has static shapes fixed by host integers, reads no device value on
+the host and allocates only ``rows x topk`` temporaries (the graph's pool); ``all_gather_into_tensor`` on NCCL
+is capturable. The later GPU session must verify on 2 H200s: capture + replay of :func:`cp_decode` under
+``torch.cuda.graph`` with NCCL (the collective on the capturing stream), equality with one GPU, and the timings.
+:func:`shard_metadata` is per-step host planning (like ``build_metadata``) and stays outside the graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from buffers import Buffers, BufferTooSmall
+from buffers.plan import cp_scratch_cols
+
+from .indexer import _rows, check_step, decode_batch
+from .metadata import DecodeMetadata, IndexerMetadata, PrefillChunk
+from .ops.fp8_mqa_logits import fp8_mqa_logits
+from .ops.fp8_paged_mqa_logits import fp8_paged_mqa_logits
+from .ops.gather_k_cache import gather_k_cache
+from .ops.top_k_per_row import top_k_per_row
+
+__all__ = ["local_lens", "local_block_table", "global_positions", "shard_metadata", "merge_topk", "cp_decode",
+           "cp_prefill", "cp_sparse_attn_indexer", "check_group"]
+
+_LOW = torch.finfo(torch.float32).min
+
+
+def _check_rank(rank: int, world_size: int) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
+
+
+def local_lens(lens: torch.Tensor, rank: int, world_size: int, block_size: int) -> torch.Tensor:
+    """Keys of rank ``rank`` among the first ``lens`` keys of a request (block-interleaved sharding).
+
+    ``lens``: integer tensor of any shape (values >= 0); returns the same shape and dtype. A window ``[0, n)``
+    of global keys is the window ``[0, local_lens(n))`` of local keys (the map is monotonic and local keys keep
+    the global order), which is why causal windows shard exactly.
+    """
+    _check_rank(rank, world_size)
+    full = torch.div(lens, block_size, rounding_mode="floor")
+    rem = lens - full * block_size
+    owned_full = torch.div(full + (world_size - 1 - rank), world_size, rounding_mode="floor")
+    tail = torch.where(torch.remainder(full, world_size) == rank, rem, torch.zeros_like(rem))
+    return owned_full * block_size + tail
+
+
+def local_block_table(block_table: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank ``rank``'s block table: columns ``rank, rank + W, ...`` of ``block_table [R, max_blocks]`` int32,
+    contiguous ``[R, max(1, ceil(max_blocks / W))]`` (a missing last column is 0 and never read: its keys are
+    past every local length)."""
+    _check_rank(rank, world_size)
+    r, mb = block_table.shape
+    cols = max(1, -(-mb // world_size))
+    out = torch.zeros(r, cols, dtype=block_table.dtype, device=block_table.device)
+    own = block_table[:, rank::world_size]
+    out[:, : own.shape[1]] = own
+    return out
+
+
+def global_positions(local_pos: torch.Tensor, rank: int, world_size: int, block_size: int) -> torch.Tensor:
+    """Request-local global positions of rank ``rank``'s local positions ``local_pos`` (int32, ``-1`` kept)."""
+    _check_rank(rank, world_size)
+    p = local_pos
+    g = (torch.div(p, block_size, rounding_mode="floor") * world_size + rank) * block_size + torch.remainder(
+        p, block_size)
+    return torch.where(p < 0, p, g)
+
+
+def _local_width(width: int, world_size: int, block_size: int) -> int:
+    blocks = -(-width // block_size)
+    return max(1, -(-blocks // world_size)) * block_size
+
+
+def shard_metadata(metadata: IndexerMetadata, rank: int, world_size: int) -> IndexerMetadata:
+    """Rank ``rank``'s local metadata of a step whose global metadata is ``metadata`` (per step, shared by every
+    layer; run it beside ``build_metadata``, outside CUDA graphs).
+
+    Decode: the local block table, the local windows ``row_ends = local_lens(global row_ends)`` (as 2-D
+    ``context_lens [B, next_n]``, so the paged op scores exactly the local causal windows) and a local width of
+    ``ceil(ceil(width / bs) / W) * bs`` columns. Prefill chunks: the local block table, ``cu_seq_lens`` of the local
+    keys and every query's local window. Reads the chunks' ``cu_seq_lens`` on the host (the local gathered key
+    count is a host size): free for CPU metadata, one synchronisation per step for GPU metadata.
+    The slot mapping is the global one; the cache write of a context-parallel step is the caller's (each rank
+    writes the new keys of its own blocks, :func:`cp_sparse_attn_indexer`).
+    """
+    if not isinstance(metadata, IndexerMetadata):
+        raise TypeError(f"metadata must be an IndexerMetadata, got {type(metadata).__name__}")
+    _check_rank(rank, world_size)
+    bs = metadata.limits.block_size
+    dm = metadata.decode
+    local_dm = None
+    if dm is not None:
+        ends = local_lens(dm.row_ends, rank, world_size, bs)
+        local_dm = DecodeMetadata(
+            num_reqs=dm.num_reqs, next_n=dm.next_n, uniform=dm.uniform,
+            width=_local_width(dm.width, world_size, bs),
+            context_lens=ends.view(dm.num_reqs, dm.next_n).contiguous(),
+            block_table=local_block_table(dm.block_table, rank, world_size),
+            row_starts=dm.row_starts, row_ends=ends.contiguous(), pack_src=dm.pack_src, unpack_src=dm.unpack_src)
+    chunks = []
+    for c in metadata.prefill_chunks:
+        cu = c.cu_seq_lens.long()
+        lens_l = local_lens(cu[1:] - cu[:-1], rank, world_size, bs)
+        cu_l = torch.zeros_like(cu)
+        torch.cumsum(lens_l, 0, out=cu_l[1:])
+        ks = c.cu_seqlen_ks.long()
+        req = torch.searchsorted(cu[1:].contiguous(), ks, right=True)
+        ks_l = cu_l[req]
+        ke_l = ks_l + local_lens(c.cu_seqlen_ke.long() - ks, rank, world_size, bs)
+        dt = c.cu_seqlen_ks.dtype
+        chunks.append(PrefillChunk(
+            token_start=c.token_start, token_end=c.token_end, num_k_tokens=int(cu_l[-1]), gather=c.gather,
+            block_table=local_block_table(c.block_table, rank, world_size), cu_seq_lens=cu_l.to(c.cu_seq_lens.dtype),
+            cu_seqlen_ks=ks_l.to(dt), cu_seqlen_ke=ke_l.to(dt)))
+    return IndexerMetadata(
+        num_decodes=metadata.num_decodes, num_decode_tokens=metadata.num_decode_tokens,
+        num_prefills=metadata.num_prefills, num_prefill_tokens=metadata.num_prefill_tokens,
+        slot_mapping=metadata.slot_mapping, decode=local_dm, prefill_chunks=tuple(chunks), limits=metadata.limits,
+        num_blocks=metadata.num_blocks)
+
+
+def check_group(group, buffers: Buffers, topk: int) -> tuple[int, int]:
+    """``(rank, world_size)`` of ``group`` (``None``: the default group), after checking that ``buffers`` has a
+    ``cp_scratch`` planned for this world size and ``topk``. Raises ``ValueError``/:class:`BufferTooSmall`."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("context parallel needs an initialised torch.distributed process group")
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if buffers.cp_scratch is None:
+        raise BufferTooSmall("cp_scratch", 1, 0, f"this record was planned with world_size=1, the group has {world}")
+    cols = cp_scratch_cols(world, topk)
+    if buffers.cp_scratch.shape[1] != cols:
+        raise ValueError(f"buffers.cp_scratch has {buffers.cp_scratch.shape[1]} columns; world_size={world}, "
+                         f"topk={topk} need {cols} (plan with IndexerLimits(world_size={world}))")
+    return rank, world
+
+
+def _scratch(buffers: Buffers, rows: int, world: int, topk: int):
+    """Views of the first ``rows`` rows of ``cp_scratch``: local candidates ``[2, rows, topk]``, gathered
+    ``[W, 2, rows, topk]``, merge values ``[rows, W * topk]`` float32, positions ``[rows, W * topk]`` int32, window
+    starts and ends ``[rows]``."""
+    cap = buffers.cp_scratch.shape[0]
+    if rows > cap:
+        raise BufferTooSmall("cp_scratch", rows * buffers.cp_scratch.shape[1], buffers.cp_scratch.numel(),
+                             f"{rows} rows > {cap}")
+    flat = buffers.cp_scratch.view(-1)
+    sizes = (2 * rows * topk, 2 * world * rows * topk, world * rows * topk, world * rows * topk, rows, rows)
+    parts, o = [], 0
+    for n in sizes:
+        parts.append(flat[o : o + n])
+        o += n
+    cand, gath, mval, mpos, st, en = parts
+    return (cand.view(2, rows, topk), gath.view(world, 2, rows, topk),
+            mval.view(torch.float32).view(rows, world * topk), mpos.view(rows, world * topk), st, en)
+
+
+# torch >= 2.13 names the collective all_gather_single (all_gather_into_tensor, the same call, warns there)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def merge_topk(sel: torch.Tensor, logits: torch.Tensor, starts: torch.Tensor, global_lens: torch.Tensor,
+               buffers: Buffers, *, rank: int, world_size: int, block_size: int, group=None,
+               backend: str | None = None) -> torch.Tensor:
+    """Turn ``sel [rows, topk]`` int32, this rank's local top-k (local positions relative to ``starts``, ``-1``
+    padding) of ``logits [rows, *]`` float32 (local windows starting at ``starts [rows]``), into the global
+    top-k, in place: request-local global positions; a row whose global window ``global_lens [rows]`` is
+    ``n <= topk`` comes out as ``0..n-1, -1, ...`` (the single-device order). Collective: every rank of
+    ``group`` calls it with the same ``rows``. ``rows <= buffers.cp_scratch.shape[0]``.
+
+    Steps (static shapes, no host read of device values): candidates (values gathered from ``logits`` as float32
+    bits, global positions) into ``cp_scratch``; one ``all_gather_into_tensor``; a copy into ``[rows, W * topk]``
+    row-major values and positions; ``top_k_per_row`` over the window ``[0, W * topk)``; positions gathered back
+    into ``sel``; short rows (``global_lens <= topk``) rewritten as ``0..n-1, -1, ...``.
+    """
+    rows, topk = sel.shape
+    if rows == 0:
+        return sel
+    cand, gath, mval, mpos, st, en = _scratch(buffers, rows, world_size, topk)
+    vals, pos = cand[0].view(torch.float32), cand[1]
+    idx = sel.long().clamp_(min=0).add_(starts.view(rows, 1).long())
+    torch.gather(logits, 1, idx, out=vals)
+    vals.nan_to_num_(nan=_LOW, posinf=float("inf"), neginf=_LOW)
+    pad = sel < 0
+    vals.masked_fill_(pad, float("-inf"))
+    pos.copy_(global_positions(sel, rank, world_size, block_size))
+    _all_gather(gath.view(-1), cand.reshape(-1), group=group)
+    mval.view(rows, world_size, topk).copy_(gath[:, 0].view(torch.float32).transpose(0, 1))
+    mpos.view(rows, world_size, topk).copy_(gath[:, 1].transpose(0, 1))
+    st.zero_()
+    en.fill_(world_size * topk)
+    col = cand[0]  # free after the all-gather: the merge's column indices
+    top_k_per_row(mval, st, en, out=col, backend=backend, check_values=False, _checked=True)
+    torch.gather(mpos, 1, col.long(), out=sel)
+    n = global_lens.view(rows, 1)
+    ar = torch.arange(topk, dtype=sel.dtype, device=sel.device).view(1, topk)
+    short = torch.where(ar < n, ar, torch.full_like(ar, -1))
+    torch.where(n <= topk, short, sel, out=sel)
+    return sel
+
+
+def _pieces(n: int, per: int):
+    for a in range(0, n, per):
+        yield a, min(n, a + per)
+
+
+def cp_prefill(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor, metadata: IndexerMetadata,
+               local: IndexerMetadata, buffers: Buffers, topk_out: torch.Tensor, *, group=None,
+               backend: str | None = None, _checked: bool = False) -> torch.Tensor:
+    """Top-k of every prefill token of a context-parallel step; writes the prefill rows of ``topk_out``.
+
+    ``metadata``: the step's global metadata; ``local``: ``shard_metadata(metadata, rank, world_size)``;
+    ``kv_cache``: this rank's cache (the blocks its local block tables name). Per chunk: gather the local keys,
+    local logits, local top-k into ``topk_out``'s rows, then :func:`merge_topk` in pieces of
+    ``buffers.cp_scratch.shape[0]`` tokens (the same number of collectives on every rank).
+    """
+    rank, world = check_group(group, buffers, topk_out.shape[1])
+    if not _checked:
+        _check(q_fp8, weights, kv_cache, metadata, local, buffers, topk_out, backend, decode=False)
+    bs = metadata.limits.block_size
+    per = buffers.cp_scratch.shape[0]
+    for gc, c in zip(metadata.prefill_chunks, local.prefill_chunks):
+        k_fp8, k_scale = buffers.k_view(c.num_k_tokens)
+        if c.gather:
+            gather_k_cache(kv_cache, c.block_table, c.cu_seq_lens, out_k=k_fp8, out_scale=k_scale,
+                           backend=backend, check_values=False, _checked=True)
+        rows = slice(c.token_start, c.token_end)
+        logits = buffers.logits_view(c.num_tokens, c.num_k_tokens)
+        fp8_mqa_logits(q_fp8[rows], k_fp8, k_scale, weights[rows], c.cu_seqlen_ks, c.cu_seqlen_ke, out=logits,
+                       clean=False, backend=backend, check_values=False, _checked=True)
+        sel = topk_out[rows]
+        top_k_per_row(logits, c.cu_seqlen_ks, c.cu_seqlen_ke, out=sel, backend=backend, check_values=False,
+                      _checked=True)
+        g = gc.cu_seqlen_ke - gc.cu_seqlen_ks  # global window lengths
+        for a, b in _pieces(c.num_tokens, per):
+            merge_topk(_rows(sel, a, b), _rows(logits, a, b), _rows(c.cu_seqlen_ks, a, b), _rows(g, a, b), buffers,
+                       rank=rank, world_size=world, block_size=bs, group=group,
+                       backend=backend)
+    return topk_out
+
+
+def cp_decode(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor, metadata: IndexerMetadata,
+              local: IndexerMetadata, buffers: Buffers, topk_out: torch.Tensor, *, group=None,
+              backend: str | None = None, _checked: bool = False) -> torch.Tensor:
+    """Top-k of every decode token of a context-parallel step; writes ``topk_out[:num_decode_tokens]``.
+
+    Like :func:`sparse_indexer.indexer_decode` on the local metadata (sub-batches, packing of non-uniform
+    steps), with :func:`merge_topk` after each sub-batch's local top-k (one all-gather per sub-batch). The
+    sub-batch loop reads host integers only, so the whole decode step is capturable in a CUDA graph.
+    """
+    rank, world = check_group(group, buffers, topk_out.shape[1])
+    if not _checked:
+        _check(q_fp8, weights, kv_cache, metadata, local, buffers, topk_out, backend, prefill=False)
+    dm = local.decode
+    if dm is None:
+        return topk_out
+    bs = metadata.limits.block_size
+    b, nn = dm.num_reqs, dm.next_n
+    nd = local.num_decode_tokens
+    h, d = q_fp8.shape[1], q_fp8.shape[2]
+    if dm.uniform:
+        q, w, sel = q_fp8[:nd].view(b, nn, h, d), weights[:nd], topk_out[:nd]
+    else:
+        q_pack, w_pack, sel = buffers.pack_views(dm.num_rows)
+        torch.index_select(q_fp8.view(torch.uint8), 0, dm.pack_src, out=q_pack.view(torch.uint8))
+        torch.index_select(weights, 0, dm.pack_src, out=w_pack)
+        q, w = q_pack.view(b, nn, h, d), w_pack
+    gdm = metadata.decode
+    glens = gdm.row_ends - gdm.row_starts  # global window lengths
+    per = decode_batch(local)
+    for b0, b1 in _pieces(b, per):
+        r0, r1 = b0 * nn, b1 * nn
+        logits = buffers.logits_view(r1 - r0, dm.width)
+        qk = buffers.qk_view(r1 - r0, dm.width) if buffers.qk is not None else None
+        fp8_paged_mqa_logits(_rows(q, b0, b1), kv_cache, _rows(w, r0, r1), _rows(dm.context_lens, b0, b1),
+                             _rows(dm.block_table, b0, b1), out=logits, clean=False, backend=backend,
+                             check_values=False, qk=qk, _checked=True)
+        ws = buffers.topk_scratch_view(r1 - r0) if buffers.topk_scratch is not None else None
+        s = _rows(sel, r0, r1)
+        starts, ends = _rows(dm.row_starts, r0, r1), _rows(dm.row_ends, r0, r1)
+        top_k_per_row(logits, starts, ends, out=s, backend=backend, check_values=False, workspace=ws, _checked=True)
+        merge_topk(s, logits, starts, _rows(glens, r0, r1), buffers, rank=rank, world_size=world,
+                   block_size=bs, group=group, backend=backend)
+    if not dm.uniform:
+        torch.index_select(sel, 0, dm.unpack_src, out=topk_out[:nd])
+    return topk_out
+
+
+def _check(q_fp8, weights, kv_cache, metadata, local, buffers, topk_out, backend, *, prefill=True, decode=True):
+    """Both metadata records describe the same step, and the local step fits the buffers (check_step)."""
+    if not isinstance(local, IndexerMetadata):
+        raise TypeError(f"local must be an IndexerMetadata (shard_metadata), got {type(local).__name__}")
+    if not isinstance(metadata, IndexerMetadata):
+        raise TypeError(f"metadata must be an IndexerMetadata, got {type(metadata).__name__}")
+    if (local.num_tokens, local.num_decodes, len(local.prefill_chunks)) != (
+            metadata.num_tokens, metadata.num_decodes, len(metadata.prefill_chunks)):
+        raise ValueError("local is not shard_metadata(metadata, rank, world_size): tokens, decodes or chunks differ")
+    check_step(q_fp8, weights, kv_cache, local, buffers, topk_out, prefill=prefill, decode=decode, backend=backend)
+    per = buffers.cp_scratch.shape[0]
+    if decode and local.decode is not None:
+        rows = min(local.decode.num_reqs, decode_batch(local)) * local.decode.next_n
+        if rows > per:
+            raise BufferTooSmall("cp_scratch", rows, per, "rows of one decode sub-batch")
+
+
+def cp_sparse_attn_indexer(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor,
+                           metadata: IndexerMetadata, local: IndexerMetadata, buffers: Buffers,
+                           topk_out: torch.Tensor, *, group=None, backend: str | None = None) -> torch.Tensor:
+    """One context-parallel indexer step of one layer on this rank, over ``group``: the ``topk_out`` contract of
+    :func:`sparse_indexer.sparse_attn_indexer` (rows ``[0, num_tokens)`` hold request-local positions, ``-1``
+    padding; rows ``[num_tokens, T)`` are filled with ``-1``; rows from ``T`` on are untouched).
+
+    ``kv_cache``: this rank's cache, already holding the step's new keys (each rank writes the new tokens of the
+    blocks it owns with :func:`sparse_indexer.write_k_cache` and its own slot mapping, ``-1`` for the others'
+    tokens); ``metadata``: the global metadata (the same on every rank); ``local``: :func:`shard_metadata` of it
+    for this rank. Raises before anything is written when the step does not fit (``check_step`` on ``local``).
+    """
+    check_group(group, buffers, topk_out.shape[1])
+    _check(q_fp8, weights, kv_cache, metadata, local, buffers, topk_out, backend)
+    n, t = metadata.num_tokens, q_fp8.shape[0]
+    if t > n:
+        topk_out[n:t].fill_(-1)
+    cp_prefill(q_fp8, weights, kv_cache, metadata, local, buffers, topk_out, group=group, backend=backend,
+               _checked=True)
+    cp_decode(q_fp8, weights, kv_cache, metadata, local, buffers, topk_out, group=group, backend=backend,
+              _checked=True)
+    return topk_out

@@ -1,0 +1,156 @@
+"""Context parallel (sparse_indexer.parallel) on the CPU: 2 and 3 gloo processes against the single-process step
+on the whole cache (multisets of the selected values), decode and prefill, short windows, ties across ranks,
+ranks without keys, sub-batches, split prefill chunks and non-uniform decode."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import sparse_indexer as si
+from buffers import BufferTooSmall, IndexerLimits, allocate
+from sparse_indexer import parallel as cp
+from sparse_indexer.testing import assert_topk, rank_key
+
+from .test_indexer import Scenario
+
+BS, TOPK, L = 4, 8, 48
+
+# (name, seq_lens, query_lens, limits kwargs, ties): decode requests first (query_len <= next_n)
+CASES = [
+    # short windows (3 < topk; ranks 1, 2 hold no key of the first request), decode sub-batches of 2 requests,
+    # a prefill request split into query pieces (45 x 12 > 512 logits cells), merge pieces of 2 rows
+    ("mixed", [3, 20, 45, 9], [1, 1, 12, 5],
+     dict(max_decode_logits_bytes=2 * L * 4, max_logits_bytes=2048), False),
+    # every block a copy of the request's first block: ties across ranks at every value
+    ("ties", [3, 20, 45, 9], [1, 1, 12, 5], {}, True),
+    # next_n = 2, one decode request with a single token (packed decode), ragged lengths
+    ("packed", [2, 30, 17, 40], [2, 1, 2, 9], dict(next_n=2), False),
+]
+
+
+def _limits(world: int, **kw) -> IndexerLimits:
+    return IndexerLimits(max_model_len=L, max_num_batched_tokens=32, max_num_seqs=4, n_heads=4, head_dim=64,
+                         topk=TOPK, block_size=BS, world_size=world, **kw)
+
+
+def _case(name, seq, qry, kw, ties):
+    """The scenario with every key in the cache, the single-process top-k and every token's dense logits."""
+    sc = Scenario(seq, qry, lim=_limits(1, **kw), seed=3)
+    si.write_k_cache(sc.k, sc.kv, sc.slot_mapping, backend="reference")
+    if ties:
+        for r, s in enumerate(seq):
+            for j in range(1, (s + BS - 1) // BS):
+                sc.kv[sc.block_table[r, j]] = sc.kv[sc.block_table[r, 0]]
+    md = sc.metadata()
+    t = sum(qry)
+    ref = torch.full((t + 2, TOPK), -7, dtype=torch.int32)
+    si.sparse_attn_indexer(sc.q, None, sc.w, sc.kv, md, allocate(sc.lim), ref, backend="reference")
+    # dense request-local logits of every token (the paged op with the token's causal end as its context)
+    ends, reqs = [], []
+    for r, (s, q) in enumerate(zip(seq, qry)):
+        ends += [s - q + i + 1 for i in range(q)]
+        reqs += [r] * q
+    ends_t = torch.tensor(ends, dtype=torch.int32)
+    dense = si.fp8_paged_mqa_logits(sc.q[:t, None].contiguous(), sc.kv, sc.w[:t], ends_t,
+                                    sc.block_table[reqs].contiguous(), backend="reference")
+    return dict(name=name, seq=seq, qry=qry, kw=kw, q=sc.q, w=sc.w, kv=sc.kv, block_table=sc.block_table,
+                slot_mapping=sc.slot_mapping, ref=ref, dense=dense, ends=ends_t)
+
+
+def _worker(rank, world, port, cases, out):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        g = torch.Generator().manual_seed(100 + rank)
+        for c in cases:
+            lim = _limits(world, **c["kw"])
+            kv = c["kv"].clone()
+            # this rank's cache: the blocks of other ranks hold garbage (reading one would show)
+            mine = torch.zeros(kv.shape[0], dtype=torch.bool)
+            for r, s in enumerate(c["seq"]):
+                nb = (s + BS - 1) // BS
+                mine[c["block_table"][r, :nb][rank::world].long()] = True
+            kv[~mine] = torch.randint(0, 256, kv[~mine].shape, dtype=torch.uint8, generator=g)
+            md = si.build_metadata(c["seq"], c["qry"], c["block_table"], c["slot_mapping"], lim,
+                                   num_blocks=kv.shape[0])
+            local = cp.shard_metadata(md, rank, world)
+            t = c["q"].shape[0]
+            sel = torch.full((t + 2, TOPK), -7, dtype=torch.int32)
+            q = torch.cat([c["q"], c["q"][:1]])  # one padding token: its row must come out as -1
+            w = torch.cat([c["w"], c["w"][:1]])
+            cp.cp_sparse_attn_indexer(q, w, kv, md, local, allocate(lim), sel, backend="reference")
+            out[(c["name"], rank)] = sel
+    finally:
+        dist.destroy_process_group()
+
+
+def _values(sel: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """Sorted float64 values of each row's selection (NaN and padding as -inf)."""
+    v = torch.where(sel >= 0, dense.gather(1, sel.long().clamp(min=0)).double(), float("nan"))
+    return torch.sort(rank_key(v), dim=1).values
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cases():
+    return [_case(*c) for c in CASES]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_context_parallel_matches_single_process(world, cases):
+    with mp.Manager() as m:
+        out = m.dict()
+        mp.spawn(_worker, args=(world, _free_port(), cases, out), nprocs=world, join=True)
+        out = dict(out)
+    for c in cases:
+        t = c["q"].shape[0]
+        sel = out[(c["name"], 0)]
+        for r in range(1, world):
+            assert torch.equal(out[(c["name"], r)], sel), f"{c['name']}: rank {r} differs from rank 0"
+        assert (sel[t] == -1).all(), f"{c['name']}: the padding token's row is not -1"
+        assert (sel[t + 1] == -7).all(), f"{c['name']}: a row past T was written"
+        zeros = torch.zeros(t, dtype=torch.int32)
+        assert_topk(sel[:t], c["dense"], zeros, c["ends"])
+        assert_topk(c["ref"][:t], c["dense"], zeros, c["ends"])  # the single-process step, same logits
+
+        # the same multiset as one process (values; -1 padding as -inf), row by row
+        assert torch.equal(_values(sel[:t], c["dense"]), _values(c["ref"][:t], c["dense"])), c["name"]
+        assert torch.equal((sel[:t] < 0).sum(1), (c["ref"][:t] < 0).sum(1)), c["name"]
+    # the cases test what they say: a window of 3 keys pads with 5 x -1; ties across ranks at the k-th value
+    assert (out[("mixed", 0)][0] == -1).sum() == TOPK - 3
+    ties = cases[1]
+    assert ties["dense"][2, 0] == ties["dense"][2, BS]  # block 0 (rank 0) and block 1 (rank 1): the same keys
+
+
+def test_local_lens_partition_every_key():
+    lens = torch.arange(0, 60)
+    for world in (1, 2, 3):
+        parts = [cp.local_lens(lens, r, world, BS) for r in range(world)]
+        assert torch.equal(sum(parts), lens)
+        n = 45
+        pos = torch.cat([cp.global_positions(torch.arange(int(cp.local_lens(torch.tensor(n), r, world, BS))),
+                                             r, world, BS) for r in range(world)])
+        assert torch.equal(torch.sort(pos).values, torch.arange(n))
+    assert torch.equal(cp.global_positions(torch.tensor([-1, 0, 5]), 1, 2, BS), torch.tensor([-1, 4, 13]))
+    assert cp.local_block_table(torch.arange(5, dtype=torch.int32)[None], 1, 3).tolist() == [[1, 4]]
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="rank"):
+        cp.local_lens(torch.tensor([3]), 2, 2, BS)
+    with pytest.raises(ValueError, match="process group"):
+        cp.check_group(None, allocate(_limits(2)), TOPK)
+    assert allocate(_limits(1)).cp_scratch is None
+    assert allocate(_limits(3)).cp_scratch.shape == (4, (2 + 12) * TOPK + 2)
+    with pytest.raises(ValueError, match="world_size"):
+        _limits(0)
+    assert issubclass(BufferTooSmall, ValueError)
