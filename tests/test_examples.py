@@ -21,7 +21,8 @@ def _run(*args, env=None, stderr=False):
     return (r.stdout, r.stderr) if stderr else r.stdout
 
 
-@pytest.mark.parametrize("script", ["custom_engine.py", "cpu_unit_test.py", "quickstart.py"])
+@pytest.mark.parametrize("script", ["custom_engine.py", "cpu_unit_test.py", "quickstart.py",
+                                    "context_parallel.py"])
 def test_example_runs(script):
     assert "ok" in _run(f"examples/{script}")
 
