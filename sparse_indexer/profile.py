@@ -101,22 +101,30 @@ def worst_case_steps(limits: IndexerLimits) -> list[tuple[str, list[int], list[i
     return steps
 
 
+_NEED_FIELDS = ("k_fp8", "k_scale", "logits", "qk", "q_pack", "w_pack", "topk_pack", "topk_scratch", "cp_scratch")
+
+
 def step_needs(metadata) -> dict[str, int]:
     """What one step needs of each buffer field, in the units of :func:`plan_capacity`: rows of ``k_fp8``,
-    ``k_scale``, the packs and ``topk_scratch``, float32 cells of ``logits`` and cells per head of ``qk``
+    ``k_scale``, the packs, ``topk_scratch`` and ``cp_scratch`` (context parallel: a decode sub-batch, or a
+    piece of a prefill chunk), float32 cells of ``logits`` and cells per head of ``qk``
     (as :func:`sparse_indexer.indexer.check_step` asks for them)."""
     from .indexer import decode_batch
 
-    need = dict.fromkeys(("k_fp8", "k_scale", "logits", "qk", "q_pack", "w_pack", "topk_pack", "topk_scratch"), 0)
+    need = dict.fromkeys(_NEED_FIELDS, 0)
+    cp_rows = metadata.limits.decode_batch_rows if metadata.limits.world_size > 1 else 0  # context parallel pieces
     for c in metadata.prefill_chunks:
         need["k_fp8"] = need["k_scale"] = max(need["k_fp8"], c.num_k_tokens)
         need["logits"] = max(need["logits"], c.num_tokens * c.num_k_tokens)
+        need["cp_scratch"] = max(need["cp_scratch"], min(c.num_tokens, cp_rows))
     dm = metadata.decode
     if dm is not None:
         rows = min(dm.num_reqs, decode_batch(metadata)) * dm.next_n
         need["logits"] = max(need["logits"], rows * dm.width)
         need["qk"] = rows * dm.width
         need["topk_scratch"] = rows
+        if cp_rows:
+            need["cp_scratch"] = max(need["cp_scratch"], rows)
         if not dm.uniform:
             need["q_pack"] = need["w_pack"] = need["topk_pack"] = dm.num_rows
     return need
@@ -125,7 +133,7 @@ def step_needs(metadata) -> dict[str, int]:
 def plan_capacity(p: BufferPlan) -> dict[str, int]:
     """What each field of a plan holds, in the units of :func:`step_needs` (0 for an absent field)."""
     cap = {}
-    for name in ("k_fp8", "k_scale", "logits", "qk", "q_pack", "w_pack", "topk_pack", "topk_scratch"):
+    for name in _NEED_FIELDS:
         f = p[name] if name in p else None
         cap[name] = 0 if f is None else (f.shape[1] * f.shape[2] if name == "qk" else f.shape[0])
     return cap

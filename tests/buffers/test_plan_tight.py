@@ -40,7 +40,8 @@ def limits_st(draw, big: bool = False):
     budget = draw(st.one_of(st.none(), st.integers(nn * L * 4, S * nn * L * 4 + 8)))
     return IndexerLimits(max_model_len=L, max_num_batched_tokens=T, max_num_seqs=S, next_n=nn, n_heads=H,
                          head_dim=D, topk=16, block_size=bs, prefill_k_tokens=K, max_logits_bytes=4 * C,
-                         max_decode_logits_bytes=budget, with_qk=draw(st.booleans()))
+                         max_decode_logits_bytes=budget, with_qk=draw(st.booleans()),
+                         world_size=draw(st.sampled_from([1, 2, 3])))  # > 1: cp_scratch (context parallel)
 
 
 @st.composite
