@@ -213,9 +213,13 @@ def merge_topk(sel: torch.Tensor, logits: torch.Tensor, starts: torch.Tensor, gl
         return sel
     cand, gath, mval, mpos, st, en = _scratch(buffers, rows, world_size, topk)
     vals, pos = cand[0].view(torch.float32), cand[1]
-    idx = sel.long().clamp_(min=0).add_(starts.view(rows, 1).long())
-    torch.gather(logits, 1, idx, out=vals)
-    vals.nan_to_num_(nan=_LOW, posinf=float("inf"), neginf=_LOW)
+    if logits.shape[1]:
+        # padding (-1) reads a cell of the row that is then overwritten (a rank without keys of a request: its
+        # window starts at the row's end, so the column is clamped into the row)
+        idx = sel.long().clamp_(min=0).add_(starts.view(rows, 1).long()).clamp_(max=logits.shape[1] - 1)
+        torch.gather(logits, 1, idx, out=vals)
+        vals.nan_to_num_(nan=_LOW, posinf=float("inf"), neginf=_LOW)
+    # else: no local key of any row (every sel is -1, filled with -inf below)
     pad = sel < 0
     vals.masked_fill_(pad, float("-inf"))
     pos.copy_(global_positions(sel, rank, world_size, block_size))

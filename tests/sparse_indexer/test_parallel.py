@@ -24,7 +24,8 @@ BS, TOPK, L = 4, 8, 48
 CASES = [
     # short windows (3 < topk; ranks 1, 2 hold no key of the first request), decode sub-batches of 2 requests,
     # a prefill request split into query pieces (45 x 12 > 512 logits cells), merge pieces of 2 rows
-    ("mixed", [3, 20, 45, 9], [1, 1, 12, 5],
+    # the last prefill request (4 keys: block 0 only) is a chunk of its own that ranks 1, 2 hold no key of
+    ("mixed", [3, 20, 45, 4], [1, 1, 12, 3],
      dict(max_decode_logits_bytes=2 * L * 4, max_logits_bytes=2048), False),
     # every block a copy of the request's first block: ties across ranks at every value
     ("ties", [3, 20, 45, 9], [1, 1, 12, 5], {}, True),
@@ -82,6 +83,17 @@ def _worker(rank, world, port, cases, out):
             sel = torch.full((t + 2, TOPK), -7, dtype=torch.int32)
             q = torch.cat([c["q"], c["q"][:1]])  # one padding token: its row must come out as -1
             w = torch.cat([c["w"], c["w"][:1]])
+            if c["name"] == "mixed":  # bad input raises before anything is written
+                with pytest.raises(BufferTooSmall, match="cp_scratch"):
+                    cp.cp_sparse_attn_indexer(q, w, kv, md, local, allocate(_limits(1, **c["kw"])), sel)
+                with pytest.raises(ValueError, match="cp_scratch has"):
+                    cp.cp_sparse_attn_indexer(q, w, kv, md, local, allocate(_limits(world + 1, **c["kw"])), sel)
+                with pytest.raises(ValueError, match="shard_metadata"):
+                    cp.cp_sparse_attn_indexer(q, w, kv, md, cp.shard_metadata(md, rank, world).__class__(
+                        **{**{a: getattr(local, a) for a in ("num_decodes", "num_decode_tokens", "num_prefills",
+                                                            "num_prefill_tokens", "slot_mapping", "decode",
+                                                            "limits")}, "prefill_chunks": ()}), allocate(lim), sel)
+                assert (sel == -7).all()
             cp.cp_sparse_attn_indexer(q, w, kv, md, local, allocate(lim), sel, backend="reference")
             out[(c["name"], rank)] = sel
     finally:
