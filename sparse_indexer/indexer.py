@@ -185,17 +185,26 @@ def indexer_prefill(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.
     if not _checked:
         check_step(q_fp8, weights, kv_cache, metadata, buffers, topk_out, decode=False, backend=backend)
     for c in metadata.prefill_chunks:
-        k_fp8, k_scale = buffers.k_view(c.num_k_tokens)
-        if c.gather:
-            gather_k_cache(kv_cache, c.block_table, c.cu_seq_lens, out_k=k_fp8, out_scale=k_scale,
-                           backend=backend, check_values=False, _checked=True)
-        rows = slice(c.token_start, c.token_end)
-        logits = buffers.logits_view(c.num_tokens, c.num_k_tokens)
-        fp8_mqa_logits(q_fp8[rows], k_fp8, k_scale, weights[rows], c.cu_seqlen_ks, c.cu_seqlen_ke, out=logits,
-                       clean=False, backend=backend, check_values=False, _checked=True)
+        rows, logits = _chunk_logits(q_fp8, weights, kv_cache, c, buffers, backend)
         top_k_per_row(logits, c.cu_seqlen_ks, c.cu_seqlen_ke, out=topk_out[rows], backend=backend,
                       check_values=False, _checked=True)
     return topk_out
+
+
+def _chunk_logits(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor, c, buffers: Buffers,
+                  backend: str | None) -> tuple[slice, torch.Tensor]:
+    """One prefill chunk's gather (skipped when its keys are already there) and ``clean=False`` logits into
+    ``buffers.logits`` (arguments already checked); returns the chunk's token rows and its ``[M_c, N_c]`` logits.
+    Shared by :func:`indexer_prefill` and the context-parallel prefill."""
+    k_fp8, k_scale = buffers.k_view(c.num_k_tokens)
+    if c.gather:
+        gather_k_cache(kv_cache, c.block_table, c.cu_seq_lens, out_k=k_fp8, out_scale=k_scale,
+                       backend=backend, check_values=False, _checked=True)
+    rows = slice(c.token_start, c.token_end)
+    logits = buffers.logits_view(c.num_tokens, c.num_k_tokens)
+    fp8_mqa_logits(q_fp8[rows], k_fp8, k_scale, weights[rows], c.cu_seqlen_ks, c.cu_seqlen_ke, out=logits,
+                   clean=False, backend=backend, check_values=False, _checked=True)
+    return rows, logits
 
 
 def indexer_decode(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor,
@@ -216,18 +225,9 @@ def indexer_decode(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.T
     dm = metadata.decode
     if dm is None:
         return topk_out
-    b, nn = dm.num_reqs, dm.next_n
+    b = dm.num_reqs
     nd = metadata.num_decode_tokens
-    h, d = q_fp8.shape[1], q_fp8.shape[2]
-    if dm.uniform:
-        q = q_fp8[:nd].view(b, nn, h, d)
-        w = weights[:nd]
-        sel = topk_out[:nd]
-    else:
-        q_pack, w_pack, sel = buffers.pack_views(dm.num_rows)
-        torch.index_select(q_fp8.view(torch.uint8), 0, dm.pack_src, out=q_pack.view(torch.uint8))
-        torch.index_select(weights, 0, dm.pack_src, out=w_pack)
-        q, w = q_pack.view(b, nn, h, d), w_pack
+    q, w, sel = _decode_inputs(q_fp8, weights, dm, nd, buffers, topk_out)
     # Sub-batches of whole requests (one unless IndexerLimits.max_decode_logits_bytes binds): host integers
     # only, so every shape is fixed by the step's metadata and the loop captures in a CUDA graph; each reuses the
     # same region at the start of buffers.logits (and of qk, topk_scratch). Rows are independent, so the top-k is
@@ -235,18 +235,40 @@ def indexer_decode(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.T
     per = decode_batch(metadata)
     for b0 in range(0, b, per):
         b1 = min(b, b0 + per)
-        r0, r1 = b0 * nn, b1 * nn
-        logits = buffers.logits_view(r1 - r0, dm.width)
-        qk = buffers.qk_view(r1 - r0, dm.width) if buffers.qk is not None else None
-        fp8_paged_mqa_logits(_rows(q, b0, b1), kv_cache, _rows(w, r0, r1), _rows(dm.context_lens, b0, b1),
-                             _rows(dm.block_table, b0, b1), out=logits, clean=False, backend=backend,
-                             check_values=False, qk=qk, _checked=True)
-        ws = buffers.topk_scratch_view(r1 - r0) if buffers.topk_scratch is not None else None
+        r0, r1, logits, ws = _decode_logits(q, w, kv_cache, dm, buffers, b0, b1, backend)
         top_k_per_row(logits, _rows(dm.row_starts, r0, r1), _rows(dm.row_ends, r0, r1), out=_rows(sel, r0, r1),
                       backend=backend, check_values=False, workspace=ws, _checked=True)
     if not dm.uniform:
         torch.index_select(sel, 0, dm.unpack_src, out=topk_out[:nd])
     return topk_out
+
+
+def _decode_inputs(q_fp8: torch.Tensor, weights: torch.Tensor, dm, nd: int, buffers: Buffers,
+                   topk_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decode step's queries ``[B, next_n, H, D]``, weights ``[B * next_n, H]`` and top-k rows: views of the
+    step's tensors when uniform, else ``buffers.q_pack/w_pack/topk_pack`` with the queries and weights packed
+    into their slots (the caller unpacks the top-k rows with ``dm.unpack_src``)."""
+    b, nn, h, d = dm.num_reqs, dm.next_n, q_fp8.shape[1], q_fp8.shape[2]
+    if dm.uniform:
+        return q_fp8[:nd].view(b, nn, h, d), weights[:nd], topk_out[:nd]
+    q_pack, w_pack, sel = buffers.pack_views(dm.num_rows)
+    torch.index_select(q_fp8.view(torch.uint8), 0, dm.pack_src, out=q_pack.view(torch.uint8))
+    torch.index_select(weights, 0, dm.pack_src, out=w_pack)
+    return q_pack.view(b, nn, h, d), w_pack, sel
+
+
+def _decode_logits(q: torch.Tensor, w: torch.Tensor, kv_cache: torch.Tensor, dm, buffers: Buffers, b0: int, b1: int,
+                   backend: str | None):
+    """Paged ``clean=False`` logits of decode requests ``[b0, b1)`` into the start of ``buffers.logits`` (and
+    ``qk``); returns their rows ``r0, r1``, the logits and the top-k workspace view (``None`` without one)."""
+    r0, r1 = b0 * dm.next_n, b1 * dm.next_n
+    logits = buffers.logits_view(r1 - r0, dm.width)
+    qk = buffers.qk_view(r1 - r0, dm.width) if buffers.qk is not None else None
+    fp8_paged_mqa_logits(_rows(q, b0, b1), kv_cache, _rows(w, r0, r1), _rows(dm.context_lens, b0, b1),
+                         _rows(dm.block_table, b0, b1), out=logits, clean=False, backend=backend,
+                         check_values=False, qk=qk, _checked=True)
+    ws = buffers.topk_scratch_view(r1 - r0) if buffers.topk_scratch is not None else None
+    return r0, r1, logits, ws
 
 
 def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor | None, weights: torch.Tensor, kv_cache: torch.Tensor,

@@ -45,11 +45,8 @@ import torch.distributed as dist
 from buffers import Buffers, BufferTooSmall
 from buffers.plan import cp_scratch_cols
 
-from .indexer import _rows, check_step, decode_batch
+from .indexer import _chunk_logits, _decode_inputs, _decode_logits, _rows, check_step, decode_batch
 from .metadata import DecodeMetadata, IndexerMetadata, PrefillChunk
-from .ops.fp8_mqa_logits import fp8_mqa_logits
-from .ops.fp8_paged_mqa_logits import fp8_paged_mqa_logits
-from .ops.gather_k_cache import gather_k_cache
 from .ops.top_k_per_row import top_k_per_row
 
 __all__ = ["local_lens", "local_block_table", "global_positions", "shard_metadata", "merge_topk", "cp_decode",
@@ -259,14 +256,7 @@ def cp_prefill(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tenso
     bs = metadata.limits.block_size
     per = buffers.cp_scratch.shape[0]
     for gc, c in zip(metadata.prefill_chunks, local.prefill_chunks):
-        k_fp8, k_scale = buffers.k_view(c.num_k_tokens)
-        if c.gather:
-            gather_k_cache(kv_cache, c.block_table, c.cu_seq_lens, out_k=k_fp8, out_scale=k_scale,
-                           backend=backend, check_values=False, _checked=True)
-        rows = slice(c.token_start, c.token_end)
-        logits = buffers.logits_view(c.num_tokens, c.num_k_tokens)
-        fp8_mqa_logits(q_fp8[rows], k_fp8, k_scale, weights[rows], c.cu_seqlen_ks, c.cu_seqlen_ke, out=logits,
-                       clean=False, backend=backend, check_values=False, _checked=True)
+        rows, logits = _chunk_logits(q_fp8, weights, kv_cache, c, buffers, backend)
         sel = topk_out[rows]
         top_k_per_row(logits, c.cu_seqlen_ks, c.cu_seqlen_ke, out=sel, backend=backend, check_values=False,
                       _checked=True)
@@ -294,27 +284,14 @@ def cp_decode(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor
     if dm is None:
         return topk_out
     bs = metadata.limits.block_size
-    b, nn = dm.num_reqs, dm.next_n
+    b = dm.num_reqs
     nd = local.num_decode_tokens
-    h, d = q_fp8.shape[1], q_fp8.shape[2]
-    if dm.uniform:
-        q, w, sel = q_fp8[:nd].view(b, nn, h, d), weights[:nd], topk_out[:nd]
-    else:
-        q_pack, w_pack, sel = buffers.pack_views(dm.num_rows)
-        torch.index_select(q_fp8.view(torch.uint8), 0, dm.pack_src, out=q_pack.view(torch.uint8))
-        torch.index_select(weights, 0, dm.pack_src, out=w_pack)
-        q, w = q_pack.view(b, nn, h, d), w_pack
+    q, w, sel = _decode_inputs(q_fp8, weights, dm, nd, buffers, topk_out)
     gdm = metadata.decode
     glens = gdm.row_ends - gdm.row_starts  # global window lengths
     per = decode_batch(local)
     for b0, b1 in _pieces(b, per):
-        r0, r1 = b0 * nn, b1 * nn
-        logits = buffers.logits_view(r1 - r0, dm.width)
-        qk = buffers.qk_view(r1 - r0, dm.width) if buffers.qk is not None else None
-        fp8_paged_mqa_logits(_rows(q, b0, b1), kv_cache, _rows(w, r0, r1), _rows(dm.context_lens, b0, b1),
-                             _rows(dm.block_table, b0, b1), out=logits, clean=False, backend=backend,
-                             check_values=False, qk=qk, _checked=True)
-        ws = buffers.topk_scratch_view(r1 - r0) if buffers.topk_scratch is not None else None
+        r0, r1, logits, ws = _decode_logits(q, w, kv_cache, dm, buffers, b0, b1, backend)
         s = _rows(sel, r0, r1)
         starts, ends = _rows(dm.row_starts, r0, r1), _rows(dm.row_ends, r0, r1)
         top_k_per_row(logits, starts, ends, out=s, backend=backend, check_values=False, workspace=ws, _checked=True)
