@@ -35,7 +35,7 @@ import sparse_indexer as si  # noqa: E402
 from buffers import IndexerLimits, allocate  # noqa: E402
 from sparse_indexer import parallel as cp  # noqa: E402
 from sparse_indexer.indexer import indexer_decode  # noqa: E402
-from sparse_indexer.testing import topk_errors  # noqa: E402
+from sparse_indexer.testing import capture_cuda_graph, topk_errors  # noqa: E402
 
 
 def limits(a, world: int) -> IndexerLimits:
@@ -134,14 +134,7 @@ def run(rank: int, a, dev) -> None:
     merge_ms = mean_ms(merge, a.iters, dev, group=dist.group.WORLD)
     graph_ms, graph_sel = None, None
     if a.graph and dev.type == "cuda":
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            step()
+        g = capture_cuda_graph(step)
         graph_ms = mean_ms(g.replay, a.iters, dev, group=dist.group.WORLD)
         sel.fill_(-2)
         g.replay()

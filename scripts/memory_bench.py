@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import sparse_indexer as si  # noqa: E402
 from buffers import IndexerLimits, allocate, plan  # noqa: E402
 from sparse_indexer.indexer import decode_batch  # noqa: E402
+from sparse_indexer.testing import capture_cuda_graph  # noqa: E402
 
 MiB = 1 << 20
 
@@ -112,15 +113,7 @@ def graphed(fn, timer: Timer):
     if not timer.gpu:
         return fn
     torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+    return capture_cuda_graph(fn).replay
 
 
 def bench_decode(args, dev, timer, backends, floor) -> list[dict]:

@@ -66,6 +66,7 @@ from .ops.gather_k_cache import bench as gather_cases
 from .ops.top_k_per_row import bench as topk_cases
 from .ops.top_k_per_row import sweep as topk_sweep
 from .ops.write_k_cache import bench as write_cases
+from .testing import capture_cuda_graph
 
 __all__ = ["SWEEPS", "CaseSpec", "add_arguments", "case_specs", "run"]
 
@@ -150,15 +151,7 @@ class StepCase(Case):
             return step
         if backend not in self._graphs:
             step()  # compile / load outside the capture
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                step()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                step()
-            self._graphs[backend] = g
+            self._graphs[backend] = capture_cuda_graph(step)
         return self._graphs[backend].replay
 
     def reset(self):

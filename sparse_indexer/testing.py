@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["ADVERSARIAL_DISTRIBUTIONS", "LOGITS_RTOL_L2", "TOPK_DISTRIBUTIONS", "assert_logits", "assert_topk",
-           "logits_error", "rank_key", "top_values", "topk_errors", "topk_values"]
+           "capture_cuda_graph", "logits_error", "rank_key", "top_values", "topk_errors", "topk_values"]
 
 LOGITS_RTOL_L2 = 1e-5
 """Relative L2 error allowed inside the windows against float64 (FP8 products exact in float32, float32 sums)."""
@@ -274,3 +274,18 @@ def assert_logits(actual: torch.Tensor, expected: torch.Tensor, *, clean: bool =
     if err >= rtol_l2 and float(diff.max()) > 0:
         raise AssertionError(f"{name}: relative L2 error {err:.3e} >= {rtol_l2:.0e}; worst cells:\n"
                              + _worst(diff, a, expected))
+
+
+def capture_cuda_graph(fn) -> torch.cuda.CUDAGraph:
+    """``fn`` (no arguments) captured in a CUDA graph after one warm-up run on a side stream, so first-use work
+    (allocator growth, library handles) stays out of the capture; replay it with ``.replay()``. Run ``fn`` once
+    eagerly before when it compiles kernels. Used by the benchmarks and the GPU tests."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph

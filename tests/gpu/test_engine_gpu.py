@@ -13,6 +13,7 @@ import torch
 import sparse_indexer as si
 from buffers import IndexerLimits, allocate
 from sparse_indexer.profile import profile_step
+from sparse_indexer.testing import capture_cuda_graph
 
 pytestmark = pytest.mark.gpu
 FN = torch.float8_e4m3fn
@@ -77,14 +78,7 @@ def test_cuda_graph_decode_step_replays_with_new_inputs():
 
     step()  # warm-up: Triton compiles outside the capture
     torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_cuda_graph(step)
 
     for trial in range(3):
         seq2 = [int(x) for x in torch.randint(1, lim.max_model_len + 1, (b,), generator=wd.g)]

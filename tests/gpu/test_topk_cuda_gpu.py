@@ -12,7 +12,7 @@ import torch
 
 import sparse_indexer as si
 from sparse_indexer.testing import TOPK_DISTRIBUTIONS as DISTRIBUTIONS
-from sparse_indexer.testing import assert_topk, topk_values
+from sparse_indexer.testing import assert_topk, capture_cuda_graph, topk_values
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -163,14 +163,7 @@ def test_decode_step_graph_replay_with_new_lengths():
 
     step()
     torch.cuda.synchronize()
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        step()
-    torch.cuda.current_stream().wait_stream(st)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_cuda_graph(step)
     for trial in range(3):
         seq = [int(v) for v in torch.randint(nn, L + 1, (b,), generator=g)]
         seq[0] = 2048 - trial  # a window <= topk
