@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from ._cli import UsageError
+from ._cli import run_command
 from .plan_report import add_arguments as _plan_args  # the plan subcommand and its printing
 from .plan_report import run as _plan
 from .plan_report import vllm_reservations  # noqa: F401 - re-exported
@@ -55,14 +55,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     from . import check, demo
 
-    try:
-        if args.cmd == "demo":
-            return demo.run(args)
-        if args.cmd == "check":
-            return check.run(args)
-    except UsageError as e:  # an unavailable device or backend: one line, before any work
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.cmd in ("demo", "check"):  # an unavailable device or backend: one line, exit 2, before any work
+        return run_command(demo.run if args.cmd == "demo" else check.run, args)
     if args.cmd == "plan":
         return _plan(args)
     if getattr(args, "bench_err", None) is not None:

@@ -9,11 +9,20 @@ import torch
 
 from . import _dispatch
 
-__all__ = ["UsageError", "resolve_device", "require_backend", "Progress"]
+__all__ = ["UsageError", "resolve_device", "require_backend", "run_command", "Progress"]
 
 
 class UsageError(Exception):
     """A device or backend the command cannot use: printed as one line, exit status 2, before any work."""
+
+
+def run_command(run, args) -> int:
+    """``run(args)``'s exit status, or 2 with the :class:`UsageError` printed as one line on stderr."""
+    try:
+        return run(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def resolve_device(name: str) -> torch.device:

@@ -35,7 +35,7 @@ import torch
 from buffers import IndexerLimits, allocate
 
 from . import _dispatch, backends
-from ._cli import UsageError, require_backend, resolve_device
+from ._cli import UsageError, require_backend, resolve_device, run_command
 from .fp8 import fp8_name, quantize_k, quantize_q
 from .indexer import sparse_attn_indexer
 from .kcache import cache_views, new_kv_cache, slots_from_block_table
@@ -621,11 +621,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m sparse_indexer check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
-    try:
-        return run(p.parse_args(argv))
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_command(run, p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ and threaded through every step; the indexer's top-k of every token is compared 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import torch
@@ -17,7 +16,7 @@ import torch
 from buffers import IndexerLimits, allocate, plan
 
 from . import _dispatch, backends
-from ._cli import Progress, UsageError, require_backend, resolve_device
+from ._cli import Progress, require_backend, resolve_device, run_command
 from .fp8 import quantize_k, quantize_q
 from .indexer import sparse_attn_indexer
 from .kcache import new_kv_cache, slots_from_block_table
@@ -205,11 +204,7 @@ def run(args) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m sparse_indexer demo")
     add_arguments(p)
-    try:
-        return run(p.parse_args(argv))
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_command(run, p.parse_args(argv))
 
 
 if __name__ == "__main__":
