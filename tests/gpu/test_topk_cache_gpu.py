@@ -14,9 +14,11 @@ DEV = "cuda"
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("workspace", [None, 4096, 4])  # candidate slots per row (4: every long row overflows)
 @pytest.mark.parametrize("rows,width,topk", [(64, 65536, 2048), (37, 5000, 512), (9, 3000, 1024), (130, 40000, 2048)])
-def test_top_k_per_row_gpu(rows, width, topk, workspace):
+def test_top_k_per_row_gpu(rows, width, topk, workspace, dtype):
+    """The Triton top-k (bound launches: each case is called twice, the second call takes the bound path)."""
     logits = torch.randn(rows, width + 3, device=DEV)[:, :width]
     logits[1, : width // 2] = float("-inf")
     logits[2, ::3] = float("nan")
@@ -32,8 +34,11 @@ def test_top_k_per_row_gpu(rows, width, topk, workspace):
         logits[6] = torch.randint(0, 3, (width,), device=DEV).float()  # ties: the threshold bucket overflows
         logits[7, ::2] = float("-inf")
         logits[7, 1::4] = float("nan")
-    si.top_k_per_row(logits, starts, ends, out=out, backend="triton", workspace=ws)
-    assert_topk(out, logits, starts, ends)  # short rows exact; long rows the top-k value multiset
+    logits = logits.to(dtype)
+    for _ in range(2):
+        out.fill_(-7)
+        si.top_k_per_row(logits, starts, ends, out=out, backend="triton", workspace=ws)
+        assert_topk(out, logits, starts, ends)  # short rows exact; long rows the top-k value multiset
 
 
 @pytest.mark.gpu

@@ -67,6 +67,40 @@ def test_cuda_topk_matches_reference(rows, width, topk, dist, kind):
     _check(x, s, e, out)
 
 
+@pytest.mark.parametrize("kind", ["full", "ragged", "causal", "short", "starts"])
+@pytest.mark.parametrize("dist", DISTRIBUTIONS)
+@pytest.mark.parametrize("rows,width,topk", [(64, 65536, 2048), (300, 9000, 2048), (7, 70001, 512), (1, 65536, 2048)])
+def test_cuda_topk_bfloat16(rows, width, topk, dist, kind):
+    """bfloat16 logits (issue #17): exact on the values given, every distribution and window shape, unaligned
+    rows and an odd stride (8 cells per 16-byte load: up to 14 scalar edge cells)."""
+    _cuda()
+    g = torch.Generator(device=DEV).manual_seed(rows + width + 1)
+    x = _dist(dist, rows, width + 3, g).to(torch.bfloat16)[:, 3:]
+    s, e = _windows(kind, rows, width, topk, g)
+    out = torch.full((rows, topk), -7, dtype=torch.int32, device=DEV)
+    si.top_k_per_row(x, s, e, out=out, backend="cuda")
+    _check(x, s, e, out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,width", [(64, 65536), (4, 65536), (2000, 8192)])
+def test_cuda_topk_compressed_rows(rows, width, dtype):
+    """Compressed logits (windows ``[0, len_i)`` from column 0, cells past ``len_i`` unspecified: NaN, +inf, huge)
+    are read in place, without a copy."""
+    _cuda()
+    g = torch.Generator(device=DEV).manual_seed(rows)
+    x = torch.randn(rows, width, device=DEV, generator=g)
+    lens = torch.randint(0, width + 1, (rows,), device=DEV, dtype=torch.int32, generator=g)
+    lens[0] = width
+    cols = torch.arange(width, device=DEV)
+    junk = torch.tensor([float("nan"), float("inf"), 3e38], device=DEV)[torch.arange(rows, device=DEV) % 3]
+    x = torch.where(cols[None, :] < lens[:, None], x, junk[:, None]).to(dtype)
+    s = torch.zeros(rows, dtype=torch.int32, device=DEV)
+    out = torch.full((rows, 2048), -7, dtype=torch.int32, device=DEV)
+    si.top_k_per_row(x, s, lens, out=out, backend="cuda")
+    _check(x, s, lens, out)
+
+
 @pytest.mark.parametrize("nt,cs,small", [(256, 1, None), (512, 1, None), (1024, 1, None), (1024, 2, None),
                                          (1024, 4, None), (512, 8, None), (1024, 16, None), (512, 1, False)])
 @pytest.mark.parametrize("dist", ["gaussian", "ints0-3", "nan+inf", "adv-overflow", "adv-miss"])
@@ -77,11 +111,12 @@ def test_cuda_topk_every_config(nt, cs, small, dist):
         pytest.skip("thread-block clusters need sm_90")
     g = torch.Generator(device=DEV).manual_seed(nt + cs)
     for w in (65536, 6000):
-        x = _dist(dist, 9, w, g)
-        s, e = _windows("starts" if w == 6000 else "full", 9, w, 2048, g)
-        out = torch.full((9, 2048), -7, dtype=torch.int32, device=DEV)
-        tkc.launch(x, s, e, out, nt=nt, cs=cs, small=small)
-        _check(x, s, e, out)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = _dist(dist, 9, w, g).to(dtype)
+            s, e = _windows("starts" if w == 6000 else "full", 9, w, 2048, g)
+            out = torch.full((9, 2048), -7, dtype=torch.int32, device=DEV)
+            tkc.launch(x, s, e, out, nt=nt, cs=cs, small=small)
+            _check(x, s, e, out)
 
 
 @pytest.mark.parametrize("topk", [1, 100, 3000, 4096, 5000])
@@ -109,7 +144,8 @@ def test_cases_the_gpu_cannot_run_fall_back(monkeypatch):
     x = torch.randn(8, 30000, device=DEV, generator=g)
     s, e = _windows("starts", 8, 30000, 2048, g)
     for patch, match in ((("_smem_optin", lambda index: 1024)), "shared memory"), \
-                        ((("_usable", lambda index, nt, cs: "could not be built (test)")), "could not be built"):
+                        ((("_usable", lambda *a: "could not be built (test)")), "could not be built"):
+        tkc._plan.cache_clear()  # plans are cached per shape: make this one afresh under the patch
         with monkeypatch.context() as m:
             m.setattr(tkc, *patch)
             out = torch.full((8, 2048), -7, dtype=torch.int32, device=DEV)
@@ -118,6 +154,7 @@ def test_cases_the_gpu_cannot_run_fall_back(monkeypatch):
             assert bool((out == -7).all())
             si.top_k_per_row(x, s, e, out=out)  # auto: Triton
             _check(x, s, e, out)
+        tkc._plan.cache_clear()
 
 
 def test_auto_picks_cuda_on_nvidia():

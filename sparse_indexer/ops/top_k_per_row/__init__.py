@@ -13,6 +13,9 @@ from .workspace import COUNTERS as TOPK_SCRATCH_COUNTERS
 __all__ = ["top_k_per_row"]
 
 
+LOGITS_DTYPES = (torch.float32, torch.bfloat16)
+"""Logits dtypes ``top_k_per_row`` reads (issue #17: bfloat16 logits halve the logits traffic)."""
+
 MIN_WORKSPACE_COLS = TOPK_SCRATCH_COUNTERS + 2
 """Narrowest workspace row: the counters and one candidate (narrow rows stay exact, through a slower path)."""
 
@@ -28,7 +31,10 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
     finite value. Cells outside the window are never read, so ``clean=False`` logits are fine.
 
     Args:
-        logits: ``[R, W]`` float32 (unit last stride).
+        logits: ``[R, W]`` float32 or bfloat16 (unit last stride). The selection is exact on the values given:
+            bfloat16 rounding makes more ties, which may go either way like any other tie. Compressed rows (each
+            window starting at column 0, e.g. ``fp8_mqa_logits(..., max_seqlen_k=...)``) are windows
+            ``[0, len)``: pass ``row_starts`` all 0, no copy needed.
         row_starts: ``[R]`` int32.
         row_ends: ``[R]`` int32, ``<= W`` for non-empty rows.
         out: ``[R, topk]`` int32, written in place.
@@ -57,7 +63,7 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
             library.call("top_k_per_row", backend, logits.device, logits, row_starts, row_ends, out=out,
                          workspace=workspace)
         return out
-    C.tensor("logits", logits, ndim=2, dtypes=torch.float32, last_contiguous=True)
+    C.tensor("logits", logits, ndim=2, dtypes=LOGITS_DTYPES, last_contiguous=True)
     r, w = logits.shape
     dev = logits.device
     C.tensor("row_starts", row_starts, dtypes=C.INDEX_DTYPES, device=dev, shape=(r,), contiguous=True)

@@ -32,6 +32,8 @@ def short_rows(indices: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.
 
 
 def _check(logits, out):
+    if logits.dtype != torch.float32:
+        raise NotImplementedError(f"aiter's top-k reads float32 logits, got {logits.dtype}")
     arch = gcn_arch(logits.device)
     if arch != "gfx950" or out.shape[1] != AITER_TOPK:
         raise NotImplementedError(f"aiter's top-k runs on gfx950 with topk {AITER_TOPK}; got {arch}, "

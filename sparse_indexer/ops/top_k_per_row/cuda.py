@@ -4,14 +4,17 @@ The kernel (docs/spec.md §6 semantics; its algorithm is described at the top of
 cluster of ``CS`` CTAs per row: a strided sample gives a threshold, one pass over the window pushes the cells above
 it (and the positions of cells equal to it) into the leader CTA's shared memory, and the leader radix-selects
 exactly among them (shared-memory histograms with 2048 bins: what Triton 3.6 cannot express). It needs no global
-workspace (``workspace`` is accepted and ignored) and makes no host sync and no allocation per call.
+workspace (``workspace`` is accepted and ignored) and makes no host sync and no allocation per call. float32 and
+bfloat16 logits (one kernel build each: bfloat16 cells are widened exactly, 8 per 16-byte load).
 
 Needs ``cuda-bindings`` (``cuda.bindings.nvrtc`` / ``cuda.bindings.driver``; a dependency of torch's CUDA 13
 wheels, or ``pip install sparse-indexer[cuda]``) and the NVRTC library (``nvidia-cuda-nvrtc``). Without them the
 backend reports itself unavailable and ``auto`` uses Triton. Compiled cubins are cached on disk under
 ``$SPARSE_INDEXER_CACHE_DIR`` (default ``~/.cache/sparse_indexer/nvrtc``), keyed by the SHA-256 of the source, the
 compile options, the target architecture and the NVRTC version. Launches go to torch's current stream (CUDA-graph
-capturable). ``topk`` up to :data:`MAX_TOPK`; larger raises :class:`NotImplementedError` (``auto`` then uses Triton).
+capturable) by one ctypes call of the driver's ``cuLaunchKernelEx`` with everything but the tensors' addresses
+planned once per shape (:class:`_Plan`). ``topk`` up to :data:`MAX_TOPK`; larger raises
+:class:`NotImplementedError` (``auto`` then uses Triton).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import hashlib
 import os
 import pathlib
 import tempfile
+import threading
 
 import torch
 
@@ -97,14 +101,14 @@ def _cache_dir() -> pathlib.Path:
     return pathlib.Path(base) / "sparse_indexer" / "nvrtc"
 
 
-def _compile(arch: str, nt: int, cs: int, *, cached: bool = True) -> bytes:
-    """The cubin of the kernel for ``arch`` (``sm_90a``...), from the disk cache (unless ``cached=False``) or
-    NVRTC."""
+def _compile(arch: str, nt: int, cs: int, bf16: bool = False, defines: tuple = (), *, cached: bool = True) -> bytes:
+    """The cubin of the kernel for ``arch`` (``sm_90a``...) reading float32 (or, ``bf16``, bfloat16) logits, from
+    the disk cache (unless ``cached=False``) or NVRTC. ``defines``: extra ``-D`` options (measurements only)."""
     from cuda.bindings import nvrtc
 
     src = SOURCE.read_bytes()
     opts = [f"--gpu-architecture={arch}", "-std=c++17", f"-DNT={nt}", f"-DCS={cs}", f"-DSMAX={SMAX}",
-            f"-DMINB={max(1, 1024 // nt)}", "-lineinfo"]
+            f"-DMINB={max(1, 1024 // nt)}", f"-DBF16={int(bool(bf16))}", "-lineinfo"] + [f"-D{d}" for d in defines]
     ver = _check(nvrtc.nvrtcVersion(), "nvrtcVersion")
     key = hashlib.sha256(src + repr((opts, ver)).encode()).hexdigest()[:32]
     path = _cache_dir() / f"topk_{arch}_{key}.cubin"
@@ -153,18 +157,19 @@ def _sm_count(index: int) -> int:
 
 
 @functools.cache
-def _kernel(index: int, nt: int, cs: int):
+def _kernel(index: int, nt: int, cs: int, bf16: bool = False, defines: tuple = ()):
     """The loaded ``CUkernel`` for device ``index``, allowed the device's whole opt-in shared memory (a limit
     only: each launch's occupancy follows the dynamic shared bytes it asks for)."""
     from cuda.bindings import driver
 
     torch.cuda.init()
+    arch = _arch(index)
     try:
-        lib = _check(driver.cuLibraryLoadData(_compile(_arch(index), nt, cs), [], [], 0, [], [], 0),
+        lib = _check(driver.cuLibraryLoadData(_compile(arch, nt, cs, bf16, defines), [], [], 0, [], [], 0),
                      "cuLibraryLoadData")
     except RuntimeError:  # a damaged cache entry: compile afresh (and overwrite it)
-        lib = _check(driver.cuLibraryLoadData(_compile(_arch(index), nt, cs, cached=False), [], [], 0, [], [], 0),
-                     "cuLibraryLoadData")
+        lib = _check(driver.cuLibraryLoadData(_compile(arch, nt, cs, bf16, defines, cached=False), [], [], 0, [], [],
+                                              0), "cuLibraryLoadData")
     kern = _check(driver.cuLibraryGetKernel(lib, b"si_top_k_per_row"), "cuLibraryGetKernel")
     dev = _check(driver.cuDeviceGet(index), "cuDeviceGet")
     smem = _check(driver.cuDeviceGetAttribute(
@@ -179,12 +184,12 @@ def _kernel(index: int, nt: int, cs: int):
 
 
 @functools.cache
-def _usable(index: int, nt: int, cs: int) -> str | None:
-    """``None`` when the kernel of ``(nt, cs)`` compiles and loads on device ``index``, else why not (an NVRTC
-    too old for the GPU's architecture, a driver older than the NVRTC, ...). Cached, failures included: ``auto``
-    then falls back to Triton on every call without compiling again."""
+def _usable(index: int, nt: int, cs: int, bf16: bool = False) -> str | None:
+    """``None`` when the kernel of ``(nt, cs, bf16)`` compiles and loads on device ``index``, else why not (an
+    NVRTC too old for the GPU's architecture, a driver older than the NVRTC, ...). Cached, failures included:
+    ``auto`` then falls back to Triton on every call without compiling again."""
     try:
-        _kernel(index, nt, cs)
+        _kernel(index, nt, cs, bf16)
     except RuntimeError as e:
         return f"the CUDA top-k kernel could not be built or loaded on cuda:{index}: {e}"
     return None
@@ -196,6 +201,19 @@ def _smem_optin(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).shared_memory_per_block_optin)
 
 
+def _config(index: int, rows: int, width: int, topk: int) -> tuple[int, int]:
+    sms = _sm_count(index)
+    if rows > sms:
+        return (256 if width <= cap_for(topk) else 512), 1
+    cs = 1
+    if _capability(index)[0] >= 9:
+        for c, budget in ((8, sms // 2), (4, sms // 2), (2, sms)):
+            if rows * c <= budget and width // c >= MIN_SPLIT_CELLS:
+                cs = c
+                break
+    return 1024, cs
+
+
 @functools.lru_cache(maxsize=256)
 def config(rows: int, width: int, device: torch.device, topk: int = 2048) -> tuple[int, int]:
     """``(threads per CTA, CTAs per row)`` for a call of ``rows`` rows of ``width`` cells (shapes only).
@@ -205,88 +223,169 @@ def config(rows: int, width: int, device: torch.device, topk: int = 2048) -> tup
     of 2 while ``2 rows`` fit the SMs (larger clusters wait for a free group of SMs in one GPC), each piece at
     least :data:`MIN_SPLIT_CELLS` cells; more rows one CTA each, 512 threads (256 when every window fits shared
     memory: more rows in flight per SM)."""
-    index = torch.device(device).index or 0
-    sms = _sm_count(index)
-    if rows > sms:
-        return (256 if width <= cap_for(topk) else 512), 1
-    cs = 1
-    if torch.cuda.get_device_capability(index)[0] >= 9:
-        for c, budget in ((8, sms // 2), (4, sms // 2), (2, sms)):
-            if rows * c <= budget and width // c >= MIN_SPLIT_CELLS:
-                cs = c
-                break
-    return 1024, cs
+    return _config(torch.device(device).index or 0, rows, width, topk)
 
 
-_ARGTYPES = (ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-             ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int)
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
-@functools.lru_cache(maxsize=256)
-def _launch_config(index: int, nt: int, cs: int, grid: int, smem: int, stream: int):
-    """A ``CUlaunchConfig`` (cached: building one costs microseconds of host time per call)."""
+# ---------------------------------------------------------------- launches
+# A launch costs one ctypes call of the driver's cuLaunchKernelEx: the launch configuration (a cuda-bindings
+# CUlaunchConfig, built once per plan and stream) and the kernel handle are cached, the twelve kernel arguments
+# are written into a per-thread ctypes record whose field addresses form the kernelParams array (the driver copies
+# the values during the call). cuda-bindings' own cuLaunchKernelEx converted the arguments on every call (27.6 us
+# of host time per call on the H200's host, docs/benchmarks.md).
+
+class _Params(ctypes.Structure):
+    _fields_ = [("logits", ctypes.c_void_p), ("stride_l", ctypes.c_longlong), ("starts", ctypes.c_void_p),
+                ("ends", ctypes.c_void_p), ("out", ctypes.c_void_p), ("stride_o", ctypes.c_longlong),
+                ("k", ctypes.c_int), ("cap", ctypes.c_int), ("samp", ctypes.c_int), ("small_max", ctypes.c_int),
+                ("vec_ok", ctypes.c_int), ("stop", ctypes.c_int)]
+
+
+class _ThreadParams(threading.local):
+    """One argument record per thread (launches from several threads never share one)."""
+
+    def __init__(self):
+        self.p = _Params()
+        base = ctypes.addressof(self.p)
+        self.ptrs = (ctypes.c_void_p * len(_Params._fields_))(
+            *[base + getattr(_Params, name).offset for name, _ in _Params._fields_])
+
+
+_PARAMS = _ThreadParams()
+
+
+@functools.cache
+def _driver_launch():
+    """``cuLaunchKernelEx`` of the process's CUDA driver through ctypes (the library cuda-bindings loads)."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuLaunchKernelEx
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _launch_error(rc: int) -> RuntimeError:
     from cuda.bindings import driver
 
-    cfg = driver.CUlaunchConfig()
-    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid, 1, 1
-    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = nt, 1, 1
-    cfg.sharedMemBytes = smem
-    cfg.hStream = driver.CUstream(stream)
-    if cs > 1:
-        attr = driver.CUlaunchAttribute()
-        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cs, 1, 1
-        cfg.attrs = [attr]
-        cfg.numAttrs = 1
-    else:
-        cfg.numAttrs = 0
-    return cfg
+    try:
+        name = driver.cuGetErrorName(driver.CUresult(rc))[1]
+    except Exception:  # noqa: BLE001 - the message only
+        name = rc
+    return RuntimeError(f"cuLaunchKernelEx failed: {name!r} ({rc})")
 
 
-def launch(logits, row_starts, row_ends, out, *, nt: int, cs: int, stop: int = 0, small: bool | None = None) -> None:
+class _Plan:
+    """Everything a launch needs that depends on shapes only: kernel, grid, layout and launch configurations."""
+
+    __slots__ = ("index", "kern", "handle", "nt", "cs", "grid", "cap", "samp", "small_max", "smem", "cfgs")
+
+    def __init__(self, index, nt, cs, rows, topk, width, bf16, small=None, defines=()):
+        self.index, self.nt, self.cs, self.grid = index, nt, cs, rows * cs
+        self.cap, self.samp, self.small_max, self.smem = layout(topk, width, small)
+        self.kern = _kernel(index, nt, cs, bf16, defines)[1]
+        self.handle = int(self.kern)
+        self.cfgs: dict = {}  # raw stream -> (CUlaunchConfig, its address)
+
+    def cfg(self, stream: int) -> int:
+        got = self.cfgs.get(stream)
+        if got is None:
+            from cuda.bindings import driver
+
+            cfg = driver.CUlaunchConfig()
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = self.grid, 1, 1
+            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = self.nt, 1, 1
+            cfg.sharedMemBytes = self.smem
+            cfg.hStream = driver.CUstream(stream)
+            if self.cs > 1:
+                attr = driver.CUlaunchAttribute()
+                attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+                attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = self.cs, 1, 1
+                cfg.attrs = [attr]
+                cfg.numAttrs = 1
+            else:
+                cfg.numAttrs = 0
+            if len(self.cfgs) >= 64:  # streams come and go (e.g. one per capture): keep the table small
+                self.cfgs.clear()
+            got = self.cfgs[stream] = (cfg, cfg.getPtr())
+        return got[1]
+
+    def fire(self, logits, row_starts, row_ends, out, stop: int = 0) -> None:
+        """Launch on torch's current stream of the plan's device (the arguments already checked)."""
+        stream = torch._C._cuda_getCurrentRawStream(self.index)
+        got = self.cfgs.get(stream)
+        cfg = got[1] if got is not None else self.cfg(stream)
+        tp = _PARAMS
+        p = tp.p
+        ptr = logits.data_ptr()
+        p.logits = ptr
+        p.stride_l = logits.stride(0)
+        p.starts = row_starts.data_ptr()
+        p.ends = row_ends.data_ptr()
+        p.out = out.data_ptr()
+        p.stride_o = out.stride(0)
+        p.k = out.shape[1]
+        p.cap = self.cap
+        p.samp = self.samp
+        p.small_max = self.small_max
+        p.vec_ok = not ptr & 15
+        p.stop = stop
+        rc = _driver_launch()(cfg, self.handle, tp.ptrs, None)
+        if rc:
+            raise _launch_error(rc)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(index: int, rows: int, width: int, topk: int, bf16: bool) -> _Plan | str:
+    """The plan of the default configuration, or why this GPU cannot run the case (a ``str``; the caller raises
+    ``NotImplementedError`` before anything is written, so ``auto`` takes Triton)."""
+    nt, cs = _config(index, rows, width, topk)
+    smem = layout(topk, width)[3]
+    if smem > _smem_optin(index):
+        return (f"the CUDA top-k needs {smem} bytes of shared memory per CTA for topk={topk}; "
+                f"cuda:{index} allows {_smem_optin(index)}")
+    why = _usable(index, nt, cs, bf16)
+    if why is not None:
+        return why
+    return _Plan(index, nt, cs, rows, topk, width, bf16)
+
+
+def launch(logits, row_starts, row_ends, out, *, nt: int, cs: int, stop: int = 0, small: bool | None = None,
+           defines: tuple = ()) -> None:
     """One launch of the kernel with ``nt`` threads and ``cs`` CTAs per row (arguments already checked).
 
     ``stop`` (timing of the phases only; ``out`` is then not written): 3 returns after reading the window
     bounds, 4 after loading the sample, 1 after the sample threshold, 2 after the filter pass. ``small``: see
-    :func:`layout`."""
-    from cuda.bindings import driver
-
+    :func:`layout`. ``defines``: extra ``-D`` options of the kernel source (measurements only)."""
     r, w = logits.shape
-    topk = out.shape[1]
     if r == 0:
         return
     index = logits.device.index or 0
-    cap, samp, small_max, smem = layout(topk, w, small)
-    _, kern = _kernel(index, nt, cs)
-    cfg = _launch_config(index, nt, cs, r * cs, smem, torch._C._cuda_getCurrentRawStream(index))  # torch's stream
-    vec_ok = int(logits.data_ptr() % 16 == 0)
-    args = (logits.data_ptr(), logits.stride(0), row_starts.data_ptr(), row_ends.data_ptr(), out.data_ptr(),
-            out.stride(0), topk, cap, samp, small_max, vec_ok, stop)
-    _check(driver.cuLaunchKernelEx(cfg, kern, (args, _ARGTYPES), 0), "cuLaunchKernelEx")
+    plan = _Plan(index, nt, cs, r, out.shape[1], w, logits.dtype == torch.bfloat16, small, tuple(defines))
+    plan.fire(logits, row_starts, row_ends, out, stop)
 
 
 def top_k_per_row(logits, row_starts, row_ends, *, out, workspace=None) -> None:
-    """See :func:`sparse_indexer.top_k_per_row`; arguments are checked. ``workspace`` is not needed here."""
-    del workspace
-    if logits.device.type != "cuda" or torch.version.hip is not None:
-        raise NotImplementedError(f"the CUDA top-k runs on NVIDIA GPUs, not {logits.device}")
+    """See :func:`sparse_indexer.top_k_per_row`; arguments are checked (float32 or bfloat16 logits).
+    ``workspace`` is not needed here."""
+    dev = logits.device
+    if dev.type != "cuda" or torch.version.hip is not None:
+        raise NotImplementedError(f"the CUDA top-k runs on NVIDIA GPUs, not {dev}")
     topk = out.shape[1]
     if topk > MAX_TOPK:  # the candidate and tie buffers would not fit shared memory
         raise NotImplementedError(f"the CUDA top-k takes topk <= {MAX_TOPK}, got {topk}")
-    if logits.shape[0] == 0:
+    r, w = logits.shape
+    if r == 0:
         return
-    nt, cs = config(logits.shape[0], logits.shape[1], logits.device, topk)
-    index = logits.device.index or 0
-    # cases this GPU cannot run raise NotImplementedError before anything is written, so auto takes Triton
-    smem = layout(topk, logits.shape[1])[3]
-    if smem > _smem_optin(index):
-        raise NotImplementedError(f"the CUDA top-k needs {smem} bytes of shared memory per CTA for topk={topk}; "
-                                  f"cuda:{index} allows {_smem_optin(index)}")
-    why = _usable(index, nt, cs)
-    if why is not None:
-        raise NotImplementedError(why)
-    if torch.cuda.current_device() != index:  # the launch goes to the current context: make it the tensors'
+    index = dev.index
+    plan = _plan(index, r, w, topk, logits.dtype == torch.bfloat16)
+    if type(plan) is str:  # cases this GPU cannot run: before anything is written, so auto takes Triton
+        raise NotImplementedError(plan)
+    if torch._C._cuda_getDevice() != index:  # the launch goes to the current context: make it the tensors'
         with torch.cuda.device(index):
-            launch(logits, row_starts, row_ends, out, nt=nt, cs=cs)
+            plan.fire(logits, row_starts, row_ends, out)
         return
-    launch(logits, row_starts, row_ends, out, nt=nt, cs=cs)
+    plan.fire(logits, row_starts, row_ends, out)

@@ -24,7 +24,8 @@
 // Output positions are relative to the window start, in no particular order.
 //
 // Compile-time parameters (-D): NT threads per CTA (a multiple of 32, 256..1024), CS CTAs per row (a cluster when
-// > 1, needs sm_90+), SMAX sample cells at most.
+// > 1, needs sm_90+), SMAX sample cells at most, BF16 (1: the logits are bfloat16, read as raw 16-bit words and
+// widened exactly to float32, so the keys and the selection are those of the values given).
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -41,6 +42,16 @@ typedef unsigned long long u64;
 #ifndef MINB
 #define MINB 1  // CTAs per SM the register budget is sized for
 #endif
+#ifndef BF16
+#define BF16 0
+#endif
+#if BF16
+typedef unsigned short elem_t;  // bfloat16 bits
+#else
+typedef float elem_t;
+#endif
+#define VEC (16 / (int)sizeof(elem_t))  // cells per 16-byte load
+#define KPT 16                          // cells per thread in flight in the filter pass
 
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 131072  // of its share a CTA asks L2 for before sampling
@@ -68,6 +79,32 @@ __device__ __forceinline__ u32 fkey(float x) {
     u32 key = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
     key = (x == 0.0f) ? 0x80000000u : key;
     return (x > __int_as_float(0xff800000)) ? key : 0u;  // -inf and NaN (every compare false) -> 0
+}
+
+// The float32 value of one cell (a bfloat16 widens exactly: its bits are the float's upper half).
+__device__ __forceinline__ float ld_cell(const elem_t* p) {
+#if BF16
+    return __uint_as_float((u32)__ldg(p) << 16);
+#else
+    return __ldg(p);
+#endif
+}
+
+// The VEC keys of one 16-byte vector (cells in memory order).
+__device__ __forceinline__ void vec_keys(const uint4& v, u32* key) {
+#if BF16
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        key[2 * c] = fkey(__uint_as_float(w[c] << 16));
+        key[2 * c + 1] = fkey(__uint_as_float(w[c] & 0xffff0000u));
+    }
+#else
+    key[0] = fkey(__uint_as_float(v.x));
+    key[1] = fkey(__uint_as_float(v.y));
+    key[2] = fkey(__uint_as_float(v.z));
+    key[3] = fkey(__uint_as_float(v.w));
+#endif
 }
 
 __device__ __forceinline__ u32 lane_id() { return threadIdx.x & 31; }
@@ -286,7 +323,7 @@ __device__ __forceinline__ void stage(const u32 (&key)[NC], PosF pos, u32 valid,
 }
 
 extern "C" __global__ void __launch_bounds__(NT, MINB)
-si_top_k_per_row(const float* __restrict__ logits, long long stride_l, const int* __restrict__ starts,
+si_top_k_per_row(const elem_t* __restrict__ logits, long long stride_l, const int* __restrict__ starts,
                  const int* __restrict__ ends, int* __restrict__ out, long long stride_o, int k, int cap,
                  int samp_words, int small_max, int vec_ok, int stop) {
     extern __shared__ __align__(16) u32 sm[];
@@ -304,7 +341,7 @@ si_top_k_per_row(const float* __restrict__ logits, long long stride_l, const int
     const int end = ends[row];
     const int n = end > start ? end - start : 0;
     int* orow = out + (long long)row * stride_o;
-    const float* base = logits + (long long)row * stride_l + start;  // window cell i at base[i]
+    const elem_t* base = logits + (long long)row * stride_l + start;  // window cell i at base[i]
 
     if (n <= k) {  // short row: 0..n-1, -1...
         if (rank == 0)
@@ -317,7 +354,7 @@ si_top_k_per_row(const float* __restrict__ logits, long long stride_l, const int
         for (int i = threadIdx.x; i < NB; i += NT) hist[i] = 0;
         __syncthreads();
         for (int i = threadIdx.x; i < n; i += NT) {  // keys to shared memory, with the first radix histogram
-            const u32 key = fkey(__ldg(base + i));
+            const u32 key = fkey(ld_cell(base + i));
             ckey[i] = key;
             atomicAdd(&hist[key >> 21], 1u);
         }
@@ -329,19 +366,19 @@ si_top_k_per_row(const float* __restrict__ logits, long long stride_l, const int
         return;
     }
 
-    // 16-byte loads over the 4-aligned middle [a0, a1) of the window (cell indices, relative to start); this
-    // CTA reads quads [q0, q1) of it
+    // 16-byte loads over the VEC-aligned middle [a0, a1) of the window (cell indices, relative to start); this
+    // CTA reads vectors ("quads") [q0, q1) of it
     const long long abs0 = (long long)row * stride_l + start;  // element offset of cell 0
-    int a0 = vec_ok ? (int)((4 - (abs0 & 3)) & 3) : n;
+    int a0 = vec_ok ? (int)((VEC - (abs0 & (VEC - 1))) & (VEC - 1)) : n;
     if (a0 > n) a0 = n;
-    const int a1 = vec_ok ? a0 + ((n - a0) & ~3) : n;
-    const int nq = (a1 - a0) >> 2;  // quads in the middle
+    const int a1 = vec_ok ? a0 + ((n - a0) & ~(VEC - 1)) : n;
+    const int nq = (a1 - a0) / VEC;  // vectors in the middle
     const int qper = (nq + CS - 1) / CS;
     const int q0 = (int)rank * qper;
     const int q1 = q0 + qper < nq ? q0 + qper : nq;
     if (stop == 3) return;
     {  // start pulling this CTA's share (its first PREFETCH_BYTES) into L2 while the sample is drawn
-        const char* p0 = reinterpret_cast<const char*>(base + a0 + 4 * q0);
+        const char* p0 = reinterpret_cast<const char*>(base + a0 + VEC * q0);
         long long bytes = 16LL * (q1 > q0 ? q1 - q0 : 0);
         bytes = bytes < PREFETCH_BYTES ? bytes : PREFETCH_BYTES;
         for (long long off = 128LL * threadIdx.x; off < bytes; off += 128LL * NT)
@@ -351,7 +388,7 @@ si_top_k_per_row(const float* __restrict__ logits, long long stride_l, const int
     // ---- threshold from a strided sample (identical in every CTA of the cluster)
     if (threadIdx.x < 16) ctr[threadIdx.x] = 0;
     const int S = n <= 65536 ? (SMAX < 2048 ? SMAX : 2048) : SMAX;
-    for (int j = threadIdx.x; j < S; j += NT) samp[j] = fkey(__ldg(base + (int)(((long long)j * n) / S)));
+    for (int j = threadIdx.x; j < S; j += NT) samp[j] = fkey(ld_cell(base + (int)(((long long)j * n) / S)));
     __syncthreads();
     if (stop == 4) return;
     const float kk = (float)k * (float)S / (float)n;
@@ -362,30 +399,26 @@ si_top_k_per_row(const float* __restrict__ logits, long long stride_l, const int
 
     // ---- filter: this CTA's share of the window, staged in its own buffers
     const u32 ucap = (u32)cap, uk = (u32)k;
-    const float4* qb = reinterpret_cast<const float4*>(base + a0);
-    constexpr int U = 4;  // quads in flight per thread
+    const uint4* qb = reinterpret_cast<const uint4*>(base + a0);
+    constexpr int U = KPT / VEC;  // vectors in flight per thread
+    constexpr u32 VMASK = (1u << VEC) - 1u;
     for (int qi = q0; qi < q1; qi += NT * U) {  // warp-uniform
-        float4 v[U];
-        u32 key[4 * U];
+        uint4 v[U];
+        u32 key[KPT];
         u32 valid = 0;
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             int q = qi + u * NT + threadIdx.x;
-            v[u] = q < q1 ? __ldg(qb + q) : make_float4(0.f, 0.f, 0.f, 0.f);
-            valid |= (q < q1 ? 0xfu : 0u) << (4 * u);
+            v[u] = q < q1 ? __ldg(qb + q) : make_uint4(0u, 0u, 0u, 0u);
+            valid |= (q < q1 ? VMASK : 0u) << (VEC * u);
         }
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            key[4 * u] = fkey(v[u].x);
-            key[4 * u + 1] = fkey(v[u].y);
-            key[4 * u + 2] = fkey(v[u].z);
-            key[4 * u + 3] = fkey(v[u].w);
-        }
-        const int p0 = a0 + 4 * (qi + (int)threadIdx.x);  // cell 4u + c sits at p0 + 4 NT u + c
-        stage<4 * U>(key, [&](int j) { return p0 + 4 * NT * (j >> 2) + (j & 3); }, valid, T, ctr, ckey, cpos, tpos,
-                     ucap, uk);
+        for (int u = 0; u < U; ++u) vec_keys(v[u], key + VEC * u);
+        const int p0 = a0 + VEC * (qi + (int)threadIdx.x);  // cell VEC u + c sits at p0 + VEC NT u + c
+        stage<KPT>(key, [&](int j) { return p0 + VEC * NT * (j / VEC) + (j % VEC); }, valid, T, ctr, ckey, cpos,
+                   tpos, ucap, uk);
     }
-    {  // scalar cells: the (<= 6) edges of the aligned middle, or the whole window (split by rank) without it
+    {  // scalar cells: the (<= 2 (VEC - 1)) edges of the aligned middle, or the whole window (split by rank) without it
         const int ne = a0 + (n - a1);
         const int per = vec_ok ? ne : (ne + CS - 1) / CS;
         const int e0 = vec_ok ? (rank == CS - 1 ? 0 : ne) : (int)rank * per;
@@ -394,7 +427,7 @@ si_top_k_per_row(const float* __restrict__ logits, long long stride_l, const int
             const int i = e + threadIdx.x;
             const int p = i < a0 ? i : a1 + (i - a0);
             const bool ok = i < e1;
-            u32 kk1[1] = {ok ? fkey(__ldg(base + p)) : 0u};
+            u32 kk1[1] = {ok ? fkey(ld_cell(base + p)) : 0u};
             stage<1>(kk1, [&](int) { return p; }, ok ? 1u : 0u, T, ctr, ckey, cpos, tpos, ucap, uk);
         }
     }
@@ -451,7 +484,7 @@ si_top_k_per_row(const float* __restrict__ logits, long long stride_l, const int
         for (int i = threadIdx.x; i < (int)gt; i += NT) orow[i] = (int)cpos[i];
         for (int i = threadIdx.x; i < k - (int)gt; i += NT) orow[gt + i] = (int)tpos[i];
     } else {  // the sample missed or the candidates overflowed: select over the whole window
-        auto ld = [&](int i) { return fkey(__ldg(base + i)); };
+        auto ld = [&](int i) { return fkey(ld_cell(base + i)); };
         radix_select(ld, n, (u32)k, hist, wsum, ctr, &lo, &hi, &krem);
         collect(ld, [](int i) { return i; }, n, k, lo, hi, krem, ctr, orow);
     }

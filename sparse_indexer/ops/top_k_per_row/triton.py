@@ -20,7 +20,8 @@ One program per row. Row ``r`` with window ``[start, end)`` of length ``n``:
      cells with ``lo <= key < hi`` (one packed cumulative sum per tile).
 
 Loads are 16-byte vectors over the 4-aligned middle of the window, the (at most 6) edge cells are loaded once.
-Nothing is allocated and nothing leaves the program besides ``out``; rows never cooperate.
+Nothing is allocated and nothing leaves the program besides ``out``; rows never cooperate. bfloat16 logits are
+widened to float32 as they are loaded (exactly), so every path selects on the values given.
 
 Measured on an H200 (triton 3.6, randn logits, topk 2048, do_bench median): decode 64 x 64K 123 us (radix-select
 kernel before: 162 us), prefill 8K rows with windows [0, 56K + j] 5.4 ms (7.4), causal windows [0, 8(j + 1))
@@ -55,6 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._launch import Launcher
 from ..._triton_compat import fix_interpreter
 from .workspace import COUNTERS as CTR
 from .workspace import SAMPLE as SPLIT_SAMPLE
@@ -116,7 +118,7 @@ def _count(base, s4, e4, ex, f0, f1, f2, f3, BLOCK: tl.constexpr):
     e4 = tl.multiple_of(e4, 4)
     for i in range(s4, e4, BLOCK):
         o = tl.multiple_of(i, 4) + offs
-        x = tl.load(base + o, mask=o < e4, other=float("-inf"))
+        x = tl.load(base + o, mask=o < e4, other=float("-inf")).to(tl.float32)
         a0 += (x >= f0).to(tl.int32)
         a1 += (x >= f1).to(tl.int32)
         a2 += (x >= f2).to(tl.int32)
@@ -151,11 +153,11 @@ def _row_topk(orow, base, start, n, topk, BLOCK: tl.constexpr, M: tl.constexpr, 
     eo = tl.arange(0, 8)  # edge cells: [start, s4c) and [e4c, end), at most 3 each
     epos = tl.where(eo < 4, start + eo, e4c + eo - 4)
     emask = ((eo < 4) & (epos < s4c)) | ((eo >= 4) & (epos < end))
-    ex = tl.load(base + epos, mask=emask, other=float("-inf"))
+    ex = tl.load(base + epos, mask=emask, other=float("-inf")).to(tl.float32)
 
     # 1. sample quantiles: t[j] = QBITS-bit prefix of the r[j]-th largest sample key
     js = tl.arange(0, SAMPLE)
-    sk = _sort_key(tl.load(base + start + ((js.to(tl.int64) * n) // SAMPLE).to(tl.int32)))
+    sk = _sort_key(tl.load(base + start + ((js.to(tl.int64) * n) // SAMPLE).to(tl.int32)).to(tl.float32))
     jm = tl.arange(0, M)
     jf = jm.to(tl.float32)
     kk = (topk * 1.0) * SAMPLE / n.to(tl.float32)
@@ -225,7 +227,7 @@ def _row_topk(orow, base, start, n, topk, BLOCK: tl.constexpr, M: tl.constexpr, 
     for i in range(s4, e4, BLOCK):
         o = tl.multiple_of(i, 4) + offs
         m = o < e4h
-        x = tl.load(base + o, mask=m, other=float("-inf"))
+        x = tl.load(base + o, mask=m, other=float("-inf")).to(tl.float32)
         gt = (m & (x >= g_hi)).to(tl.int32)
         eq = m.to(tl.int32) & ((x >= g_lo).to(tl.int32) | lo0) & (1 - gt)
         packed = gt + (eq << 16)  # BLOCK < 2**16: counts never carry
@@ -284,7 +286,7 @@ def _split_sample_kernel(
     else:
         base = logits_ptr + row.to(tl.int64) * stride_l
         js = tl.arange(0, SAMPLE)
-        sk = _sort_key(tl.load(base + start + ((js.to(tl.int64) * n) // SAMPLE).to(tl.int32)))
+        sk = _sort_key(tl.load(base + start + ((js.to(tl.int64) * n) // SAMPLE).to(tl.int32)).to(tl.float32))
         jm = tl.arange(0, 2)  # 0: hi (fewer cells above), 1: lo (more cells above)
         kk = (topk * 1.0) * SAMPLE / n.to(tl.float32)
         sig = tl.sqrt(kk) + 1.0
@@ -352,14 +354,14 @@ def _split_collect_kernel(
             eo = tl.arange(0, 8)  # edge cells: [start, s4c) and [e4c, end), at most 3 each
             epos = tl.where(eo < 4, start + eo, e4c + eo - 4)
             emask = ((eo < 4) & (epos < s4c)) | ((eo >= 4) & (epos < end))
-            ex = tl.load(base + epos, mask=emask, other=float("-inf"))
+            ex = tl.load(base + epos, mask=emask, other=float("-inf")).to(tl.float32)
             _collect_tile(ex, epos - start, emask, f_lo, f_hi, wrow, orow, cpos, cval, topk, cap)
         offs = tl.arange(0, BLOCK)
         hi_i = tl.minimum(lo_i + chunk, e4)  # empty when the middle is (e4 < s4)
         for i in range(lo_i, hi_i, BLOCK):
             o = i + offs
             m = o < hi_i
-            x = tl.load(base + o, mask=m, other=float("-inf"))
+            x = tl.load(base + o, mask=m, other=float("-inf")).to(tl.float32)
             _collect_tile(x, o - start, m, f_lo, f_hi, wrow, orow, cpos, cval, topk, cap)
 
 
@@ -429,6 +431,23 @@ def _split_finish_kernel(
                       SPREAD, WIN)
 
 
+# Launches bound once per specialization (sparse_indexer/_launch.py): the constexprs and options of each
+# configuration are kept in a LaunchConfig made on first use, so a call only prepares its tensors and ints.
+_ROW = Launcher(_top_k_per_row_kernel)
+_SAMPLE = Launcher(_split_sample_kernel)
+_COLLECT = Launcher(_split_collect_kernel)
+_FINISH = Launcher(_split_finish_kernel)
+_CONFIGS: dict = {}  # (launcher, constexprs and options as a sorted tuple) -> LaunchConfig
+
+
+def _cfg(launcher: Launcher, **kwargs):
+    key = (launcher, tuple(sorted(kwargs.items())))
+    cfg = _CONFIGS.get(key)
+    if cfg is None:
+        cfg = _CONFIGS[key] = launcher.config(**kwargs)
+    return cfg
+
+
 def _launch(logits, row_starts, row_ends, out, *, block=BLOCK, num_warps=NUM_WARPS, sample=SAMPLE, qbits=QBITS,
             spread=SPREAD, win=WIN):
     r = logits.shape[0]
@@ -436,10 +455,8 @@ def _launch(logits, row_starts, row_ends, out, *, block=BLOCK, num_warps=NUM_WAR
         return
     if block >= 1 << 16:
         raise NotImplementedError(f"{block=} must be < 2**16 (packed counters)")
-    _top_k_per_row_kernel[(r,)](
-        out, logits, row_starts, row_ends, logits.stride(0), out.stride(0), out.shape[1],
-        BLOCK=block, M=NUM_THR, SAMPLE=sample, QBITS=qbits, SPREAD=spread, WIN=win, num_warps=num_warps,
-    )
+    cfg = _cfg(_ROW, BLOCK=block, M=NUM_THR, SAMPLE=sample, QBITS=qbits, SPREAD=spread, WIN=win, num_warps=num_warps)
+    _ROW.launch_with((r,), cfg, (out, logits, row_starts, row_ends, logits.stride(0), out.stride(0), out.shape[1]), 4)
 
 
 @functools.cache
@@ -465,11 +482,12 @@ def _launch_split(logits, row_starts, row_ends, out, workspace, *, block=SPLIT_B
     splits = max(1, triton.cdiv(w, chunk))
     args = (out, logits, row_starts, row_ends, workspace, logits.stride(0), out.stride(0), workspace.stride(0),
             out.shape[1])
-    _split_sample_kernel[(r,)](*args, BLOCK=BLOCK, SAMPLE=sample, QBITS=QBITS, SPREAD=spread,
-                               num_warps=sample_warps)
-    _split_collect_kernel[(r, splits)](*args, cap, chunk, BLOCK=block, CTR=CTR, num_warps=num_warps)
-    _split_finish_kernel[(r,)](*args, cap, CTR=CTR, CBLOCK=CBLOCK, BLOCK=BLOCK, M=NUM_THR, SAMPLE=SAMPLE,
-                               QBITS=QBITS, SPREAD=SPREAD, WIN=WIN, num_warps=finish_warps)
+    _SAMPLE.launch_with((r,), _cfg(_SAMPLE, BLOCK=BLOCK, SAMPLE=sample, QBITS=QBITS, SPREAD=spread,
+                                   num_warps=sample_warps), args, 5)
+    _COLLECT.launch_with((r, splits), _cfg(_COLLECT, BLOCK=block, CTR=CTR, num_warps=num_warps),
+                         args + (cap, chunk), 5)
+    _FINISH.launch_with((r,), _cfg(_FINISH, CTR=CTR, CBLOCK=CBLOCK, BLOCK=BLOCK, M=NUM_THR, SAMPLE=SAMPLE,
+                                   QBITS=QBITS, SPREAD=SPREAD, WIN=WIN, num_warps=finish_warps), args + (cap,), 5)
 
 
 def use_split(rows: int, device: torch.device) -> bool:

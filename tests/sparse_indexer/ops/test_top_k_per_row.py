@@ -129,6 +129,7 @@ def _meta(t):
 
 BAD = [
     ("logits dtype", lambda a: {"logits": a["logits"].double()}, TypeError, "logits"),
+    ("logits float16", lambda a: {"logits": a["logits"].half()}, TypeError, "logits"),
     ("logits 1-D", lambda a: {"logits": a["logits"][0]}, ValueError, "logits"),
     ("logits strided", lambda a: {"logits": torch.zeros(40, 3).T}, ValueError, "logits"),
     ("starts int64", lambda a: {"row_starts": a["row_starts"].long()}, TypeError, "row_starts"),
@@ -353,3 +354,48 @@ def test_cuda_backend_layout():
     assert 4 * (tkc.SM_WORDS + 2 * tkc.cap_for(tkc.MAX_TOPK) + tkc.MAX_TOPK) <= 227 * 1024
     with pytest.raises(ValueError, match="small layout"):
         tkc.layout(2048, 9000, small=True)
+
+
+# ---------------------------------------------------------------- bfloat16 logits, compressed rows (issue #17)
+@pytest.mark.parametrize("dist", DISTRIBUTIONS)
+def test_bfloat16_logits(backend, dist):
+    """bfloat16 logits: exact on the values given (rounding to bfloat16 makes ties; the multiset rule takes any of
+    them), full / ragged / short / unaligned windows, with and without the workspace."""
+    g = gen(12)
+    w, topk = 3001, 256
+    x = topk_values(dist, 5, w, generator=g).to(torch.bfloat16)
+    starts, ends = [0, 0, 17, 5, 3], [w, 2500, 2999, 200, 3000]
+    for ws in (None, torch.empty(5, 32 + 2 * 1024, dtype=torch.int32)):
+        out = torch.full((5, topk), 7, dtype=torch.int32)
+        top_k_per_row(x, int32(starts), int32(ends), out=out, backend=backend, workspace=ws)
+        assert_topk(out, x, starts, ends)
+
+
+def test_bfloat16_ties_at_the_kth_value(backend):
+    """Distinct float32 values that round to the same bfloat16 value are ties: any of them completes the top-k,
+    judged on the bfloat16 values (a float32 order would be a different, also valid, answer for float32 input)."""
+    g = gen(13)
+    x32 = 1.0 + torch.rand(2, 4000, generator=g) * 2 ** -6  # 1 + [0, 1/64): 3 bfloat16 values for 4000 cells
+    x = x32.to(torch.bfloat16)
+    assert x.unique().numel() <= 4
+    out = torch.full((2, 100), 7, dtype=torch.int32)
+    top_k_per_row(x, int32([0, 1]), int32([4000, 3999]), out=out, backend=backend)
+    assert_topk(out, x, [0, 1], [4000, 3999])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compressed_rows(backend, dtype):
+    """Compressed logits (DeepGEMM's ``max_seqlen_k``): row ``i`` holds its window's scores from column 0 and the
+    cells past its length are unspecified (here NaN, +inf and huge values): windows ``[0, len_i)``, no copy."""
+    g = gen(14)
+    lens = [1500, 700, 1, 0, 1200, 300, 1499]
+    w, topk = 1500, 512
+    x = torch.randn(len(lens), w, generator=g)
+    for i, n in enumerate(lens):
+        x[i, n:] = (float("nan"), float("inf"), 3e38)[i % 3]
+    x = x.to(dtype)
+    starts, ends = [0] * len(lens), lens
+    for ws in (None, torch.empty(len(lens), 32 + 2 * 1024, dtype=torch.int32)):
+        out = torch.full((len(lens), topk), 7, dtype=torch.int32)
+        top_k_per_row(x, int32(starts), int32(ends), out=out, backend=backend, workspace=ws)
+        assert_topk(out, x, starts, ends)
