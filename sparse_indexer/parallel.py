@@ -45,6 +45,7 @@ import torch.distributed as dist
 from buffers import Buffers, BufferTooSmall
 from buffers.plan import cp_scratch_cols
 
+from .backends import _interpret
 from .indexer import _chunk_logits, _decode_inputs, _decode_logits, _rows, check_step, decode_batch
 from .metadata import DecodeMetadata, IndexerMetadata, PrefillChunk
 from .ops.top_k_per_row import top_k_per_row
@@ -168,71 +169,155 @@ def check_group(group, buffers: Buffers, topk: int) -> tuple[int, int]:
     return rank, world
 
 
-def _scratch(buffers: Buffers, rows: int, world: int, topk: int):
-    """Views of the first ``rows`` rows of ``cp_scratch``: local candidates ``[2, rows, topk]``, gathered
-    ``[W, 2, rows, topk]``, merge values ``[rows, W * topk]`` float32, positions ``[rows, W * topk]`` int32, window
-    starts and ends ``[rows]``."""
+class _Views:
+    """Views of the first ``rows`` rows of ``Buffers.cp_scratch`` (int32 offsets in the flat region, in order):
+
+    ``cand`` ``[2, rows, topk]`` (values as float32 bits, global positions: the all-gather's input), ``gath``
+    ``[W, 2, rows, topk]`` (its output), ``mval`` ``[rows, W * topk]`` (the merge's values, row-major), ``mpos``
+    ``[rows, W * topk]`` and ``bounds`` ``[2, rows]`` (the merge's window starts and ends). Regions are reused
+    once free (no allocation in the merge): after the all-gather ``cand[0]`` holds the merge's selected columns
+    and ``cand[1]`` (torch path) an ``arange``; before it (torch path) ``mval`` holds int64 indices, ``mpos`` a
+    bool mask and ``bounds`` the int64 window starts; after the top-k ``mval`` holds int64 indices again.
+    Offsets are even (int64 views stay 8-byte aligned)."""
+
+    __slots__ = ("rows", "topk", "world", "flat", "cand", "gath", "mval", "mpos", "bounds", "o_mval", "o_mpos")
+
+    def __init__(self, scratch: torch.Tensor, rows: int, world: int, topk: int):
+        n = rows * topk
+        flat = scratch.view(-1)
+        self.rows, self.topk, self.world, self.flat = rows, topk, world, flat
+        o_gath, self.o_mval = 2 * n, (2 + 2 * world) * n
+        self.o_mpos, o_b = self.o_mval + world * n, (2 + 4 * world) * n
+        self.cand = flat[:o_gath]
+        self.gath = flat[o_gath : self.o_mval]
+        self.mval = flat[self.o_mval : self.o_mval + world * n].view(rows, world * topk)
+        self.mpos = flat[self.o_mpos : o_b].view(rows, world * topk)
+        self.bounds = flat[o_b : o_b + 2 * rows]
+
+    def int64(self, offset: int, shape) -> torch.Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        return self.flat[offset : offset + 2 * n].view(torch.int64).view(shape)
+
+
+def _views(buffers: Buffers, rows: int, world: int, topk: int) -> _Views:
     cap = buffers.cp_scratch.shape[0]
     if rows > cap:
         raise BufferTooSmall("cp_scratch", rows * buffers.cp_scratch.shape[1], buffers.cp_scratch.numel(),
                              f"{rows} rows > {cap}")
-    flat = buffers.cp_scratch.view(-1)
-    sizes = (2 * rows * topk, 2 * world * rows * topk, world * rows * topk, world * rows * topk, rows, rows)
-    parts, o = [], 0
-    for n in sizes:
-        parts.append(flat[o : o + n])
-        o += n
-    cand, gath, mval, mpos, st, en = parts
-    return (cand.view(2, rows, topk), gath.view(world, 2, rows, topk),
-            mval.view(torch.float32).view(rows, world * topk), mpos.view(rows, world * topk), st, en)
+    return _Views(buffers.cp_scratch, rows, world, topk)
 
 
 # torch >= 2.13 names the collective all_gather_single (all_gather_into_tensor, the same call, warns there)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def merge_topk(sel: torch.Tensor, logits: torch.Tensor, starts: torch.Tensor, global_lens: torch.Tensor,
-               buffers: Buffers, *, rank: int, world_size: int, block_size: int, group=None,
-               backend: str | None = None) -> torch.Tensor:
-    """Turn ``sel [rows, topk]`` int32, this rank's local top-k (local positions relative to ``starts``, ``-1``
-    padding) of ``logits [rows, *]`` float32 (local windows starting at ``starts [rows]``), into the global
-    top-k, in place: request-local global positions; a row whose global window ``global_lens [rows]`` is
-    ``n <= topk`` comes out as ``0..n-1, -1, ...`` (the single-device order). Collective: every rank of
-    ``group`` calls it with the same ``rows``. ``rows <= buffers.cp_scratch.shape[0]``.
+def _use_triton(logits: torch.Tensor, backend: str | None) -> bool:
+    """The merge's elementwise work in Triton kernels (:mod:`sparse_indexer._parallel_triton`) on GPUs (every
+    backend but ``reference``) and under ``TRITON_INTERPRET=1`` with ``backend="triton"``; torch ops otherwise."""
+    if backend == "reference":
+        return False
+    if logits.is_cuda:
+        return True
+    return backend == "triton" and _interpret()
 
-    Steps (static shapes, no host read of device values): candidates (values gathered from ``logits`` as float32
-    bits, global positions) into ``cp_scratch``; one ``all_gather_into_tensor``; a copy into ``[rows, W * topk]``
-    row-major values and positions; ``top_k_per_row`` over the window ``[0, W * topk)``; positions gathered back
-    into ``sel``; short rows (``global_lens <= topk``) rewritten as ``0..n-1, -1, ...``.
+
+def merge_topk(sel: torch.Tensor, logits: torch.Tensor, starts: torch.Tensor, global_starts: torch.Tensor,
+               global_ends: torch.Tensor, buffers: Buffers, *, rank: int, world_size: int, block_size: int,
+               group=None, backend: str | None = None) -> torch.Tensor:
+    """Turn ``sel [rows, topk]`` int32, this rank's local top-k (local positions relative to ``starts``, ``-1``
+    padding) of ``logits [rows, *]`` float32 (unit last stride; local windows starting at ``starts [rows]``
+    int32), into the global top-k, in place: request-local global positions; a row whose global window
+    ``[global_starts, global_ends)`` (``[rows]`` int32) has ``n <= topk`` keys comes out as ``0..n-1, -1, ...``
+    (the single-device order). Collective: every rank of ``group`` calls it with the same ``rows``.
+    ``rows <= buffers.cp_scratch.shape[0]``; arguments are not checked here (the step checked them).
+
+    Steps, on views of ``buffers.cp_scratch`` only (no allocation, static shapes, no host read of device values:
+    CUDA-graph capturable): candidates ``(value, global position)`` ``[2, rows, topk]`` (one Triton kernel on a
+    GPU); one ``all_gather_into_tensor`` into ``[W, 2, rows, topk]``; the values copied row-major into
+    ``[rows, W * topk]``; ``top_k_per_row`` over the window ``[0, W * topk)`` of each row; the selected
+    candidates' positions into ``sel`` (one Triton kernel on a GPU, reading the gathered positions in place).
+    The ``reference`` backend and the CPU run the same steps as torch ops on the same views.
     """
     rows, topk = sel.shape
     if rows == 0:
         return sel
-    cand, gath, mval, mpos, st, en = _scratch(buffers, rows, world_size, topk)
+    if logits.dtype != torch.float32:
+        raise TypeError(f"merge_topk needs float32 logits, got {logits.dtype}")
+    v = _views(buffers, rows, world_size, topk)
+    n = rows * topk
+    cand = v.cand.view(2, rows, topk)
+    st, en = v.bounds[:rows], v.bounds[rows:]
+    triton_path = _use_triton(logits, backend)
+    if triton_path:
+        from . import _parallel_triton as K
+
+        K.pack(sel, logits, starts, cand[0].view(torch.float32), cand[1], v.bounds, rank=rank,
+               world_size=world_size, block_size=block_size)
+    else:
+        _pack_torch(v, sel, logits, starts, rank, world_size, block_size)
+    _all_gather(v.gath, v.cand, group=group)
+    gath = v.gath.view(world_size, 2, rows, topk)
+    v.mval.view(rows, world_size, topk).copy_(gath[:, 0].transpose(0, 1))
+    col = cand[0]  # free after the all-gather: the merge's column indices
+    top_k_per_row(v.mval.view(torch.float32), st, en, out=col, backend=backend, check_values=False, _checked=True)
+    if triton_path:
+        K.unpack(col, gath[0, 1], global_starts, global_ends, sel)
+    else:
+        _unpack_torch(v, col, gath, global_starts, global_ends, sel, n)
+    return sel
+
+
+def _pack_torch(v: _Views, sel, logits, starts, rank: int, world: int, bs: int) -> None:
+    """:func:`merge_topk`'s candidates and window bounds as torch ops on scratch views (no temporaries)."""
+    rows, topk = sel.shape
+    cand = v.cand.view(2, rows, topk)
     vals, pos = cand[0].view(torch.float32), cand[1]
+    mask = v.mpos.view(-1)[: -(-rows * topk // 4)].view(torch.uint8)[: rows * topk].view(torch.bool).view(rows, topk)
+    torch.lt(sel, 0, out=mask)
     if logits.shape[1]:
+        idx = v.int64(v.o_mval, (rows, topk))
+        st64 = v.int64(v.o_mpos + v.world * rows * topk, (rows, 1))  # the bounds region, written below
+        idx.copy_(sel)
+        idx.clamp_(min=0)
+        st64.copy_(starts.view(rows, 1))
         # padding (-1) reads a cell of the row that is then overwritten (a rank without keys of a request: its
         # window starts at the row's end, so the column is clamped into the row)
-        idx = sel.long().clamp_(min=0).add_(starts.view(rows, 1).long()).clamp_(max=logits.shape[1] - 1)
+        idx.add_(st64).clamp_(max=logits.shape[1] - 1)
         torch.gather(logits, 1, idx, out=vals)
         vals.nan_to_num_(nan=_LOW, posinf=float("inf"), neginf=_LOW)
     # else: no local key of any row (every sel is -1, filled with -inf below)
-    pad = sel < 0
-    vals.masked_fill_(pad, float("-inf"))
-    pos.copy_(global_positions(sel, rank, world_size, block_size))
-    _all_gather(gath.view(-1), cand.reshape(-1), group=group)
-    mval.view(rows, world_size, topk).copy_(gath[:, 0].view(torch.float32).transpose(0, 1))
-    mpos.view(rows, world_size, topk).copy_(gath[:, 1].transpose(0, 1))
-    st.zero_()
-    en.fill_(world_size * topk)
-    col = cand[0]  # free after the all-gather: the merge's column indices
-    top_k_per_row(mval, st, en, out=col, backend=backend, check_values=False, _checked=True)
-    torch.gather(mpos, 1, col.long(), out=sel)
-    n = global_lens.view(rows, 1)
-    ar = torch.arange(topk, dtype=sel.dtype, device=sel.device).view(1, topk)
-    short = torch.where(ar < n, ar, torch.full_like(ar, -1))
-    torch.where(n <= topk, short, sel, out=sel)
-    return sel
+    vals.masked_fill_(mask, float("-inf"))
+    torch.div(sel, bs, rounding_mode="floor", out=pos)
+    pos.mul_((world - 1) * bs).add_(sel).add_(rank * bs)
+    pos.masked_fill_(mask, -1)
+    v.bounds[:rows].zero_()
+    v.bounds[rows:].fill_(world * topk)
+
+
+def _unpack_torch(v: _Views, col, gath, global_starts, global_ends, sel, n: int) -> None:
+    """:func:`merge_topk`'s positions of the selected candidates and short rows as torch ops on scratch views."""
+    rows, topk = sel.shape
+    world = v.world
+    v.mpos.view(rows, world, topk).copy_(gath[:, 1].transpose(0, 1))
+    idx = v.int64(v.o_mval, (rows, topk))  # the merge's values are read: free
+    idx.copy_(col)
+    torch.gather(v.mpos, 1, idx, out=sel)
+    # short rows (global n <= topk): 0..n-1, -1, ...
+    ar = v.cand[n : n + topk].view(1, topk)  # cand[1]: free after the all-gather
+    torch.arange(topk, out=ar.view(topk))
+    lens = v.bounds[:rows].view(rows, 1)  # free after the top-k
+    torch.sub(global_ends.view(rows, 1), global_starts.view(rows, 1), out=lens)
+    past = v.gath.view(-1)[: -(-rows * topk // 4)].view(torch.uint8)[: rows * topk].view(torch.bool)
+    past = past.view(rows, topk)
+    short = v.gath[n : n + rows].view(torch.uint8)[:rows].view(torch.bool).view(rows, 1)
+    torch.ge(ar, lens, out=past)
+    torch.le(lens, topk, out=short)
+    fill = v.mval.view(-1)[:n].view(rows, topk)  # the int64 indices are read: free
+    fill.copy_(ar.expand(rows, topk))
+    fill.masked_fill_(past, -1)
+    torch.where(short, fill, sel, out=sel)
 
 
 def _pieces(n: int, per: int):
@@ -260,11 +345,10 @@ def cp_prefill(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tenso
         sel = topk_out[rows]
         top_k_per_row(logits, c.cu_seqlen_ks, c.cu_seqlen_ke, out=sel, backend=backend, check_values=False,
                       _checked=True)
-        g = gc.cu_seqlen_ke - gc.cu_seqlen_ks  # global window lengths
         for a, b in _pieces(c.num_tokens, per):
-            merge_topk(_rows(sel, a, b), _rows(logits, a, b), _rows(c.cu_seqlen_ks, a, b), _rows(g, a, b), buffers,
-                       rank=rank, world_size=world, block_size=bs, group=group,
-                       backend=backend)
+            merge_topk(_rows(sel, a, b), _rows(logits, a, b), _rows(c.cu_seqlen_ks, a, b),
+                       _rows(gc.cu_seqlen_ks, a, b), _rows(gc.cu_seqlen_ke, a, b), buffers, rank=rank,
+                       world_size=world, block_size=bs, group=group, backend=backend)
     return topk_out
 
 
@@ -288,15 +372,14 @@ def cp_decode(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor
     nd = local.num_decode_tokens
     q, w, sel = _decode_inputs(q_fp8, weights, dm, nd, buffers, topk_out)
     gdm = metadata.decode
-    glens = gdm.row_ends - gdm.row_starts  # global window lengths
     per = decode_batch(local)
     for b0, b1 in _pieces(b, per):
         r0, r1, logits, ws = _decode_logits(q, w, kv_cache, dm, buffers, b0, b1, backend)
         s = _rows(sel, r0, r1)
         starts, ends = _rows(dm.row_starts, r0, r1), _rows(dm.row_ends, r0, r1)
         top_k_per_row(logits, starts, ends, out=s, backend=backend, check_values=False, workspace=ws, _checked=True)
-        merge_topk(s, logits, starts, _rows(glens, r0, r1), buffers, rank=rank, world_size=world,
-                   block_size=bs, group=group, backend=backend)
+        merge_topk(s, logits, starts, _rows(gdm.row_starts, r0, r1), _rows(gdm.row_ends, r0, r1), buffers,
+                   rank=rank, world_size=world, block_size=bs, group=group, backend=backend)
     if not dm.uniform:
         torch.index_select(sel, 0, dm.unpack_src, out=topk_out[:nd])
     return topk_out

@@ -166,3 +166,111 @@ def test_bad_input():
     with pytest.raises(ValueError, match="world_size"):
         _limits(0)
     assert issubclass(BufferTooSmall, ValueError)
+
+
+# ---------------------------------------------------------------- the merge alone
+
+MROWS, MTOPK, MBS = 6, 8, 4
+
+
+def _merge_inputs(rank: int, world: int, width: int, seed: int):
+    """One rank's merge inputs: logits ``[MROWS, width]`` with NaN, -inf, +inf and ties, local windows (row 1
+    empty on every rank, row 2 empty on rank 0, row 3 shorter than topk), the reference local top-k, and global
+    windows (rows 0 and 3 short: ``n <= topk``)."""
+    g = torch.Generator().manual_seed(seed * 10 + rank)
+    logits = torch.randint(-3, 4, (MROWS, width), generator=g).float()  # ties
+    if width:
+        logits.view(-1)[torch.randint(0, logits.numel(), (6,), generator=g)] = float("nan")
+        logits.view(-1)[torch.randint(0, logits.numel(), (6,), generator=g)] = float("-inf")
+        logits[4, 0] = float("inf")
+    starts = torch.tensor([0, width, 1, 2, 0, 3], dtype=torch.int32).clamp(max=width)
+    ends = torch.tensor([width, width, width, 7, width, width], dtype=torch.int32).clamp(max=width)
+    if rank == 0:
+        starts[2] = ends[2]
+    sel = torch.empty(MROWS, MTOPK, dtype=torch.int32)
+    si.top_k_per_row(logits, starts, ends, out=sel, backend="reference")
+    gs = torch.tensor([0, 5, 0, 2, 1, 0], dtype=torch.int32)
+    ge = torch.tensor([3, 90, 80, 10, 60, 70], dtype=torch.int32)
+    return logits, starts, sel, gs, ge
+
+
+def _merge(rank, world, inputs, bufs, backend="reference"):
+    logits, starts, sel, gs, ge = inputs
+    out = sel.clone()
+    cp.merge_topk(out, logits, starts, gs, ge, bufs, rank=rank, world_size=world, block_size=MBS, backend=backend)
+    return out
+
+
+def _own_allocations(fn) -> list[str]:
+    """Allocations of more than 8 bytes (8: a Python scalar wrapped as a 0-dim CPU tensor) made by ``fn()`` on this
+    thread outside ``top_k_per_row`` (the reference backend's temporaries) and the collective."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.events() if e.self_cpu_memory_usage > 8]
+    threads = {e.thread for e in prof.events() if e.name.startswith("aten::")}
+    main = min(threads) if threads else None
+    bad = []
+    for e in events:
+        chain, p = [e.name], e.cpu_parent
+        while p is not None:
+            chain.append(p.name)
+            p = p.cpu_parent
+        if e.thread != main or any(n.startswith(("sparse_indexer::top_k_per_row", "c10d::")) for n in chain):
+            continue
+        bad.append(f"{' < '.join(chain)}: {e.self_cpu_memory_usage} bytes")
+    return bad
+
+
+def _merge_worker(rank, world, port, out):
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (the merge's kernels, on CPU tensors)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        lim = IndexerLimits(max_model_len=256, max_num_batched_tokens=MROWS, max_num_seqs=MROWS, n_heads=4,
+                            head_dim=64, topk=MTOPK, block_size=MBS, world_size=world)
+        bufs = allocate(lim)
+        for seed, width in ((0, 40), (1, 13), (2, 0)):
+            x = _merge_inputs(rank, world, width, seed)
+            ref = _merge(rank, world, x, bufs)
+            # the Triton kernels (interpreted) with the same reference top-k in between: the same output
+            cp_triton = cp._use_triton
+            cp._use_triton = lambda logits, backend: True
+            try:
+                got = _merge(rank, world, x, bufs)
+            finally:
+                cp._use_triton = cp_triton
+            out[(rank, seed, "torch")] = ref
+            out[(rank, seed, "triton")] = got
+        logits, starts, sel, gs, ge = _merge_inputs(rank, world, 40, 0)
+        merge = lambda: cp.merge_topk(sel, logits, starts, gs, ge, bufs, rank=rank, world_size=world,  # noqa: E731
+                                      block_size=MBS, backend="reference")
+        merge()
+        out[(rank, "allocs")] = _own_allocations(merge)
+        # the counter sees a rows x topk temporary (the check can fail)
+        out[(rank, "probe")] = _own_allocations(lambda: sel.long())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_merge_kernels_and_allocations():
+    """The merge's Triton kernels (interpreted) give the torch path's output bit for bit, on 3 ranks with NaN,
+    -inf, +inf, ties, empty and short local windows, short global windows and 0-column logits; the torch path's
+    own ops allocate nothing (the Triton path allocates nothing by construction: it writes views)."""
+    world = 3
+    with mp.Manager() as m:
+        out = m.dict()
+        mp.spawn(_merge_worker, args=(world, _free_port(), out), nprocs=world, join=True)
+        out = dict(out)
+    for r in range(world):
+        for seed in range(3):
+            assert torch.equal(out[(r, seed, "triton")], out[(r, seed, "torch")]), (r, seed)
+            assert torch.equal(out[(r, seed, "torch")], out[(0, seed, "torch")]), (r, seed)
+        assert out[(r, "allocs")] == [], out[(r, "allocs")]
+        assert out[(r, "probe")], "the allocation counter saw nothing"
+    got = out[(0, 0, "torch")]
+    assert got[0].tolist() == [0, 1, 2, -1, -1, -1, -1, -1]  # a short global window: 0..n-1, -1, ...
+    assert got[3].tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert (got[1] == -1).all() and (got[2] >= 0).all()  # no candidate anywhere; rank 0 without keys
