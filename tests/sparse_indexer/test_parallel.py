@@ -78,7 +78,14 @@ def _worker(rank, world, port, cases, out):
             kv[~mine] = torch.randint(0, 256, kv[~mine].shape, dtype=torch.uint8, generator=g)
             md = si.build_metadata(c["seq"], c["qry"], c["block_table"], c["slot_mapping"], lim,
                                    num_blocks=kv.shape[0])
-            local = cp.shard_metadata(md, rank, world)
+            local = cp.shard_metadata(md, rank, world, seq_lens=c["seq"])  # host counts: no device read
+            read = cp.shard_metadata(md, rank, world)  # counts read from the local cu_seq_lens
+            counts = [x.num_k_tokens for x in local.prefill_chunks]
+            assert counts == [x.num_k_tokens for x in read.prefill_chunks] and counts, counts
+            with pytest.raises(ValueError, match="seq_lens"):
+                cp.shard_metadata(md, rank, world, seq_lens=c["seq"][:-1])
+            with pytest.raises(ValueError, match="seq_lens are not"):
+                cp.shard_metadata(md, rank, world, seq_lens=c["seq"][:-1] + [c["seq"][-1] + 1])
             t = c["q"].shape[0]
             sel = torch.full((t + 2, TOPK), -7, dtype=torch.int32)
             q = torch.cat([c["q"], c["q"][:1]])  # one padding token: its row must come out as -1
