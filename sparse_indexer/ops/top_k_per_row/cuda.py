@@ -107,8 +107,9 @@ def _compile(arch: str, nt: int, cs: int, bf16: bool = False, defines: tuple = (
     from cuda.bindings import nvrtc
 
     src = SOURCE.read_bytes()
-    opts = [f"--gpu-architecture={arch}", "-std=c++17", f"-DNT={nt}", f"-DCS={cs}", f"-DSMAX={SMAX}",
-            f"-DMINB={max(1, 1024 // nt)}", f"-DBF16={int(bool(bf16))}", "-lineinfo"] + [f"-D{d}" for d in defines]
+    minb = [] if any(d.startswith("MINB=") for d in defines) else [f"-DMINB={max(1, 1024 // nt)}"]
+    opts = [f"--gpu-architecture={arch}", "-std=c++17", f"-DNT={nt}", f"-DCS={cs}", f"-DSMAX={SMAX}", *minb,
+            f"-DBF16={int(bool(bf16))}", "-lineinfo"] + [f"-D{d}" for d in defines]
     ver = _check(nvrtc.nvrtcVersion(), "nvrtcVersion")
     key = hashlib.sha256(src + repr((opts, ver)).encode()).hexdigest()[:32]
     path = _cache_dir() / f"topk_{arch}_{key}.cubin"
@@ -201,6 +202,14 @@ def _smem_optin(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).shared_memory_per_block_optin)
 
 
+PREFETCH_BYTES = 131072
+
+
+def prefetch_bytes(rows: int, cs: int) -> int:
+    """Bytes of its share a CTA of a sampled row asks L2 for while the sample threshold is computed."""
+    return PREFETCH_BYTES
+
+
 def _config(index: int, rows: int, width: int, topk: int) -> tuple[int, int]:
     sms = _sm_count(index)
     if rows > sms:
@@ -211,7 +220,7 @@ def _config(index: int, rows: int, width: int, topk: int) -> tuple[int, int]:
             if rows * c <= budget and width // c >= MIN_SPLIT_CELLS:
                 cs = c
                 break
-    return 1024, cs
+    return (512 if cs == 8 else 1024), cs
 
 
 @functools.lru_cache(maxsize=256)
@@ -219,7 +228,8 @@ def config(rows: int, width: int, device: torch.device, topk: int = 2048) -> tup
     """``(threads per CTA, CTAs per row)`` for a call of ``rows`` rows of ``width`` cells (shapes only).
 
     Measured on an H200 (``bench --sweep topk``, docs/benchmarks.md): up to one row per SM, 1024
-    threads and the rows split over clusters (sm_90+) of 8 CTAs while ``8 rows`` fit half the SMs, of 4 likewise,
+    threads (512 in clusters of 8) and the rows split over clusters (sm_90+) of 8 CTAs while ``8 rows`` fit half
+    the SMs, of 4 likewise,
     of 2 while ``2 rows`` fit the SMs (larger clusters wait for a free group of SMs in one GPC), each piece at
     least :data:`MIN_SPLIT_CELLS` cells; more rows one CTA each, 512 threads (256 when every window fits shared
     memory: more rows in flight per SM)."""
@@ -242,7 +252,7 @@ class _Params(ctypes.Structure):
     _fields_ = [("logits", ctypes.c_void_p), ("stride_l", ctypes.c_longlong), ("starts", ctypes.c_void_p),
                 ("ends", ctypes.c_void_p), ("out", ctypes.c_void_p), ("stride_o", ctypes.c_longlong),
                 ("k", ctypes.c_int), ("cap", ctypes.c_int), ("samp", ctypes.c_int), ("small_max", ctypes.c_int),
-                ("vec_ok", ctypes.c_int), ("stop", ctypes.c_int)]
+                ("vec_ok", ctypes.c_int), ("stop", ctypes.c_int), ("pf_bytes", ctypes.c_int)]
 
 
 class _ThreadParams(threading.local):
@@ -281,10 +291,11 @@ def _launch_error(rc: int) -> RuntimeError:
 class _Plan:
     """Everything a launch needs that depends on shapes only: kernel, grid, layout and launch configurations."""
 
-    __slots__ = ("index", "kern", "handle", "nt", "cs", "grid", "cap", "samp", "small_max", "smem", "cfgs")
+    __slots__ = ("index", "kern", "handle", "nt", "cs", "grid", "cap", "samp", "small_max", "smem", "pf", "cfgs")
 
-    def __init__(self, index, nt, cs, rows, topk, width, bf16, small=None, defines=()):
+    def __init__(self, index, nt, cs, rows, topk, width, bf16, small=None, defines=(), pf=None):
         self.index, self.nt, self.cs, self.grid = index, nt, cs, rows * cs
+        self.pf = prefetch_bytes(rows, cs) if pf is None else pf
         self.cap, self.samp, self.small_max, self.smem = layout(topk, width, small)
         self.kern = _kernel(index, nt, cs, bf16, defines)[1]
         self.handle = int(self.kern)
@@ -333,6 +344,7 @@ class _Plan:
         p.small_max = self.small_max
         p.vec_ok = not ptr & 15
         p.stop = stop
+        p.pf_bytes = self.pf
         rc = _driver_launch()(cfg, self.handle, tp.ptrs, None)
         if rc:
             raise _launch_error(rc)
@@ -354,17 +366,19 @@ def _plan(index: int, rows: int, width: int, topk: int, bf16: bool) -> _Plan | s
 
 
 def launch(logits, row_starts, row_ends, out, *, nt: int, cs: int, stop: int = 0, small: bool | None = None,
-           defines: tuple = ()) -> None:
+           defines: tuple = (), pf: int | None = None) -> None:
     """One launch of the kernel with ``nt`` threads and ``cs`` CTAs per row (arguments already checked).
 
     ``stop`` (timing of the phases only; ``out`` is then not written): 3 returns after reading the window
-    bounds, 4 after loading the sample, 1 after the sample threshold, 2 after the filter pass. ``small``: see
-    :func:`layout`. ``defines``: extra ``-D`` options of the kernel source (measurements only)."""
+    bounds, 4 after loading the sample, 1 after the sample threshold, 5 after staging (before the cluster's
+    merge), 2 after the filter pass and the merge. ``small``: see
+    :func:`layout`. ``defines``: extra ``-D`` options of the kernel source (measurements only). ``pf``: bytes of
+    its share each CTA asks L2 for after issuing the sample loads (default :func:`prefetch_bytes`)."""
     r, w = logits.shape
     if r == 0:
         return
     index = logits.device.index or 0
-    plan = _Plan(index, nt, cs, r, out.shape[1], w, logits.dtype == torch.bfloat16, small, tuple(defines))
+    plan = _Plan(index, nt, cs, r, out.shape[1], w, logits.dtype == torch.bfloat16, small, tuple(defines), pf)
     plan.fire(logits, row_starts, row_ends, out, stop)
 
 

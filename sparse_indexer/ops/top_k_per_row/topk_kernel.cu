@@ -10,7 +10,9 @@
 //   * n <= small_max (<= cap, a launch argument): the leader loads the window's keys into shared memory and
 //     radix-selects among them.
 //   * otherwise: every CTA of the cluster computes the same threshold key T from a strided sample of the window
-//     (the r-th largest of S sampled keys, r a few binomial sigmas above the expected rank of the k-th largest).
+//     (the r-th largest of S sampled keys, r a few binomial sigmas above the expected rank of the k-th largest;
+//     the sample is S / SCHUNK evenly spread runs of SCHUNK cells, one 32-byte sector each, so it reads 1/8 of
+//     the sectors a sample of single cells would).
 //     One pass over the window (each CTA its contiguous share, 16-byte loads, 16 cells per thread in flight)
 //     stages cells with key > T in the CTA's own candidate buffer (cap slots) and the positions of cells with
 //     key == T in its tie buffer (k slots); slots come from a warp scan of per-thread counts and one shared
@@ -51,11 +53,10 @@ typedef unsigned short elem_t;  // bfloat16 bits
 typedef float elem_t;
 #endif
 #define VEC (16 / (int)sizeof(elem_t))  // cells per 16-byte load
-#define KPT 16                          // cells per thread in flight in the filter pass
+#define KPT 16  // cells per thread in flight in the filter pass
+#define SU 4  // 16-byte loads per thread in flight while a small row is loaded
+#define SCHUNK (32 / (int)sizeof(elem_t))  // sample cells per run (one 32-byte sector)
 
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 131072  // of its share a CTA asks L2 for before sampling
-#endif
 #define NB 2048  // histogram bins (11-bit digits)
 #define NW (NT / 32)
 #define FULL 0xffffffffu
@@ -82,13 +83,14 @@ __device__ __forceinline__ u32 fkey(float x) {
 }
 
 // The float32 value of one cell (a bfloat16 widens exactly: its bits are the float's upper half).
-__device__ __forceinline__ float ld_cell(const elem_t* p) {
+__device__ __forceinline__ float widen(elem_t x) {
 #if BF16
-    return __uint_as_float((u32)__ldg(p) << 16);
+    return __uint_as_float((u32)x << 16);
 #else
-    return __ldg(p);
+    return x;
 #endif
 }
+__device__ __forceinline__ float ld_cell(const elem_t* p) { return widen(__ldg(p)); }
 
 // The VEC keys of one 16-byte vector (cells in memory order).
 __device__ __forceinline__ void vec_keys(const uint4& v, u32* key) {
@@ -218,6 +220,7 @@ __device__ void radix_select(Load load, int m, u32 kr, u32* hist, u32* wsum, u32
         prefix |= d << shift;
         mask |= dmask << shift;
         if (cnt == kr) break;  // the whole bin is taken
+        if (BF16 && pass == 1) break;  // 22 bits resolved: bfloat16 keys have nothing below bit 16 (all equal)
     }
     *lo = prefix;
     *hi = prefix | ~mask;
@@ -325,7 +328,7 @@ __device__ __forceinline__ void stage(const u32 (&key)[NC], PosF pos, u32 valid,
 extern "C" __global__ void __launch_bounds__(NT, MINB)
 si_top_k_per_row(const elem_t* __restrict__ logits, long long stride_l, const int* __restrict__ starts,
                  const int* __restrict__ ends, int* __restrict__ out, long long stride_o, int k, int cap,
-                 int samp_words, int small_max, int vec_ok, int stop) {
+                 int samp_words, int small_max, int vec_ok, int stop, int pf_bytes) {
     extern __shared__ __align__(16) u32 sm[];
     u32* ctr = sm + OFF_CTR;
     u32* hist = sm + OFF_HIST;
@@ -353,10 +356,48 @@ si_top_k_per_row(const elem_t* __restrict__ logits, long long stride_l, const in
         if (threadIdx.x < 16) ctr[threadIdx.x] = 0;
         for (int i = threadIdx.x; i < NB; i += NT) hist[i] = 0;
         __syncthreads();
-        for (int i = threadIdx.x; i < n; i += NT) {  // keys to shared memory, with the first radix histogram
-            const u32 key = fkey(ld_cell(base + i));
-            ckey[i] = key;
-            atomicAdd(&hist[key >> 21], 1u);
+        {  // keys to shared memory, with the first radix histogram: 16-byte loads over the VEC-aligned middle
+            // [a0, a1) of the window, SU of them per thread in flight, then the (< 2 VEC) edge cells
+            const long long abs0 = (long long)row * stride_l + start;
+            int a0 = vec_ok ? (int)((VEC - (abs0 & (VEC - 1))) & (VEC - 1)) : n;
+            if (a0 > n) a0 = n;
+            const int a1 = vec_ok ? a0 + ((n - a0) & ~(VEC - 1)) : n;
+            const int nq = (a1 - a0) / VEC;
+            const uint4* qb = reinterpret_cast<const uint4*>(base + a0);
+            for (int qi = 0; qi < nq; qi += NT * SU) {
+                uint4 v[SU];
+#pragma unroll
+                for (int u = 0; u < SU; ++u) {
+                    const int q = qi + u * NT + (int)threadIdx.x;
+                    v[u] = q < nq ? __ldg(qb + q) : make_uint4(0u, 0u, 0u, 0u);
+                }
+#pragma unroll
+                for (int u = 0; u < SU; ++u) {
+                    const int q = qi + u * NT + (int)threadIdx.x;
+                    if (q < nq) {
+                        u32 key[VEC];
+                        vec_keys(v[u], key);
+                        if ((a0 & 3) == 0) {  // 16-byte shared stores (fewer bank conflicts)
+                            uint4* dst = reinterpret_cast<uint4*>(ckey + a0 + VEC * q);
+#pragma unroll
+                            for (int c = 0; c < VEC / 4; ++c)
+                                dst[c] = make_uint4(key[4 * c], key[4 * c + 1], key[4 * c + 2], key[4 * c + 3]);
+                        } else {
+#pragma unroll
+                            for (int c = 0; c < VEC; ++c) ckey[a0 + VEC * q + c] = key[c];
+                        }
+#pragma unroll
+                        for (int c = 0; c < VEC; ++c) atomicAdd(&hist[key[c] >> 21], 1u);
+                    }
+                }
+            }
+            const int ne = a0 + (n - a1);
+            for (int e = threadIdx.x; e < ne; e += NT) {
+                const int i = e < a0 ? e : a1 + (e - a0);
+                const u32 key = fkey(ld_cell(base + i));
+                ckey[i] = key;
+                atomicAdd(&hist[key >> 21], 1u);
+            }
         }
         __syncthreads();
         u32 lo, hi, krem;
@@ -377,18 +418,43 @@ si_top_k_per_row(const elem_t* __restrict__ logits, long long stride_l, const in
     const int q0 = (int)rank * qper;
     const int q1 = q0 + qper < nq ? q0 + qper : nq;
     if (stop == 3) return;
-    {  // start pulling this CTA's share (its first PREFETCH_BYTES) into L2 while the sample is drawn
-        const char* p0 = reinterpret_cast<const char*>(base + a0 + VEC * q0);
-        long long bytes = 16LL * (q1 > q0 ? q1 - q0 : 0);
-        bytes = bytes < PREFETCH_BYTES ? bytes : PREFETCH_BYTES;
-        for (long long off = 128LL * threadIdx.x; off < bytes; off += 128LL * NT)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(p0 + off));
-    }
 
-    // ---- threshold from a strided sample (identical in every CTA of the cluster)
+    // ---- threshold from a sample (identical in every CTA of the cluster): S / SCHUNK runs of SCHUNK consecutive
+    // cells, each run spread evenly and aligned to its 32-byte sector. The sample's loads are issued first, then
+    // this CTA asks L2 for the first pf_bytes of its share (so the sample does not queue behind the prefetch).
     if (threadIdx.x < 16) ctr[threadIdx.x] = 0;
     const int S = n <= 65536 ? (SMAX < 2048 ? SMAX : 2048) : SMAX;
-    for (int j = threadIdx.x; j < S; j += NT) samp[j] = fkey(ld_cell(base + (int)(((long long)j * n) / S)));
+    {
+        constexpr int C = SCHUNK;
+        constexpr int G = 4;  // sample loads per thread in flight
+        const int runs = S / C;
+#pragma unroll 1
+        for (int j0 = 0; j0 < S; j0 += G * NT) {
+            elem_t sv[G];
+#pragma unroll
+            for (int i = 0; i < G; ++i) {
+                const int j = j0 + (int)threadIdx.x + i * NT;
+                if (j < S) {
+                    int p = (int)(((long long)(j / C) * n) / runs);
+                    p = (int)(((abs0 + p) & ~(long long)(C - 1)) - abs0);
+                    p = (p < 0 ? 0 : p) + j % C;
+                    sv[i] = __ldg(base + (p < n ? p : n - 1));
+                }
+            }
+            if (j0 == 0 && pf_bytes > 0) {
+                const char* p0 = reinterpret_cast<const char*>(base + a0 + VEC * q0);
+                long long bytes = 16LL * (q1 > q0 ? q1 - q0 : 0);
+                bytes = bytes < pf_bytes ? bytes : pf_bytes;
+                for (long long off = 128LL * threadIdx.x; off < bytes; off += 128LL * NT)
+                    asm volatile("prefetch.global.L2 [%0];" ::"l"(p0 + off) : "memory");
+            }
+#pragma unroll
+            for (int i = 0; i < G; ++i) {
+                const int j = j0 + (int)threadIdx.x + i * NT;
+                if (j < S) samp[j] = fkey(widen(sv[i]));
+            }
+        }
+    }
     __syncthreads();
     if (stop == 4) return;
     const float kk = (float)k * (float)S / (float)n;
@@ -404,7 +470,6 @@ si_top_k_per_row(const elem_t* __restrict__ logits, long long stride_l, const in
     constexpr u32 VMASK = (1u << VEC) - 1u;
     for (int qi = q0; qi < q1; qi += NT * U) {  // warp-uniform
         uint4 v[U];
-        u32 key[KPT];
         u32 valid = 0;
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -412,6 +477,7 @@ si_top_k_per_row(const elem_t* __restrict__ logits, long long stride_l, const in
             v[u] = q < q1 ? __ldg(qb + q) : make_uint4(0u, 0u, 0u, 0u);
             valid |= (q < q1 ? VMASK : 0u) << (VEC * u);
         }
+        u32 key[KPT];
 #pragma unroll
         for (int u = 0; u < U; ++u) vec_keys(v[u], key + VEC * u);
         const int p0 = a0 + VEC * (qi + (int)threadIdx.x);  // cell VEC u + c sits at p0 + VEC NT u + c
@@ -432,6 +498,7 @@ si_top_k_per_row(const elem_t* __restrict__ logits, long long stride_l, const in
         }
     }
     __syncthreads();
+    if (stop == 5) return;
     u32 gt = ctr[C_GT], eq = ctr[C_EQ];
 #if CS > 1
     cluster_sync();  // A: every CTA's staged counts are final
