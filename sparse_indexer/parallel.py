@@ -217,10 +217,11 @@ class _Views:
     ``cand`` ``[2, rows, topk]`` (values as float32 bits, global positions: the all-gather's input), ``gath``
     ``[W, 2, rows, topk]`` (its output), ``mval`` ``[rows, W * topk]`` (the merge's values, row-major), ``mpos``
     ``[rows, W * topk]`` and ``bounds`` ``[2, rows]`` (the merge's window starts and ends). Regions are reused
-    once free (no allocation in the merge): after the all-gather ``cand[0]`` holds the merge's selected columns
-    and ``cand[1]`` (torch path) an ``arange``; before it (torch path) ``mval`` holds int64 indices, ``mpos`` a
-    bool mask and ``bounds`` the int64 window starts; after the top-k ``mval`` holds int64 indices again.
-    Offsets are even (int64 views stay 8-byte aligned)."""
+    once free (no allocation in the merge): after the all-gather ``cand[0]`` holds the merge's selected columns.
+    The torch path also keeps, before the all-gather, int64 gather indices in ``mval``, the padding mask in
+    ``mpos`` and int64 window starts in ``bounds``; after the top-k, int64 indices and then the short rows' fill
+    in ``mval``, the gathered positions row-major in ``mpos``, an ``arange`` in ``cand[1]``, masks in ``gath`` and
+    the global window lengths in ``bounds``. Offsets are even (int64 views stay 8-byte aligned)."""
 
     __slots__ = ("rows", "topk", "world", "flat", "cand", "gath", "mval", "mpos", "bounds", "o_mval", "o_mpos")
 
