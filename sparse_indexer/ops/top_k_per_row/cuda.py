@@ -101,13 +101,20 @@ def _cache_dir() -> pathlib.Path:
     return pathlib.Path(base) / "sparse_indexer" / "nvrtc"
 
 
+def min_blocks(nt: int) -> int:
+    """CTAs per SM the kernel's registers are sized for (``__launch_bounds__``): 2048 threads' worth, except 5 of
+    256 threads (48 registers: a small-row launch's shared memory fits 5 CTAs per SM; 165 -> 155 us on 8K x 8K
+    causal windows on the H200, docs/benchmarks.md)."""
+    return 5 if nt == 256 else max(1, 1024 // nt)
+
+
 def _compile(arch: str, nt: int, cs: int, bf16: bool = False, defines: tuple = (), *, cached: bool = True) -> bytes:
     """The cubin of the kernel for ``arch`` (``sm_90a``...) reading float32 (or, ``bf16``, bfloat16) logits, from
     the disk cache (unless ``cached=False``) or NVRTC. ``defines``: extra ``-D`` options (measurements only)."""
     from cuda.bindings import nvrtc
 
     src = SOURCE.read_bytes()
-    minb = [] if any(d.startswith("MINB=") for d in defines) else [f"-DMINB={max(1, 1024 // nt)}"]
+    minb = [] if any(d.startswith("MINB=") for d in defines) else [f"-DMINB={min_blocks(nt)}"]
     opts = [f"--gpu-architecture={arch}", "-std=c++17", f"-DNT={nt}", f"-DCS={cs}", f"-DSMAX={SMAX}", *minb,
             f"-DBF16={int(bool(bf16))}", "-lineinfo"] + [f"-D{d}" for d in defines]
     ver = _check(nvrtc.nvrtcVersion(), "nvrtcVersion")

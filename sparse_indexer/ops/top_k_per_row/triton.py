@@ -437,15 +437,20 @@ _ROW = Launcher(_top_k_per_row_kernel)
 _SAMPLE = Launcher(_split_sample_kernel)
 _COLLECT = Launcher(_split_collect_kernel)
 _FINISH = Launcher(_split_finish_kernel)
-_CONFIGS: dict = {}  # (launcher, constexprs and options as a sorted tuple) -> LaunchConfig
 
 
-def _cfg(launcher: Launcher, **kwargs):
-    key = (launcher, tuple(sorted(kwargs.items())))
-    cfg = _CONFIGS.get(key)
-    if cfg is None:
-        cfg = _CONFIGS[key] = launcher.config(**kwargs)
-    return cfg
+@functools.lru_cache(maxsize=64)
+def _row_cfg(block, num_warps, sample, qbits, spread, win):
+    return _ROW.config(BLOCK=block, M=NUM_THR, SAMPLE=sample, QBITS=qbits, SPREAD=spread, WIN=win,
+                       num_warps=num_warps)
+
+
+@functools.lru_cache(maxsize=64)
+def _split_cfgs(block, num_warps, sample, spread, sample_warps, finish_warps):
+    return (_SAMPLE.config(BLOCK=BLOCK, SAMPLE=sample, QBITS=QBITS, SPREAD=spread, num_warps=sample_warps),
+            _COLLECT.config(BLOCK=block, CTR=CTR, num_warps=num_warps),
+            _FINISH.config(CTR=CTR, CBLOCK=CBLOCK, BLOCK=BLOCK, M=NUM_THR, SAMPLE=SAMPLE, QBITS=QBITS, SPREAD=SPREAD,
+                           WIN=WIN, num_warps=finish_warps))
 
 
 def _launch(logits, row_starts, row_ends, out, *, block=BLOCK, num_warps=NUM_WARPS, sample=SAMPLE, qbits=QBITS,
@@ -455,8 +460,8 @@ def _launch(logits, row_starts, row_ends, out, *, block=BLOCK, num_warps=NUM_WAR
         return
     if block >= 1 << 16:
         raise NotImplementedError(f"{block=} must be < 2**16 (packed counters)")
-    cfg = _cfg(_ROW, BLOCK=block, M=NUM_THR, SAMPLE=sample, QBITS=qbits, SPREAD=spread, WIN=win, num_warps=num_warps)
-    _ROW.launch_with((r,), cfg, (out, logits, row_starts, row_ends, logits.stride(0), out.stride(0), out.shape[1]), 4)
+    _ROW.launch_with((r,), _row_cfg(block, num_warps, sample, qbits, spread, win),
+                     (out, logits, row_starts, row_ends, logits.stride(0), out.stride(0), out.shape[1]), 4)
 
 
 @functools.cache
@@ -482,12 +487,10 @@ def _launch_split(logits, row_starts, row_ends, out, workspace, *, block=SPLIT_B
     splits = max(1, triton.cdiv(w, chunk))
     args = (out, logits, row_starts, row_ends, workspace, logits.stride(0), out.stride(0), workspace.stride(0),
             out.shape[1])
-    _SAMPLE.launch_with((r,), _cfg(_SAMPLE, BLOCK=BLOCK, SAMPLE=sample, QBITS=QBITS, SPREAD=spread,
-                                   num_warps=sample_warps), args, 5)
-    _COLLECT.launch_with((r, splits), _cfg(_COLLECT, BLOCK=block, CTR=CTR, num_warps=num_warps),
-                         args + (cap, chunk), 5)
-    _FINISH.launch_with((r,), _cfg(_FINISH, CTR=CTR, CBLOCK=CBLOCK, BLOCK=BLOCK, M=NUM_THR, SAMPLE=SAMPLE,
-                                   QBITS=QBITS, SPREAD=SPREAD, WIN=WIN, num_warps=finish_warps), args + (cap,), 5)
+    c_sample, c_collect, c_finish = _split_cfgs(block, num_warps, sample, spread, sample_warps, finish_warps)
+    _SAMPLE.launch_with((r,), c_sample, args, 5)
+    _COLLECT.launch_with((r, splits), c_collect, args + (cap, chunk), 5)
+    _FINISH.launch_with((r,), c_finish, args + (cap,), 5)
 
 
 def use_split(rows: int, device: torch.device) -> bool:
