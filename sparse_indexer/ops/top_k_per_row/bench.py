@@ -31,6 +31,11 @@ def specs(smoke: bool = False) -> list[CaseSpec]:
         dists = TOPK_DISTRIBUTIONS
     out = [CaseSpec("topk", f"topk-{kind}-{k_str(r)}x{k_str(w)}", f"topk {kind} R={r} W={w} topk={k}",
                     dict(kind=kind, R=r, W=w, topk=k)) for kind, r, w, k in shapes]
+    # bfloat16 logits (issue #17): the same values rounded, half the bytes read
+    bf16 = [shapes[0], shapes[-1]] if smoke else [("decode", 64, 65536, 2048), ("decode", 1, 65536, 2048),
+                                                  ("causal", 8192, 8192, 2048)]
+    out += [CaseSpec("topk", f"topk-{kind}-bf16-{k_str(r)}x{k_str(w)}", f"topk {kind} bf16 R={r} W={w} topk={k}",
+                     dict(kind=kind, R=r, W=w, topk=k, dtype="bfloat16")) for kind, r, w, k in bf16]
     r, w, k = dist
     out += [CaseSpec("topk", f"topk-dist-{name}-{k_str(r)}x{k_str(w)}", f"topk {name} R={r} W={w} topk={k}",
                      dict(kind="decode", R=r, W=w, topk=k, dist=name)) for name in dists]
@@ -39,7 +44,8 @@ def specs(smoke: bool = False) -> list[CaseSpec]:
 
 def build(spec: CaseSpec, ctx: Ctx) -> Case:
     p = spec.params
-    return TopKCase(ctx, p["kind"], p["R"], p["W"], p["topk"], p.get("dist", "gaussian"))
+    return TopKCase(ctx, p["kind"], p["R"], p["W"], p["topk"], p.get("dist", "gaussian"),
+                    getattr(torch, p.get("dtype", "float32")))
 
 
 def topk_logits(ctx: Ctx, dist: str, r: int, w: int) -> torch.Tensor:
@@ -59,12 +65,14 @@ def topk_logits(ctx: Ctx, dist: str, r: int, w: int) -> torch.Tensor:
 class TopKCase(Case):
     """kinds: ``decode`` full rows with the planned workspace (as the step), ``decode-nows`` without one,
     ``ragged`` windows ``[0, L_r)`` with ``L_r`` in ``[W/2, W]``, ``prefill`` tail windows ``[0, W - R + j + 1)``,
-    ``causal`` windows ``[0, (j + 1) W / R)``."""
+    ``causal`` windows ``[0, (j + 1) W / R)``. ``dtype``: of the logits (float32, or bfloat16: the same values
+    rounded)."""
 
-    def __init__(self, ctx: Ctx, kind: str, R: int, W: int, topk: int, dist: str = "gaussian"):  # noqa: N803
+    def __init__(self, ctx: Ctx, kind: str, R: int, W: int, topk: int, dist: str = "gaussian",  # noqa: N803
+                 dtype: torch.dtype = torch.float32):
         dev = ctx.device
         self.R, self.W, self.topk, self.kind = R, W, topk, kind
-        self.logits = topk_logits(ctx, dist, R, W)
+        self.logits = topk_logits(ctx, dist, R, W).to(dtype)
         self.starts = torch.zeros(R, dtype=torch.int32, device=dev)
         j = torch.arange(R, device=dev)
         if kind == "prefill":
@@ -76,7 +84,8 @@ class TopKCase(Case):
         else:
             self.ends = torch.full((R,), W, dtype=torch.int32, device=dev)
         self.out = torch.empty(R, topk, dtype=torch.int32, device=dev)
-        self.amount = float(int((self.ends.long() - self.starts.long()).clamp(min=0).sum()) * 4)
+        cells = int((self.ends.long() - self.starts.long()).clamp(min=0).sum())
+        self.amount = float(cells * self.logits.element_size())
         self.workspace = None
         if kind in ("decode", "ragged"):  # as the decode step: with the planned top-k scratch
             lim = IndexerLimits(max_model_len=W, max_num_batched_tokens=R, max_num_seqs=R, topk=topk)
@@ -87,7 +96,7 @@ class TopKCase(Case):
 
     def anchors(self, mod) -> list[tuple[str, Callable[[], object]]]:
         """vLLM's kernels that apply to this case (``mod``: the loaded ``vllm_topk`` anchor module)."""
-        if self.topk != getattr(mod, "K", 2048):
+        if self.topk != getattr(mod, "K", 2048) or self.logits.dtype != torch.float32:
             return []
         lg, s, e, o = self.logits, self.starts, self.ends, self.out
         if self.kind in ("prefill", "causal"):
