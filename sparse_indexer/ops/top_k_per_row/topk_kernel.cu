@@ -7,12 +7,13 @@
 // Keys: an order-preserving uint32 of the float32 value; -inf and NaN map to 0 (below every finite value), -0.0 to
 // the key of +0.0. A row of len n (window [start, start + n)):
 //   * n <= k: out = 0, 1, ..., n - 1, -1, ... (the logits are not read).
-//   * n <= small_max (<= cap, a launch argument): the leader loads the window's keys into shared memory and
-//     radix-selects among them.
+//   * n <= small_max (<= cap, a launch argument): the leader loads the window's keys into shared memory (16-byte
+//     loads, SU per thread in flight, the first radix histogram fused) and radix-selects among them.
 //   * otherwise: every CTA of the cluster computes the same threshold key T from a strided sample of the window
 //     (the r-th largest of S sampled keys, r a few binomial sigmas above the expected rank of the k-th largest;
 //     the sample is S / SCHUNK evenly spread runs of SCHUNK cells, one 32-byte sector each, so it reads 1/8 of
-//     the sectors a sample of single cells would).
+//     the sectors a sample of single cells would). Each thread issues its sample loads first, then asks L2 for
+//     the first pf_bytes (a launch argument) of its CTA's share, so the sample does not queue behind the prefetch.
 //     One pass over the window (each CTA its contiguous share, 16-byte loads, 16 cells per thread in flight)
 //     stages cells with key > T in the CTA's own candidate buffer (cap slots) and the positions of cells with
 //     key == T in its tie buffer (k slots); slots come from a warp scan of per-thread counts and one shared
@@ -22,7 +23,8 @@
 //       - gt < k <= gt + count(key == T): all candidates plus the first k - gt ties;
 //       - otherwise (the sample missed, or the candidates overflowed): radix select over the whole window in
 //         global memory (slow but exact; no listed value distribution takes it).
-// A radix select stops early once the selected digit's bin holds exactly the cells still needed.
+// A radix select stops early once the selected digit's bin holds exactly the cells still needed (and, for
+// bfloat16, after the second digit: 22 bits cover its 16).
 // Output positions are relative to the window start, in no particular order.
 //
 // Compile-time parameters (-D): NT threads per CTA (a multiple of 32, 256..1024), CS CTAs per row (a cluster when
