@@ -8,13 +8,16 @@ that the whole step fits the buffers before it writes anything (the cache includ
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 import torch
 
 from buffers import Buffers, BufferTooSmall
 
 from . import _checks as C
+from . import library
 from .fp8 import SCALE_FMTS
-from .kcache import cache_layout
+from .kcache import as_3d, cache_layout
 from .metadata import IndexerMetadata
 from .ops.fp8_mqa_logits import fp8_mqa_logits
 from .ops.fp8_paged_mqa_logits import fp8_paged_mqa_logits
@@ -38,16 +41,23 @@ def _check_pack_fields(buffers: Buffers, q_fp8: torch.Tensor) -> None:
         raise ValueError(f"buffers.qk has {buffers.qk.shape[0]} heads, expected H={h}")
 
 
-def _check_cache_ids(metadata: IndexerMetadata, lay, kv_cache: torch.Tensor) -> None:
+def _check_cache_ids(metadata: IndexerMetadata, lay, kv_cache: torch.Tensor, memo: dict | None = None) -> None:
     """Block ids and slots must lie inside the cache. ``build_metadata(..., num_blocks=)`` checked them on the
     host; then only the cache size is compared. Unchecked metadata is checked here when it lives on the CPU
-    (free); on a GPU that would synchronise, so it is the caller's promise (pass ``num_blocks``)."""
+    (free); on a GPU that would synchronise, so it is the caller's promise (pass ``num_blocks``). With ``memo``
+    (the metadata's step memo) a cache size checked once is not checked again (the metadata does not change)."""
     if metadata.num_blocks is not None:
         if lay.num_blocks < metadata.num_blocks:
             raise ValueError(f"kv_cache has {lay.num_blocks} blocks but the metadata was checked against "
                              f"num_blocks={metadata.num_blocks}")
         return
     if kv_cache.device.type != "cpu" or C.is_traced(metadata.slot_mapping):
+        return
+    if memo is not None:
+        key = ("block ids", lay.num_blocks, lay.block_size)
+        if key not in memo:
+            _check_cache_ids(metadata, lay, kv_cache)
+            memo[key] = True
         return
     bs = lay.block_size
     if metadata.slot_mapping.numel():
@@ -100,7 +110,104 @@ def check_step(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tenso
     ``topk_out [T_max, topk]`` int32, with ``T >= metadata.num_tokens`` and ``T_max >= T``. An explicitly named
     ``backend`` that cannot run one of the step's ops on this device raises
     :class:`~sparse_indexer.BackendUnavailable` here, before the step writes anything.
+
+    What depends only on ``metadata`` and ``buffers`` (the buffer views of every chunk and sub-batch, the
+    backend, the scratch fields, the disjointness of the buffer fields and the metadata tensors) is proven once
+    per ``(metadata, buffers, backend)`` and remembered in the metadata record (:class:`_StepPlan`); later
+    layers check their own tensors (dtypes, shapes, devices, the cache layout) and that those are disjoint from
+    the remembered ones and from each other. Every check still runs before anything is written.
     """
+    _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, prefill, decode, backend)
+
+
+class _Spans:
+    """Byte ranges ``[lo, hi)`` of some tensors sorted by start, with the running maximum of their ends, so
+    whether any of them overlaps a range is one bisection."""
+
+    __slots__ = ("starts", "max_end")
+
+    def __init__(self, tensors):
+        spans = sorted(C._span(t) for t in tensors)
+        spans = [sp for sp in spans if sp[0] != sp[1]]
+        self.starts = [lo for lo, _ in spans]
+        self.max_end, m = [], 0
+        for _, hi in spans:
+            m = max(m, hi)
+            self.max_end.append(m)
+
+    def hits(self, lo: int, hi: int) -> bool:
+        i = bisect_left(self.starts, hi)
+        return i > 0 and self.max_end[i - 1] > lo
+
+
+class _StepPlan:
+    """What one ``(metadata, buffers, backend, prefill, decode, k given)`` step proved once (kept in
+    ``metadata._step_memo``; every layer of a step shares the metadata): the byte ranges of the buffer fields
+    (written) and of the metadata tensors (read), and the buffer views of every prefill chunk
+    ``(chunk, k_fp8, k_scale, logits)`` and decode sub-batch
+    ``(b0, b1, r0, r1, logits, qk, workspace, row_starts, row_ends, context_lens, block_table)``."""
+
+    __slots__ = ("buffers", "outs", "ins", "chunks", "subs")
+
+    def __init__(self, metadata: IndexerMetadata, buffers: Buffers, prefill: bool, decode: bool):
+        self.buffers = buffers
+        self.outs = _Spans(buffers.tensors().values())
+        self.ins = _Spans(metadata.tensors().values())
+        self.chunks = ()
+        if prefill:
+            self.chunks = tuple((c, *buffers.k_view(c.num_k_tokens), buffers.logits_view(c.num_tokens, c.num_k_tokens))
+                                for c in metadata.prefill_chunks)
+        self.subs = ()
+        dm = metadata.decode
+        if decode and dm is not None:
+            per, subs = decode_batch(metadata), []
+            for b0 in range(0, dm.num_reqs, per):
+                b1 = min(dm.num_reqs, b0 + per)
+                r0, r1 = b0 * dm.next_n, b1 * dm.next_n
+                subs.append((b0, b1, r0, r1, buffers.logits_view(r1 - r0, dm.width),
+                             buffers.qk_view(r1 - r0, dm.width) if buffers.qk is not None else None,
+                             buffers.topk_scratch_view(r1 - r0) if buffers.topk_scratch is not None else None,
+                             _rows(dm.row_starts, r0, r1), _rows(dm.row_ends, r0, r1),
+                             _rows(dm.context_lens, b0, b1), _rows(dm.block_table, b0, b1)))
+            self.subs = tuple(subs)
+
+    def layer_disjoint(self, outputs: tuple, inputs: tuple) -> bool:
+        """Whether the layer's ``outputs`` are disjoint from everything (the buffer fields, the metadata tensors,
+        each other, ``inputs``) and its ``inputs`` from the buffer fields. ``False`` means "maybe not": the
+        caller then runs the full sweep (:func:`_checks.disjoint`), which raises with the names."""
+        outs, ins = self.outs, self.ins
+        spans = []
+        for t in outputs:
+            lo, hi = C._span(t)
+            if lo != hi:
+                if outs.hits(lo, hi) or ins.hits(lo, hi):
+                    return False
+                spans.append((lo, hi))
+        layer_outs = len(spans)
+        for t in inputs:
+            if t is not None:
+                lo, hi = C._span(t)
+                if lo != hi:
+                    if outs.hits(lo, hi):
+                        return False
+                    spans.append((lo, hi))
+        for i in range(layer_outs):
+            lo, hi = spans[i]
+            for j in range(i + 1, len(spans)):
+                if spans[j][0] < hi and lo < spans[j][1]:
+                    return False
+        return True
+
+
+def _plain(tensors) -> bool:
+    """Every tensor is exactly a ``torch.Tensor`` that autograd would not record and not on the meta device
+    (what :func:`library.runs_directly` asks of a call's tensors)."""
+    return all(type(t) is torch.Tensor and not t.requires_grad and not t.is_meta for t in tensors)
+
+
+def _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, prefill: bool, decode: bool, backend):
+    """:func:`check_step`; returns the cache's 3-D view and, when the step may run its ops directly (plain
+    eager mode, plain tensors: :func:`library.runs_directly`), the step's :class:`_StepPlan` (else ``None``)."""
     if not isinstance(metadata, IndexerMetadata):
         raise TypeError(f"metadata must be an IndexerMetadata, got {type(metadata).__name__}")
     if not isinstance(buffers, Buffers):
@@ -131,19 +238,30 @@ def check_step(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tenso
         raise ValueError(f"topk_out has {topk_out.shape[0]} rows, fewer than the {t} rows of q_fp8")
     if topk_out.shape[1] != lim.topk:
         raise ValueError(f"topk_out has {topk_out.shape[1]} columns but the limits say topk={lim.topk}")
-    lay = cache_layout(kv_cache)
+    kv3 = as_3d(kv_cache)
+    lay = cache_layout(kv3)
     C.tensor("kv_cache", kv_cache, device=dev)
     if lay.head_dim != d or lay.block_size != lim.block_size:
         raise ValueError(f"kv_cache has D={lay.head_dim}, block_size={lay.block_size}; expected D={d}, "
                          f"block_size={lim.block_size}")
     if buffers.head_dim != d:
         raise ValueError(f"buffers.k_fp8 has D={buffers.head_dim} but q_fp8 has D={d}")
+    # Plain eager with plain tensors: what only depends on (metadata, buffers) is proven once per step (the
+    # metadata record keeps it) and the ops run directly. Anything else (compile, modes, subclasses, autograd):
+    # every check below, every layer, and the ops through their public functions.
+    direct = (backend is None or type(backend) is str) and library.runs_directly(dev, (q_fp8, weights, k, kv_cache,
+                                                                                         topk_out))
+    memo = metadata._step_memo if direct else None
+    key = (id(buffers), backend, prefill, decode, k is None)
+    plan = memo.get(key) if memo is not None else None
+    if plan is not None and plan.buffers is buffers:
+        if not plan.layer_disjoint((topk_out, kv_cache), (q_fp8, weights, k)):
+            _disjoint(buffers, metadata, q_fp8, weights, k, topk_out, kv_cache)  # raises, naming the tensors
+        _check_cache_ids(metadata, lay, kv_cache, memo)
+        return kv3, plan
     _check_pack_fields(buffers, q_fp8)
-    # what the step writes (topk_out, the cache, every buffer field) against everything it reads, one sweep
-    outputs = {f"buffers.{name}": x for name, x in buffers.tensors().items()}
-    outputs["topk_out"], outputs["kv_cache"] = topk_out, kv_cache
-    C.disjoint(outputs, {"q_fp8": q_fp8, "weights": weights, "k": k, **metadata.tensors()})
-    _check_cache_ids(metadata, lay, kv_cache)
+    _disjoint(buffers, metadata, q_fp8, weights, k, topk_out, kv_cache)
+    _check_cache_ids(metadata, lay, kv_cache, memo)
     # (resolving a backend imports modules, which Dynamo cannot trace; a compiled step raises from the op)
     if backend is not None and backend != "auto" and not torch.compiler.is_compiling():
         ops = (("write_k_cache",) if k is not None else ())
@@ -171,6 +289,17 @@ def check_step(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tenso
             buffers.pack_views(dm.num_rows)
             if buffers.topk_pack.shape[1] != topk_out.shape[1]:
                 raise BufferTooSmall("topk_pack", topk_out.shape[1], buffers.topk_pack.shape[1], "topk columns")
+    if memo is None or not _plain((*buffers.tensors().values(), *metadata.tensors().values())):
+        return kv3, None
+    plan = memo[key] = _StepPlan(metadata, buffers, prefill, decode)
+    return kv3, plan
+
+
+def _disjoint(buffers, metadata, q_fp8, weights, k, topk_out, kv_cache) -> None:
+    """What the step writes (``topk_out``, the cache, every buffer field) against everything it reads, one sweep."""
+    outputs = {f"buffers.{name}": x for name, x in buffers.tensors().items()}
+    outputs["topk_out"], outputs["kv_cache"] = topk_out, kv_cache
+    C.disjoint(outputs, {"q_fp8": q_fp8, "weights": weights, "k": k, **metadata.tensors()})
 
 
 def indexer_prefill(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor,
@@ -183,7 +312,10 @@ def indexer_prefill(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.
     request-local top-k positions into ``topk_out[token_start:token_end]``.
     """
     if not _checked:
-        check_step(q_fp8, weights, kv_cache, metadata, buffers, topk_out, decode=False, backend=backend)
+        kv3, plan = _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, None, True, False, backend)
+        if plan is not None:
+            _prefill_direct(plan, q_fp8, weights, kv3, topk_out, backend)
+            return topk_out
     for c in metadata.prefill_chunks:
         rows, logits = _chunk_logits(q_fp8, weights, kv_cache, c, buffers, backend)
         top_k_per_row(logits, c.cu_seqlen_ks, c.cu_seqlen_ke, out=topk_out[rows], backend=backend,
@@ -221,7 +353,10 @@ def indexer_decode(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.T
     several programs with it).
     """
     if not _checked:
-        check_step(q_fp8, weights, kv_cache, metadata, buffers, topk_out, prefill=False, backend=backend)
+        kv3, plan = _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, None, False, True, backend)
+        if plan is not None:
+            _decode_direct(plan, q_fp8, weights, kv3, metadata, topk_out, backend)
+            return topk_out
     dm = metadata.decode
     if dm is None:
         return topk_out
@@ -250,7 +385,7 @@ def _decode_inputs(q_fp8: torch.Tensor, weights: torch.Tensor, dm, nd: int, buff
     into their slots (the caller unpacks the top-k rows with ``dm.unpack_src``)."""
     b, nn, h, d = dm.num_reqs, dm.next_n, q_fp8.shape[1], q_fp8.shape[2]
     if dm.uniform:
-        return q_fp8[:nd].view(b, nn, h, d), weights[:nd], topk_out[:nd]
+        return _rows(q_fp8, 0, nd).view(b, nn, h, d), _rows(weights, 0, nd), _rows(topk_out, 0, nd)
     q_pack, w_pack, sel = buffers.pack_views(dm.num_rows)
     torch.index_select(q_fp8.view(torch.uint8), 0, dm.pack_src, out=q_pack.view(torch.uint8))
     torch.index_select(weights, 0, dm.pack_src, out=w_pack)
@@ -293,9 +428,20 @@ def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor | None, weights: to
     Raises:
         BufferTooSmall, ValueError, TypeError: before anything is written.
     """
-    check_step(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, backend=backend)
+    kv3, plan = _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, True, True, backend)
     if k is not None and scale_fmt not in SCALE_FMTS:
         raise ValueError(f"scale_fmt must be one of {SCALE_FMTS}, got {scale_fmt!r}")
+    if plan is not None:  # plain eager: the ops' implementations directly, on the plan's views (issue #11)
+        dev = q_fp8.device
+        if k is not None:
+            library.call_direct("write_k_cache", backend, dev, (k, kv3, metadata.slot_mapping),
+                                {"scale_fmt": scale_fmt, "fp8_dtype": q_fp8.dtype})
+        n, t = metadata.num_tokens, q_fp8.shape[0]
+        if t > n:
+            topk_out[n:t].fill_(-1)
+        _prefill_direct(plan, q_fp8, weights, kv3, topk_out, backend)
+        _decode_direct(plan, q_fp8, weights, kv3, metadata, topk_out, backend)
+        return topk_out
     # Every op below runs with _checked=True: check_step proved its arguments (the layer's tensors, the buffer
     # views) and the metadata's records checked theirs when they were built, once per step (host time, #11).
     if k is not None:
@@ -311,3 +457,38 @@ def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor | None, weights: to
     indexer_prefill(q_fp8, weights, kv_cache, metadata, buffers, topk_out, backend=backend, _checked=True)
     indexer_decode(q_fp8, weights, kv_cache, metadata, buffers, topk_out, backend=backend, _checked=True)
     return topk_out
+
+
+def _prefill_direct(plan: _StepPlan, q_fp8: torch.Tensor, weights: torch.Tensor, kv3: torch.Tensor,
+                    topk_out: torch.Tensor, backend: str | None) -> None:
+    """:func:`indexer_prefill`'s chunks on the plan's views, every op's implementation called directly
+    (:func:`library.call_direct`; :func:`_check` established that it may)."""
+    run, dev = library.call_direct, q_fp8.device
+    for c, k_fp8, k_scale, logits in plan.chunks:
+        if c.gather:
+            run("gather_k_cache", backend, dev, (kv3, c.block_table, c.cu_seq_lens),
+                {"out_k": k_fp8, "out_scale": k_scale})
+        t0, t1 = c.token_start, c.token_end
+        run("fp8_mqa_logits", backend, dev,
+            (_rows(q_fp8, t0, t1), k_fp8, k_scale, _rows(weights, t0, t1), c.cu_seqlen_ks, c.cu_seqlen_ke),
+            {"out": logits, "clean": False})
+        run("top_k_per_row", backend, dev, (logits, c.cu_seqlen_ks, c.cu_seqlen_ke), {"out": _rows(topk_out, t0, t1)})
+
+
+def _decode_direct(plan: _StepPlan, q_fp8: torch.Tensor, weights: torch.Tensor, kv3: torch.Tensor,
+                   metadata: IndexerMetadata, topk_out: torch.Tensor, backend: str | None) -> None:
+    """:func:`indexer_decode` on the plan's views (sub-batches included), every op's implementation called
+    directly (see :func:`_prefill_direct`)."""
+    if not plan.subs:
+        return
+    dm = metadata.decode
+    nd = metadata.num_decode_tokens
+    run, dev = library.call_direct, q_fp8.device
+    q, w, sel = _decode_inputs(q_fp8, weights, dm, nd, plan.buffers, topk_out)
+    for b0, b1, r0, r1, logits, qk, ws, row_starts, row_ends, ctx, bt in plan.subs:
+        kw = {"out": logits, "clean": False} if qk is None else {"out": logits, "clean": False, "qk": qk}
+        run("fp8_paged_mqa_logits", backend, dev, (_rows(q, b0, b1), kv3, _rows(w, r0, r1), ctx, bt), kw)
+        kw = {"out": _rows(sel, r0, r1)} if ws is None else {"out": _rows(sel, r0, r1), "workspace": ws}
+        run("top_k_per_row", backend, dev, (logits, row_starts, row_ends), kw)
+    if not dm.uniform:
+        torch.index_select(sel, 0, dm.unpack_src, out=_rows(topk_out, 0, nd))

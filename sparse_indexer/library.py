@@ -58,7 +58,7 @@ import torch
 
 from . import _dispatch
 
-__all__ = ["NAMESPACE", "OPS", "call", "functorch_active", "op", "runs_directly"]
+__all__ = ["NAMESPACE", "OPS", "call", "call_direct", "functorch_active", "op", "runs_directly"]
 
 NAMESPACE = "sparse_indexer"
 OPS = _dispatch.OPS
@@ -212,6 +212,16 @@ def _direct(name: str, backend: str | None, device: torch.device, args, kwargs) 
         if name == "write_k_cache":
             written.append(args[1])
         _increment_version(written)
+
+
+def call_direct(name: str, backend: str | None, device: torch.device, args: tuple, kwargs: dict) -> None:
+    """The direct route of :func:`call`, for a caller that has established :func:`runs_directly` for every tensor
+    of the call (:func:`sparse_indexer.sparse_attn_indexer` does it once per layer for all its ops)."""
+    if _profiling():
+        with torch.autograd.profiler.record_function(_RECORD_NAMES[name]):
+            _direct(name, backend, device, args, kwargs)
+        return
+    _direct(name, backend, device, args, kwargs)
 
 
 def call(name: str, backend: str | None, device: torch.device, *args, **kwargs) -> None:
