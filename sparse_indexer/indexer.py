@@ -147,7 +147,7 @@ class _StepPlan:
     ``(chunk, k_fp8, k_scale, logits)`` and decode sub-batch
     ``(b0, b1, r0, r1, logits, qk, workspace, row_starts, row_ends, context_lens, block_table)``."""
 
-    __slots__ = ("buffers", "outs", "ins", "chunks", "subs")
+    __slots__ = ("buffers", "outs", "ins", "chunks", "subs", "written")
 
     def __init__(self, metadata: IndexerMetadata, buffers: Buffers, prefill: bool, decode: bool):
         self.buffers = buffers
@@ -170,6 +170,13 @@ class _StepPlan:
                              _rows(dm.row_starts, r0, r1), _rows(dm.row_ends, r0, r1),
                              _rows(dm.context_lens, b0, b1), _rows(dm.block_table, b0, b1)))
             self.subs = tuple(subs)
+        # the buffer views the step writes, for one version-counter bump per step (library.bump_versions)
+        written = [v for c in self.chunks for v in c[1:]]
+        for sub in self.subs:
+            written += [v for v in sub[4:7] if v is not None]
+        if self.subs and not dm.uniform:
+            written += buffers.pack_views(dm.num_rows)
+        self.written = tuple(written)
 
     def layer_disjoint(self, outputs: tuple, inputs: tuple) -> bool:
         """Whether the layer's ``outputs`` are disjoint from everything (the buffer fields, the metadata tensors,
@@ -314,7 +321,10 @@ def indexer_prefill(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.
     if not _checked:
         kv3, plan = _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, None, True, False, backend)
         if plan is not None:
-            _prefill_direct(plan, q_fp8, weights, kv3, topk_out, backend)
+            try:
+                _prefill_direct(plan, q_fp8, weights, kv3, topk_out, backend)
+            finally:
+                library.bump_versions((topk_out, *plan.written))
             return topk_out
     for c in metadata.prefill_chunks:
         rows, logits = _chunk_logits(q_fp8, weights, kv_cache, c, buffers, backend)
@@ -355,7 +365,10 @@ def indexer_decode(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.T
     if not _checked:
         kv3, plan = _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, None, False, True, backend)
         if plan is not None:
-            _decode_direct(plan, q_fp8, weights, kv3, metadata, topk_out, backend)
+            try:
+                _decode_direct(plan, q_fp8, weights, kv3, metadata, topk_out, backend)
+            finally:
+                library.bump_versions((topk_out, *plan.written))
             return topk_out
     dm = metadata.decode
     if dm is None:
@@ -434,13 +447,16 @@ def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor | None, weights: to
     if plan is not None:  # plain eager: the ops' implementations directly, on the plan's views (issue #11)
         dev = q_fp8.device
         if k is not None:
-            library.call_direct("write_k_cache", backend, dev, (k, kv3, metadata.slot_mapping),
-                                {"scale_fmt": scale_fmt, "fp8_dtype": q_fp8.dtype})
-        n, t = metadata.num_tokens, q_fp8.shape[0]
-        if t > n:
-            topk_out[n:t].fill_(-1)
-        _prefill_direct(plan, q_fp8, weights, kv3, topk_out, backend)
-        _decode_direct(plan, q_fp8, weights, kv3, metadata, topk_out, backend)
+            _run("write_k_cache", backend, dev, (k, kv3, metadata.slot_mapping),
+                 {"scale_fmt": scale_fmt, "fp8_dtype": q_fp8.dtype})
+        try:
+            n, t = metadata.num_tokens, q_fp8.shape[0]
+            if t > n:
+                topk_out[n:t].fill_(-1)
+            _prefill_direct(plan, q_fp8, weights, kv3, topk_out, backend)
+            _decode_direct(plan, q_fp8, weights, kv3, metadata, topk_out, backend)
+        finally:  # what the ops wrote, once (as their ADInplaceOrView kernels would, op by op)
+            library.bump_versions((topk_out, *plan.written) if k is None else (topk_out, kv_cache, *plan.written))
         return topk_out
     # Every op below runs with _checked=True: check_step proved its arguments (the layer's tensors, the buffer
     # views) and the metadata's records checked theirs when they were built, once per step (host time, #11).
@@ -459,11 +475,20 @@ def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor | None, weights: to
     return topk_out
 
 
+def _run(name: str, backend: str | None, device: torch.device, args: tuple, kwargs: dict) -> None:
+    """One op of a step that runs its ops directly: the implementation (``_dispatch.call``), named under the
+    profiler; the step bumps the version counters once (:func:`library.bump_versions`)."""
+    library.call_direct(name, backend, device, args, kwargs, versions=False)
+
+
+# NOTE: the op calls below mirror indexer_prefill / indexer_decode (_chunk_logits, _decode_logits) on the plan's
+# views; a change of the ops' arguments goes into both.
 def _prefill_direct(plan: _StepPlan, q_fp8: torch.Tensor, weights: torch.Tensor, kv3: torch.Tensor,
                     topk_out: torch.Tensor, backend: str | None) -> None:
     """:func:`indexer_prefill`'s chunks on the plan's views, every op's implementation called directly
-    (:func:`library.call_direct`; :func:`_check` established that it may)."""
-    run, dev = library.call_direct, q_fp8.device
+    (:func:`library.call_direct`; :func:`_check` established that it may; the caller bumps the version
+    counters: ``plan.written``)."""
+    run, dev = _run, q_fp8.device
     for c, k_fp8, k_scale, logits in plan.chunks:
         if c.gather:
             run("gather_k_cache", backend, dev, (kv3, c.block_table, c.cu_seq_lens),
@@ -483,7 +508,7 @@ def _decode_direct(plan: _StepPlan, q_fp8: torch.Tensor, weights: torch.Tensor, 
         return
     dm = metadata.decode
     nd = metadata.num_decode_tokens
-    run, dev = library.call_direct, q_fp8.device
+    run, dev = _run, q_fp8.device
     q, w, sel = _decode_inputs(q_fp8, weights, dm, nd, plan.buffers, topk_out)
     for b0, b1, r0, r1, logits, qk, ws, row_starts, row_ends, ctx, bt in plan.subs:
         kw = {"out": logits, "clean": False} if qk is None else {"out": logits, "clean": False, "qk": qk}

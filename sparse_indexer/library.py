@@ -214,14 +214,34 @@ def _direct(name: str, backend: str | None, device: torch.device, args, kwargs) 
         _increment_version(written)
 
 
-def call_direct(name: str, backend: str | None, device: torch.device, args: tuple, kwargs: dict) -> None:
+def call_direct(name: str, backend: str | None, device: torch.device, args: tuple, kwargs: dict, *,
+                versions: bool = True) -> None:
     """The direct route of :func:`call`, for a caller that has established :func:`runs_directly` for every tensor
-    of the call (:func:`sparse_indexer.sparse_attn_indexer` does it once per layer for all its ops)."""
+    of the call (:func:`sparse_indexer.sparse_attn_indexer` does it once per layer for all its ops).
+    ``versions=False`` leaves the version counters of the written tensors to the caller
+    (:func:`bump_versions` once for all its ops)."""
+    if versions:
+        if _profiling():
+            with torch.autograd.profiler.record_function(_RECORD_NAMES[name]):
+                _direct(name, backend, device, args, kwargs)
+            return
+        _direct(name, backend, device, args, kwargs)
+        return
     if _profiling():
         with torch.autograd.profiler.record_function(_RECORD_NAMES[name]):
-            _direct(name, backend, device, args, kwargs)
+            _dispatch.call(name, None if backend == "auto" else backend, device, *args, **kwargs)
         return
-    _direct(name, backend, device, args, kwargs)
+    _dispatch.call(name, None if backend == "auto" else backend, device, *args, **kwargs)
+
+
+_bump = torch._C._increment_version
+
+
+def bump_versions(tensors) -> None:
+    """Bump the version counters of ``tensors`` (a list or tuple) as the ops' ADInplaceOrView kernels do for the
+    tensors they write (nothing under inference mode)."""
+    if not _inference_mode():
+        _bump(tensors)
 
 
 def call(name: str, backend: str | None, device: torch.device, *args, **kwargs) -> None:
