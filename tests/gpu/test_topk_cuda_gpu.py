@@ -212,3 +212,48 @@ def test_decode_step_graph_replay_with_new_lengths():
         torch.cuda.synchronize()
         logits = bufs.logits_view(b * nn, md.decode.width)
         _check(logits, md.decode.row_starts, md.decode.row_ends, out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_topk_aligned_base_odd_stride(dtype):
+    """A 16-byte aligned first row with a row stride that is not a multiple of 16 bytes: later rows start
+    unaligned, so the vector loads of each row take scalar edge cells (the per-row alignment arithmetic)."""
+    _cuda()
+    g = torch.Generator(device=DEV).manual_seed(5)
+    rows, width = 64, 65536
+    x = _dist("gaussian", rows, width + 3, g).to(dtype)[:, :width]
+    assert x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 != 0
+    for kind in ("full", "starts", "ragged"):
+        s, e = _windows(kind, rows, width, 2048, g)
+        out = torch.full((rows, 2048), -7, dtype=torch.int32, device=DEV)
+        si.top_k_per_row(x, s, e, out=out, backend="cuda")
+        _check(x, s, e, out)
+
+
+def test_cuda_topk_from_a_fresh_thread():
+    """A thread whose first CUDA call is the top-k has no current driver context: the launch makes the device's
+    primary context current instead of failing with CUDA_ERROR_INVALID_CONTEXT."""
+    import threading
+
+    _cuda()
+    g = torch.Generator(device=DEV).manual_seed(6)
+    x = _dist("gaussian", 4, 65536, g)
+    s, e = _windows("full", 4, 65536, 2048, g)
+    out = torch.full((4, 2048), -7, dtype=torch.int32, device=DEV)
+    si.top_k_per_row(x, s, e, out=out, backend="cuda")  # warm: compiled and planned in this thread
+    torch.cuda.synchronize()
+    out.fill_(-7)
+    errors = []
+
+    def run():
+        try:
+            si.top_k_per_row(x, s, e, out=out, backend="cuda")
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert not errors, errors
+    _check(x, s, e, out)

@@ -264,9 +264,12 @@ class _Params(ctypes.Structure):
 
 
 class _ThreadParams(threading.local):
-    """One argument record per thread (launches from several threads never share one)."""
+    """One argument record per thread (launches from several threads never share one), and whether this thread
+    has a current CUDA context (checked at its first launch: the driver launches into the calling thread's
+    context, and a thread whose first CUDA call is this launch has none)."""
 
     def __init__(self):
+        self.has_ctx = False
         self.p = _Params()
         base = ctypes.addressof(self.p)
         self.ptrs = (ctypes.c_void_p * len(_Params._fields_))(
@@ -277,10 +280,32 @@ _PARAMS = _ThreadParams()
 
 
 @functools.cache
+def _driver_lib():
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _ensure_context(index: int) -> None:
+    """Make device ``index``'s primary context current on this thread if the thread has no current context
+    (what the runtime API does implicitly and a raw driver launch does not). Once per thread."""
+    lib = _driver_lib()
+    ctx = ctypes.c_void_p()
+    rc = lib.cuCtxGetCurrent(ctypes.byref(ctx))
+    if rc == 0 and not ctx.value:
+        dev = ctypes.c_int()
+        rc = lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(index))
+        if rc == 0:
+            rc = lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+        if rc == 0:
+            rc = lib.cuCtxSetCurrent(ctx)
+    if rc:
+        raise _launch_error(rc)
+    _PARAMS.has_ctx = True
+
+
+@functools.cache
 def _driver_launch():
     """``cuLaunchKernelEx`` of the process's CUDA driver through ctypes (the library cuda-bindings loads)."""
-    lib = ctypes.CDLL("libcuda.so.1")
-    fn = lib.cuLaunchKernelEx
+    fn = _driver_lib().cuLaunchKernelEx
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     fn.restype = ctypes.c_int
     return fn
@@ -309,7 +334,9 @@ class _Plan:
         self.handle = int(self.kern)
         self.cfgs: dict = {}  # raw stream -> (CUlaunchConfig, its address)
 
-    def cfg(self, stream: int) -> int:
+    def cfg(self, stream: int) -> tuple:
+        """``(CUlaunchConfig, its address)`` for ``stream``; the caller keeps the tuple referenced through the
+        launch (another thread may drop the table's entries meanwhile)."""
         got = self.cfgs.get(stream)
         if got is None:
             from cuda.bindings import driver
@@ -330,14 +357,17 @@ class _Plan:
             if len(self.cfgs) >= 64:  # streams come and go (e.g. one per capture): keep the table small
                 self.cfgs.clear()
             got = self.cfgs[stream] = (cfg, cfg.getPtr())
-        return got[1]
+        return got
 
     def fire(self, logits, row_starts, row_ends, out, stop: int = 0) -> None:
         """Launch on torch's current stream of the plan's device (the arguments already checked)."""
         stream = torch._C._cuda_getCurrentRawStream(self.index)
         got = self.cfgs.get(stream)
-        cfg = got[1] if got is not None else self.cfg(stream)
+        if got is None:
+            got = self.cfg(stream)
         tp = _PARAMS
+        if not tp.has_ctx:
+            _ensure_context(self.index)
         p = tp.p
         ptr = logits.data_ptr()
         p.logits = ptr
@@ -353,7 +383,7 @@ class _Plan:
         p.vec_ok = not ptr & 15
         p.stop = stop
         p.pf_bytes = self.pf
-        rc = _driver_launch()(cfg, self.handle, tp.ptrs, None)
+        rc = _driver_launch()(got[1], self.handle, tp.ptrs, None)
         if rc:
             raise _launch_error(rc)
 
