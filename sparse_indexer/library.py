@@ -10,10 +10,11 @@ op                         schema (after ``sparse_indexer::``)                  
 ``gather_k_cache``         ``(kv_cache, block_table, cu_seq_lens, out_k!, out_scale!,         ``out_k``,
                            str backend)``                                                      ``out_scale``
 ``fp8_mqa_logits``         ``(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out!,   ``out``
-                           bool clean, str backend)``
+                           bool clean, bool compressed=False, *, str backend)``
 ``fp8_paged_mqa_logits``   ``(q, kv_cache, weights, context_lens, block_table, out!,          ``out``
-                           bool clean, str backend)``; ``fp8_paged_mqa_logits_with_qk`` adds   (and ``qk``)
-                           ``qk!`` (per-head scratch of aiter's stage1 kernel)
+                           bool clean, Tensor? indices=None, *, str backend)``;               (and ``qk``)
+                           ``fp8_paged_mqa_logits_with_qk``: ``indices`` required (may be
+                           ``None``), then ``str backend, qk!`` (aiter stage1's scratch)
 ``top_k_per_row``          ``(logits, row_starts, row_ends, out!, str backend)``;             ``out``
                            ``top_k_per_row_with_workspace`` adds ``workspace!`` (the split-   (and
                            row top-k's global scratch)                                         ``workspace``)
@@ -84,16 +85,19 @@ def _gather_k_cache(kv_cache: Tensor, block_table: Tensor, cu_seq_lens: Tensor, 
 
 @torch.library.custom_op(f"{NAMESPACE}::fp8_mqa_logits", mutates_args=("out",))
 def _fp8_mqa_logits(q: Tensor, k_fp8: Tensor, k_scale: Tensor, weights: Tensor, cu_seqlen_ks: Tensor,
-                    cu_seqlen_ke: Tensor, out: Tensor, clean: bool, backend: str) -> None:
+                    cu_seqlen_ke: Tensor, out: Tensor, clean: bool, compressed: bool = False, *,
+                    backend: str) -> None:
+    extra = {"compressed": True} if compressed else {}  # (only compressed calls pass it: issue #17)
     _run("fp8_mqa_logits", backend, q.device, q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out=out,
-         clean=clean)
+         clean=clean, **extra)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::fp8_paged_mqa_logits", mutates_args=("out",))
 def _fp8_paged_mqa_logits(q: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor, block_table: Tensor,
-                          out: Tensor, clean: bool, backend: str) -> None:
+                          out: Tensor, clean: bool, indices: Optional[Tensor] = None, *, backend: str) -> None:
+    extra = {} if indices is None else {"indices": indices}
     _run("fp8_paged_mqa_logits", backend, q.device, q, kv_cache, weights, context_lens, block_table, out=out,
-         clean=clean)
+         clean=clean, **extra)
 
 
 # The same op with the per-head scratch ``qk`` (aiter's stage1 kernel). A separate op rather than an optional
@@ -101,9 +105,11 @@ def _fp8_paged_mqa_logits(q: Tensor, kv_cache: Tensor, weights: Tensor, context_
 # argument is left out.
 @torch.library.custom_op(f"{NAMESPACE}::fp8_paged_mqa_logits_with_qk", mutates_args=("out", "qk"))
 def _fp8_paged_mqa_logits_with_qk(q: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor,
-                                  block_table: Tensor, out: Tensor, clean: bool, backend: str, qk: Tensor) -> None:
+                                  block_table: Tensor, out: Tensor, clean: bool, indices: Optional[Tensor],
+                                  backend: str, qk: Tensor) -> None:
+    extra = {} if indices is None else {"indices": indices}
     _run("fp8_paged_mqa_logits", backend, q.device, q, kv_cache, weights, context_lens, block_table, out=out,
-         clean=clean, qk=qk)
+         clean=clean, qk=qk, **extra)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::top_k_per_row", mutates_args=("out",))
@@ -265,4 +271,6 @@ def call(name: str, backend: str | None, device: torch.device, *args, **kwargs) 
         return
     scratch = [k for k in _dispatch.OPTIONAL_SCRATCH if kwargs.get(k) is not None]
     target = f"{name}_with_{'_'.join(scratch)}" if scratch else name  # the op variant that mutates the scratch
+    if target == "fp8_paged_mqa_logits_with_qk" and "indices" not in kwargs:
+        kwargs["indices"] = None  # (a required argument there: a mutated qk must follow it, and backend)
     getattr(getattr(torch.ops, NAMESPACE), target)(*args, **kwargs, backend="auto" if backend is None else backend)

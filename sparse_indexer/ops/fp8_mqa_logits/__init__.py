@@ -7,14 +7,22 @@ import torch
 from ... import _checks as C
 from ... import library
 
-__all__ = ["fp8_mqa_logits"]
+__all__ = ["LOGITS_DTYPES", "fp8_mqa_logits"]
+
+LOGITS_DTYPES = (torch.float32, torch.bfloat16)
+"""The dtypes both logits ops write (``out``'s dtype; docs/spec.md §5)."""
 
 
 def fp8_mqa_logits(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, weights: torch.Tensor,
                    cu_seqlen_ks: torch.Tensor, cu_seqlen_ke: torch.Tensor, *, out: torch.Tensor | None = None,
                    clean: bool = True, backend: str | None = None,
-                   check_values: bool | None = None, _checked: bool = False) -> torch.Tensor:
+                   check_values: bool | None = None, max_seqlen_k: int | None = None,
+                   logits_dtype: torch.dtype | None = None, _checked: bool = False) -> torch.Tensor:
     """``out[m, n] = k_scale[n] * sum_h weights[m, h] * relu(q[m, h] . k[n])`` for ``ks[m] <= n < ke[m]``.
+
+    With ``max_seqlen_k`` the logits are *compressed* (docs/spec.md §5): ``out`` is ``[M, max_seqlen_k]`` and
+    ``out[m, j]`` holds the score of key ``ks[m] + j`` for ``j < ke[m] - ks[m]`` (each row's window from column
+    0; DeepGEMM's ``max_seqlen_k``). Cells past a row's window are ``-inf`` with ``clean=True``, else undefined.
 
     Args:
         q: ``[M, H, D]`` fp8 (e4m3fn or e4m3fnuz) queries, their scale folded into ``weights``.
@@ -24,12 +32,16 @@ def fp8_mqa_logits(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, 
         cu_seqlen_ks: ``[M]`` int32, first key of each query's window (``ks``; DeepGEMM's name: per-query
             window bounds, not cumulative sums, unlike ``gather_k_cache``'s ``cu_seq_lens``).
         cu_seqlen_ke: ``[M]`` int32, one past the last key (``ke <= N``; ``ke <= ks`` is an empty window).
-        out: ``[M, N]`` float32 (unit stride in the last dim), written in place; allocated when ``None``.
+        out: ``[M, N]`` (``[M, max_seqlen_k]`` compressed) float32 or bfloat16 (unit stride in the last dim),
+            written in place in its dtype (bfloat16: each float32 score rounded to nearest even); allocated
+            when ``None`` (dtype ``logits_dtype``, default float32).
         clean: ``True`` writes ``-inf`` outside every window; ``False`` leaves those cells undefined.
         backend: ``None``/``"auto"`` (the best backend available on the device; the next one when it raises
             ``NotImplementedError`` for the case) or a backend's name (``sparse_indexer.backends.names()``).
         check_values: check the windows against ``N`` (reads device values: a sync on a GPU); default: on the
-            CPU only.
+            CPU only (compressed: also ``ke - ks <= max_seqlen_k``).
+        max_seqlen_k: ``None`` (full ``[M, N]`` logits) or the compressed width, ``>= max(ke - ks)``.
+        logits_dtype: dtype of an allocated ``out`` (float32 or bfloat16); must match ``out`` when both given.
 
     Returns:
         ``out``.
@@ -38,8 +50,12 @@ def fp8_mqa_logits(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, 
     :func:`sparse_indexer.top_k_per_row`).
     """
     if _checked:
-        library.call("fp8_mqa_logits", backend, q.device, q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke,
-                     out=out, clean=bool(clean))
+        if max_seqlen_k is None:
+            library.call("fp8_mqa_logits", backend, q.device, q, k_fp8, k_scale, weights, cu_seqlen_ks,
+                         cu_seqlen_ke, out=out, clean=bool(clean))
+        else:
+            library.call("fp8_mqa_logits", backend, q.device, q, k_fp8, k_scale, weights, cu_seqlen_ks,
+                         cu_seqlen_ke, out=out, clean=bool(clean), compressed=True)
         return out
     C.fp8("q", q, ndim=3, last_contiguous=True)
     m, h, d = q.shape
@@ -50,10 +66,17 @@ def fp8_mqa_logits(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, 
     C.tensor("weights", weights, dtypes=torch.float32, device=dev, shape=(m, h), last_contiguous=True)
     C.tensor("cu_seqlen_ks", cu_seqlen_ks, dtypes=C.INDEX_DTYPES, device=dev, shape=(m,), contiguous=True)
     C.tensor("cu_seqlen_ke", cu_seqlen_ke, dtypes=C.INDEX_DTYPES, device=dev, shape=(m,), contiguous=True)
+    if max_seqlen_k is not None:
+        if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int) or max_seqlen_k < 0:
+            raise ValueError(f"max_seqlen_k must be None or an int >= 0, got {max_seqlen_k!r}")
+    width = n if max_seqlen_k is None else max_seqlen_k
+    if logits_dtype is not None and logits_dtype not in LOGITS_DTYPES:
+        raise TypeError(f"logits_dtype must be one of {LOGITS_DTYPES}, got {logits_dtype}")
     if out is None:
-        out = torch.empty(m, n, dtype=torch.float32, device=dev)
+        out = torch.empty(m, width, dtype=logits_dtype or torch.float32, device=dev)
     else:
-        C.tensor("out", out, dtypes=torch.float32, device=dev, shape=(m, n), last_contiguous=True)
+        C.tensor("out", out, dtypes=LOGITS_DTYPES if logits_dtype is None else logits_dtype, device=dev,
+                 shape=(m, width), last_contiguous=True)
         C.no_alias("out", out, q=q, k_fp8=k_fp8, k_scale=k_scale, weights=weights, cu_seqlen_ks=cu_seqlen_ks,
                    cu_seqlen_ke=cu_seqlen_ke)
     if C.want_value_checks(check_values, cu_seqlen_ks, cu_seqlen_ke):
@@ -61,6 +84,14 @@ def fp8_mqa_logits(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, 
         C.values_in("cu_seqlen_ks", cu_seqlen_ks, 0, None, "window starts must be >= 0", mask=nonempty)
         C.values_in("cu_seqlen_ke", cu_seqlen_ke, None, n + 1, lambda: f"window ends must be <= N = {n}",
                     mask=nonempty)
-    library.call("fp8_mqa_logits", backend, dev, q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out=out,
-                 clean=bool(clean))
+        if max_seqlen_k is not None and m:
+            lens = cu_seqlen_ke.long() - cu_seqlen_ks.long()
+            C.values_in("cu_seqlen_ke - cu_seqlen_ks", lens, None, max_seqlen_k + 1,
+                        lambda: f"windows must be at most max_seqlen_k = {max_seqlen_k} keys long")
+    if max_seqlen_k is None:
+        library.call("fp8_mqa_logits", backend, dev, q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke,
+                     out=out, clean=bool(clean))
+    else:
+        library.call("fp8_mqa_logits", backend, dev, q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke,
+                     out=out, clean=bool(clean), compressed=True)
     return out

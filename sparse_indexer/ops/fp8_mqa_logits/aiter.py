@@ -2,7 +2,8 @@
 
 On gfx942 (whose kernels read e4m3fnuz) e4m3fn operands are converted first with :func:`fnuz_operands`
 (values x0.5, scales and weights x2: exact). aiter allocates its ``[M, N]`` result (a column slice of a
-256-column-padded tensor), which is copied into ``out``: this backend's prefill is not allocation-free.
+256-column-padded tensor), which is copied into ``out`` (rounded for a bfloat16 ``out``; gathered for compressed
+rows): this backend's prefill is not allocation-free.
 """
 
 from __future__ import annotations
@@ -26,11 +27,18 @@ def fnuz_operands(q, k_fp8, k_scale, weights):
     return q_nuz, k_nuz, s2, w2
 
 
-def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, out, clean) -> None:
-    """See :func:`sparse_indexer.fp8_mqa_logits`; arguments are checked."""
+def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, out, clean, compressed=False) -> None:
+    """See :func:`sparse_indexer.fp8_mqa_logits`; arguments are checked.
+
+    aiter writes float32 ``[M, N]``; a bfloat16 ``out`` receives it rounded by the copy, and compressed rows
+    (``compressed=True``) are gathered from it (``out[m, j] = logits[m, ks[m] + j]``, in row tiles)."""
     m, h, d = q.shape
     n = k_fp8.shape[0]
-    if m == 0 or n == 0:
+    if m == 0 or out.shape[1] == 0:
+        return
+    if n == 0:
+        if clean:
+            out.fill_(float("-inf"))
         return
     if h & (h - 1) or d & (d - 1):
         raise NotImplementedError(f"aiter's fp8_mqa_logits needs H and D powers of two, got H={h}, D={d}")
@@ -41,4 +49,17 @@ def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, ou
         raise NotImplementedError(f"aiter's fp8_mqa_logits on {arch} reads e4m3fn, got e4m3fnuz")
     logits = aiter_triton_module("fp8_mqa_logits").fp8_mqa_logits(
         q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits=clean)
-    out.copy_(logits)
+    if not compressed:
+        out.copy_(logits)
+        return
+    w = out.shape[1]
+    rt = max(1, min(m, (1 << 24) // max(1, w)))
+    cols = torch.arange(w, device=out.device)[None, :]
+    for r0 in range(0, m, rt):
+        r1 = min(m, r0 + rt)
+        ks = cu_seqlen_ks[r0:r1, None].long()
+        lens = cu_seqlen_ke[r0:r1, None].long() - ks
+        val = torch.gather(logits[r0:r1], 1, (ks + cols).clamp(0, n - 1))
+        dst = out[r0:r1]
+        fill = torch.full_like(val, float("-inf")) if clean else dst.float()
+        dst.copy_(torch.where(cols < lens, val, fill))

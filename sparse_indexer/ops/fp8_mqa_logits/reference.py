@@ -27,11 +27,17 @@ def score_tile(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch
     return torch.bmm(weights.unsqueeze(1), s).squeeze(1)  # [m, n]
 
 
-def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, out, clean) -> None:
-    """See :func:`sparse_indexer.fp8_mqa_logits`; arguments are checked."""
+def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, out, clean, compressed=False) -> None:
+    """See :func:`sparse_indexer.fp8_mqa_logits`; arguments are checked. Scores are float32; a bfloat16 ``out``
+    receives them rounded once (``copy_``). ``compressed``: ``out`` is ``[M, W]``, row ``m`` from key ``ks[m]``."""
     m, h, _ = q.shape
     n = k_fp8.shape[0]
+    if compressed:
+        _compressed(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out, clean)
+        return
     if m == 0 or n == 0:
+        if clean and out.numel():
+            out.fill_(float("-inf"))
         return
     rt, ct = tile_sizes(m, h, n)
     cols_all = torch.arange(n, device=q.device)
@@ -48,4 +54,37 @@ def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, ou
             inside = (cols >= ks) & (cols < ke)
             dst = out[r0:r1, c0:c1]
             fill = torch.full_like(val, float("-inf")) if clean else dst
+            dst.copy_(torch.where(inside, val, fill))
+
+
+def _compressed(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out, clean) -> None:
+    """Compressed rows: ``out[m, j] = logit[m, ks[m] + j]`` for ``j < ke[m] - ks[m]``. Each output column tile
+    gathers every row's own keys (``[rows, cols, D]``), so temporaries stay within :data:`TILE_ELEMS`; no
+    value-dependent shapes (the same code runs under ``torch.func`` transforms)."""
+    m, h, d = q.shape
+    n = k_fp8.shape[0]
+    w = out.shape[1]
+    if m == 0 or w == 0:
+        return
+    if n == 0:
+        if clean:
+            out.fill_(float("-inf"))
+        return
+    rt, ct = tile_sizes(m, h + d, w)
+    for r0 in range(0, m, rt):
+        r1 = min(m, r0 + rt)
+        qf = q[r0:r1].float()  # [r, H, D]
+        wts = weights[r0:r1].unsqueeze(1)  # [r, 1, H]
+        ks = cu_seqlen_ks[r0:r1, None].long()
+        lens = cu_seqlen_ke[r0:r1, None].long() - ks
+        for c0 in range(0, w, ct):
+            c1 = min(w, c0 + ct)
+            j = torch.arange(c0, c1, device=q.device)[None, :]
+            key = (ks + j).clamp(0, n - 1)  # [r, c]
+            k = k_fp8[key].float()  # [r, c, D]
+            s = torch.bmm(qf, k.transpose(1, 2)).relu_()  # [r, H, c]
+            val = torch.bmm(wts, s).squeeze(1) * k_scale[key]  # [r, c]
+            inside = j < lens
+            dst = out[r0:r1, c0:c1]
+            fill = torch.full_like(val, float("-inf")) if clean else dst.float()
             dst.copy_(torch.where(inside, val, fill))

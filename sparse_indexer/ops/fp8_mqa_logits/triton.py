@@ -24,23 +24,36 @@ from ..._triton_compat import fix_interpreter
 
 fix_interpreter()  # Triton 3.6's interpreter under NumPy >= 2.4 (sparse_indexer/_triton_compat.py)
 
-__all__ = ["fp8_mqa_logits"]
+__all__ = ["fp8_mqa_logits", "to_out"]
+
+
+@triton.jit
+def to_out(x, ptr):
+    """float32 ``x`` in the element type of ``ptr``: itself for float32; for bfloat16 rounded to nearest, ties to
+    even, by integer arithmetic on the bits (torch's rounding on every device: Triton's interpreter truncates
+    a plain ``.to(tl.bfloat16)``). ``-inf`` stays ``-inf``."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x
 
 
 @triton.jit
 def _mqa_logits_kernel(
-    out_ptr,  # [M, N] float32, row stride stride_out
+    out_ptr,  # [M, W] float32 or bfloat16 (W = N, or the compressed width), row stride stride_out
     q_ptr,  # [M, H, D] fp8
     k_ptr,  # [N, D] fp8
     ksc_ptr,  # [N] float32
     w_ptr,  # [M, H] float32
     ks_ptr,  # [M] int32/int64
     ke_ptr,  # [M] int32/int64
-    M, N,
+    M, N, W,
     stride_out, stride_qm, stride_qh, stride_k, stride_ksc, stride_w, stride_ks, stride_ke,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, CLEAN: tl.constexpr,
-    FILL_N: tl.constexpr,
+    FILL_N: tl.constexpr, COMPRESSED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     mb = tl.num_programs(0) - 1 - pid  # longest (last) rows first
@@ -86,12 +99,27 @@ def _mqa_logits_kernel(
             logit = tl.sum(tl.reshape(s, (BLOCK_N, BLOCK_Q, HP)), axis=2)  # [BLOCK_N, BLOCK_Q]
         logit = logit * ksc[:, None]
         inside = (n[:, None] >= ks[None, :]) & (n[:, None] < ke[None, :])
-        tl.store(out_rows[None, :] + n[:, None], logit, mask=inside & rmask[None, :])
+        if COMPRESSED:
+            # row m's key n lands in column n - ks[m] (docs/spec.md §5, compressed logits)
+            col = n[:, None] - ks[None, :]
+            tl.store(out_rows[None, :] + col, to_out(logit, out_ptr),
+                     mask=inside & rmask[None, :] & (col < W))
+        else:
+            tl.store(out_rows[None, :] + n[:, None], to_out(logit, out_ptr), mask=inside & rmask[None, :])
 
-    if CLEAN:
+    if CLEAN and COMPRESSED:
+        # Columns past each row's window length (all of an empty row's): -inf.
+        offs_f = tl.arange(0, FILL_N)
+        ninf = to_out(tl.full([BLOCK_Q, FILL_N], float("-inf"), tl.float32), out_ptr)
+        len_f = tl.where(rmask, tl.maximum(ke - ks, 0), W)
+        for c0 in range((tl.min(len_f, axis=0) // FILL_N) * FILL_N, W, FILL_N):
+            cols = c0 + offs_f
+            tl.store(out_rows[:, None] + cols[None, :], ninf,
+                     mask=rmask[:, None] & (cols[None, :] >= len_f[:, None]) & (cols < W)[None, :])
+    if CLEAN and not COMPRESSED:
         # Cells outside each row's window [ks, ke) (all of an empty row's): -inf.
         offs_f = tl.arange(0, FILL_N)
-        ninf = tl.full([BLOCK_Q, FILL_N], float("-inf"), tl.float32)
+        ninf = to_out(tl.full([BLOCK_Q, FILL_N], float("-inf"), tl.float32), out_ptr)
         ks_f = tl.where(rmask, ks, 0)
         ke_f = tl.where(rmask, ke, N)
         for c0 in range(0, tl.max(ks_f, axis=0), FILL_N):
@@ -111,7 +139,7 @@ _LAUNCH = Launcher(_mqa_logits_kernel)
 _PLANS: dict = {}  # (H, D, clean) -> (BLOCK_Q, LaunchConfig) of the default CONFIG
 
 
-def _plan(h: int, d: int, clean: bool, config):
+def _plan(h: int, d: int, clean: bool, config, compressed: bool = False):
     cfg = dict(CONFIG, **(config or {}))
     hp = max(16, triton.next_power_of_2(h))
     dp = max(32, triton.next_power_of_2(d))
@@ -119,28 +147,37 @@ def _plan(h: int, d: int, clean: bool, config):
         raise NotImplementedError(f"triton fp8_mqa_logits handles D <= 256, got {d=}")
     block_q = max(1, min(cfg["BLOCK_Q"], 256 // hp))
     kwargs = dict(H=h, HP=hp, D=d, DP=dp, BLOCK_Q=block_q, BLOCK_N=cfg["BLOCK_N"], CLEAN=bool(clean),
-                  FILL_N=cfg.get("FILL_N", max(64, 1024 // block_q)), num_warps=cfg["num_warps"],
+                  FILL_N=cfg.get("FILL_N", max(64, 1024 // block_q)), COMPRESSED=bool(compressed),
+                  num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"])
     return block_q, _LAUNCH.config(**kwargs)
 
 
-def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, out, clean, config=None) -> None:
-    """See :func:`sparse_indexer.fp8_mqa_logits`; arguments are checked. ``config`` overrides :data:`CONFIG`."""
+def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, out, clean, compressed=False,
+                   config=None) -> None:
+    """See :func:`sparse_indexer.fp8_mqa_logits`; arguments are checked. ``config`` overrides :data:`CONFIG`.
+    ``out`` float32 or bfloat16 (the kernel converts each float32 score once, at the store); ``compressed``:
+    ``out`` is ``[M, W]`` with row ``m``'s window from column 0."""
     m, h, d = q.shape
     n = k_fp8.shape[0]
-    if m == 0 or n == 0:
+    w = out.shape[1]
+    if m == 0 or w == 0:
+        return
+    if n == 0:  # (compressed only: a full out has no column then) every window is empty
+        if clean:
+            out.fill_(float("-inf"))
         return
     if config is None:
-        key = (h, d, clean)
+        key = (h, d, clean, compressed)
         plan = _PLANS.get(key)
         if plan is None:
-            plan = _PLANS[key] = _plan(h, d, clean, None)
+            plan = _PLANS[key] = _plan(h, d, clean, None, compressed)
     else:
-        plan = _plan(h, d, clean, config)
+        plan = _plan(h, d, clean, config, compressed)
     block_q, cfg = plan
     qs = q.stride()
     _LAUNCH.launch_with(
         ((m + block_q - 1) // block_q,), cfg,
-        (out, q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, m, n, out.stride()[0], qs[0], qs[1],
+        (out, q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, m, n, w, out.stride()[0], qs[0], qs[1],
          k_fp8.stride()[0], k_scale.stride()[0], weights.stride()[0], cu_seqlen_ks.stride()[0],
          cu_seqlen_ke.stride()[0]), 7)

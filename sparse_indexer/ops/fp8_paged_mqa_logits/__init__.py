@@ -7,6 +7,7 @@ import torch
 from ... import _checks as C
 from ... import library
 from ...kcache import as_3d, cache_layout
+from ..fp8_mqa_logits import LOGITS_DTYPES
 
 __all__ = ["fp8_paged_mqa_logits", "row_limits"]
 
@@ -25,21 +26,25 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
                          context_lens: torch.Tensor, block_table: torch.Tensor, *,
                          out: torch.Tensor | None = None, clean: bool = True, backend: str | None = None,
                          check_values: bool | None = None, qk: torch.Tensor | None = None,
+                         indices: torch.Tensor | None = None, logits_dtype: torch.dtype | None = None,
                          _checked: bool = False) -> torch.Tensor:
     """Score ``next_n`` query tokens of each of ``B`` requests against its cached keys.
 
     Row ``r = b * next_n + j`` holds key positions ``p < limit[r]`` (request-local, read through
     ``block_table``); ``limit[r] = context_lens[b] - next_n + j + 1`` for 1-D ``context_lens`` and
     ``context_lens[b, j]`` for 2-D, clamped at 0. Other cells are ``-inf`` (``clean=True``) or undefined.
+    With ``indices`` (DeepGEMM's row -> request map), query entry ``b`` reads the keys of block-table row
+    ``indices[b]``: variable tokens per request, one entry per token (``next_n = 1``, 1-D per-token lengths).
 
     Args:
         q: ``[B, next_n, H, D]`` fp8 queries (the cache's format).
         kv_cache: ``[num_blocks, block_size, D + 4]`` (or 4-D) uint8 paged cache.
         weights: ``[B * next_n, H]`` float32.
         context_lens: ``[B]`` or ``[B, next_n]`` int32.
-        block_table: ``[B, max_blocks]`` int32.
-        out: ``[B * next_n, W]`` float32 (unit last stride), ``W >= max(limit)``; allocated with
-            ``W = max_blocks * block_size`` when ``None``.
+        block_table: ``[B, max_blocks]`` int32 (with ``indices``: ``[num_requests, max_blocks]``).
+        out: ``[B * next_n, W]`` float32 or bfloat16 (unit last stride; scores rounded once to its dtype),
+            ``W >= max(limit)``; allocated with ``W = max_blocks * block_size`` (dtype ``logits_dtype``,
+            default float32) when ``None``.
         clean: see above.
         backend: ``None``/``"auto"`` (the best backend available on the device; the next one when it raises
             ``NotImplementedError`` for the case) or a backend's name (``sparse_indexer.backends.names()``).
@@ -48,6 +53,9 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
         qk: optional ``[H, B * next_n, W]`` float32 scratch (a :meth:`Buffers.qk_view`) for backends that
             materialise per-head scores (aiter's stage1 kernel on AMD GPUs other than gfx942/gfx950); the other
             backends ignore it. Its contents afterwards are undefined.
+        indices: optional ``[B]`` int32, entry ``b``'s block-table row (``0 <= indices[b] < num_requests``;
+            checked with the other values).
+        logits_dtype: dtype of an allocated ``out``; must match ``out`` when both are given.
 
     Returns:
         ``out``.
@@ -55,7 +63,11 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     ``_checked=True`` is for :func:`sparse_indexer.sparse_attn_indexer` alone (see :func:`top_k_per_row`).
     """
     if _checked:
-        if qk is None:
+        if indices is not None:
+            extra = {"indices": indices} if qk is None else {"indices": indices, "qk": qk}
+            library.call("fp8_paged_mqa_logits", backend, q.device, q, as_3d(kv_cache), weights, context_lens,
+                         block_table, out=out, clean=bool(clean), **extra)
+        elif qk is None:
             library.call("fp8_paged_mqa_logits", backend, q.device, q, as_3d(kv_cache), weights, context_lens,
                          block_table, out=out, clean=bool(clean))
         else:
@@ -73,24 +85,33 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     C.tensor("weights", weights, dtypes=torch.float32, device=dev, shape=(b * next_n, h), last_contiguous=True)
     C.tensor("context_lens", context_lens, dtypes=C.INDEX_DTYPES, device=dev, contiguous=True,
              shape=(b,) if context_lens.dim() == 1 else (b, next_n))
-    C.tensor("block_table", block_table, ndim=2, dtypes=C.INDEX_DTYPES, device=dev, shape=(b, None),
-             last_contiguous=True)
+    C.tensor("block_table", block_table, ndim=2, dtypes=C.INDEX_DTYPES, device=dev,
+             shape=(b if indices is None else None, None), last_contiguous=True)
+    if indices is not None:
+        C.tensor("indices", indices, dtypes=C.INDEX_DTYPES, device=dev, shape=(b,), contiguous=True)
     capacity = block_table.shape[1] * lay.block_size
+    if logits_dtype is not None and logits_dtype not in LOGITS_DTYPES:
+        raise TypeError(f"logits_dtype must be one of {LOGITS_DTYPES}, got {logits_dtype}")
     if out is None:
-        out = torch.empty(b * next_n, capacity, dtype=torch.float32, device=dev)
+        out = torch.empty(b * next_n, capacity, dtype=logits_dtype or torch.float32, device=dev)
     else:
-        C.tensor("out", out, ndim=2, dtypes=torch.float32, device=dev, shape=(b * next_n, None),
-                 last_contiguous=True)
+        C.tensor("out", out, ndim=2, dtypes=LOGITS_DTYPES if logits_dtype is None else logits_dtype, device=dev,
+                 shape=(b * next_n, None), last_contiguous=True)
         C.no_alias("out", out, q=q, kv_cache=kv_cache, weights=weights, context_lens=context_lens,
-                   block_table=block_table)
+                   block_table=block_table, indices=indices)
     w = out.shape[1]
-    if C.want_value_checks(check_values, context_lens, block_table) and context_lens.numel():
-        _check_values(context_lens, block_table, next_n, w, capacity, lay)
-    extra = {}
+    if C.want_value_checks(check_values, context_lens, block_table, indices) and context_lens.numel():
+        if indices is not None:
+            C.values_in("indices", indices, 0, block_table.shape[0],
+                        lambda: f"indices must be in [0, block_table rows = {block_table.shape[0]})")
+            _check_values(context_lens, block_table.index_select(0, indices.long()), next_n, w, capacity, lay)
+        else:
+            _check_values(context_lens, block_table, next_n, w, capacity, lay)
+    extra = {} if indices is None else {"indices": indices}
     if qk is not None:
         C.tensor("qk", qk, dtypes=torch.float32, device=dev, shape=(h, b * next_n, w), last_contiguous=True)
         C.no_alias("qk", qk, q=q, kv_cache=kv_cache, weights=weights, context_lens=context_lens,
-                   block_table=block_table, logits_out=out)
+                   block_table=block_table, logits_out=out, indices=indices)
         extra["qk"] = qk
     library.call("fp8_paged_mqa_logits", backend, dev, q, kv3, weights, context_lens, block_table,
                  out=out, clean=bool(clean), **extra)

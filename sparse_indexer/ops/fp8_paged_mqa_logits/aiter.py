@@ -53,15 +53,23 @@ def mask_outside(out: torch.Tensor, limits: torch.Tensor) -> None:
         out[r0:r1].masked_fill_(cols[None, :] >= limits[r0:r1, None], float("-inf"))
 
 
-def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean, qk=None) -> None:
+def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean, qk=None,
+                         indices=None) -> None:
     """See :func:`sparse_indexer.fp8_paged_mqa_logits`; ``kv_cache`` is the 3-D view, arguments checked.
 
     ``qk``: ``[H, B * next_n, W]`` float32 scratch (``Buffers.qk_view``), needed off gfx942/gfx950 only.
+    aiter's kernels write float32 logits: a bfloat16 ``out`` raises ``NotImplementedError`` (auto then runs
+    Triton). ``indices`` (row -> request map): the block-table rows are gathered first (``[B, max_blocks]``
+    int32, a small allocation), since aiter takes one block-table row per query entry.
     """
     b, nn, h, _ = q.shape
     w = out.shape[1]
+    if out.dtype != torch.float32:
+        raise NotImplementedError(f"aiter's paged logits write float32, got out of dtype {out.dtype}")
     if b == 0 or w == 0:
         return
+    if indices is not None:
+        block_table = block_table.index_select(0, indices.long())
     arch = gcn_arch(q.device)
     bs = kv_cache.shape[1]
     kv4 = kv_cache.unsqueeze(2)  # [num_blocks, block_size, 1, D + 4], as aiter expects

@@ -13,12 +13,16 @@ from ..fp8_mqa_logits.reference import TILE_ELEMS
 from . import row_limits
 
 
-def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean) -> None:
-    """See :func:`sparse_indexer.fp8_paged_mqa_logits`; ``kv_cache`` is the 3-D view, arguments are checked."""
+def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean, indices=None) -> None:
+    """See :func:`sparse_indexer.fp8_paged_mqa_logits`; ``kv_cache`` is the 3-D view, arguments are checked.
+    Scores are float32; a bfloat16 ``out`` receives them rounded once. ``indices``: entry ``b`` reads
+    block-table row ``indices[b]``."""
     b, next_n, h, d = q.shape
     w = out.shape[1]
     if b == 0 or w == 0:
         return
+    if indices is not None:
+        block_table = block_table.index_select(0, indices.long())
     values, scales = cache_views(kv_cache, q.dtype)
     nb, bs, _ = values.shape
     max_blocks = block_table.shape[1]

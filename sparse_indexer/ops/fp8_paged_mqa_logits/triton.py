@@ -32,6 +32,7 @@ import triton.language as tl
 
 from ..._launch import Launcher
 from ..._triton_compat import fix_interpreter
+from ..fp8_mqa_logits.triton import to_out
 
 fix_interpreter()  # Triton 3.6's interpreter under NumPy >= 2.4 (sparse_indexer/_triton_compat.py)
 
@@ -43,7 +44,7 @@ def _token_row(k, q, wts, ksc, pos, lim, row_ptr):
     """One query token's logits over one key tile, stored where ``pos < lim``."""
     s = tl.dot(k, tl.trans(q))  # [BLOCK_N, HP] float32
     logit = tl.sum(tl.maximum(s, 0.0) * wts[None, :], axis=1) * ksc
-    tl.store(row_ptr + pos, logit, mask=pos < lim)
+    tl.store(row_ptr + pos, to_out(logit, row_ptr), mask=pos < lim)
 
 
 @triton.jit
@@ -85,19 +86,20 @@ def _load_token(q_ptr, w_ptr, cl_ptr, b64, j: tl.constexpr, stride_qn, stride_qh
 
 @triton.jit(do_not_specialize=["NUM_PROGRAMS"])
 def _paged_logits_kernel(
-    out_ptr,  # [B * next_n, W] float32, row stride stride_out
+    out_ptr,  # [B * next_n, W] float32 or bfloat16, row stride stride_out
     q_ptr,  # [B, next_n, H, D] fp8
     kv_ptr,  # cache bytes viewed as fp8: block b at b * stride_blk (bytes)
     w_ptr,  # [B * next_n, H] float32
     cl_ptr,  # [B] or [B, next_n] int32/int64
-    bt_ptr,  # [B, max_blocks] int32
+    bt_ptr,  # [B, max_blocks] int32 (HAS_IDX: [num_requests, max_blocks])
+    idx_ptr,  # [B] int32 block-table row of each entry (read only when HAS_IDX)
     B, W, CAP,  # CAP = min(W, max_blocks * BS): no key position reaches it
     stride_out, stride_qb, stride_qn, stride_qh, stride_w, stride_clb, stride_cln, stride_bt, stride_blk,
     NUM_PROGRAMS,
     NEXT_N: tl.constexpr, NN_PAD: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, CL_2D: tl.constexpr, CLEAN: tl.constexpr,
-    FILL_N: tl.constexpr, SPLIT: tl.constexpr, KSC_PF: tl.constexpr,
+    FILL_N: tl.constexpr, SPLIT: tl.constexpr, KSC_PF: tl.constexpr, HAS_IDX: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_b = tl.arange(0, BLOCK_B)
@@ -143,7 +145,10 @@ def _paged_logits_kernel(
             lim = c - NEXT_N + offs_j + 1
         lim = tl.where(jmask, tl.maximum(lim, 0), 0)
         b_lim = tl.sum(tl.where(sel, maxlim, 0), axis=0).to(tl.int32)
-        bt_row = bt_ptr + b64 * stride_bt
+        if HAS_IDX:
+            bt_row = bt_ptr + tl.load(idx_ptr + b64).to(tl.int64) * stride_bt
+        else:
+            bt_row = bt_ptr + b64 * stride_bt
         out_rows = out_ptr + (b64 * NEXT_N + offs_j).to(tl.int64) * stride_out  # [NN_PAD] pointers
         if SPLIT:
             # One [BLOCK_N, H] dot per query token (no reshape of the accumulator).
@@ -219,7 +224,8 @@ def _paged_logits_kernel(
                 else:
                     logit = tl.sum(tl.reshape(s, (BLOCK_N, NN_PAD, HP)), axis=2)  # [BLOCK_N, NN_PAD]
                 logit = logit * ksc[:, None]
-                tl.store(out_rows[None, :] + pos[:, None], logit, mask=pos[:, None] < lim[None, :])
+                tl.store(out_rows[None, :] + pos[:, None], to_out(logit, out_ptr),
+                         mask=pos[:, None] < lim[None, :])
         t = b_start + t_hi
         b += 1
 
@@ -239,7 +245,8 @@ def _paged_logits_kernel(
             if col0 + FILL_N > tl.min(tl.where(jmask, flim, CAP), axis=0):
                 cols = col0 + offs_f
                 rows = out_ptr + (fb64 * NEXT_N + offs_j).to(tl.int64) * stride_out
-                tl.store(rows[:, None] + cols[None, :], tl.full([NN_PAD, FILL_N], float("-inf"), tl.float32),
+                ninf = to_out(tl.full([NN_PAD, FILL_N], float("-inf"), tl.float32), out_ptr)
+                tl.store(rows[:, None] + cols[None, :], ninf,
                          mask=jmask[:, None] & (cols[None, :] >= flim[:, None]) & (cols < W)[None, :])
 
 
@@ -291,7 +298,7 @@ _PLANS: dict = {}  # specialization of the default configuration -> (LaunchConfi
 
 
 def _plan(args, q, context_lens, next_n: int, h: int, d: int, bs: int, b: int, cl_2d: bool, clean: bool,
-          config):
+          config, has_idx: bool = False):
     """Constexprs and launch options, and the persistent grid (from the compiled kernel's occupancy)."""
     cfg = {**CONFIG, **CONFIG_BY_NEXT_N.get(next_n, {}), **(config or {})}
     block_n = cfg["BLOCK_N"]
@@ -300,13 +307,14 @@ def _plan(args, q, context_lens, next_n: int, h: int, d: int, bs: int, b: int, c
                   BLOCK_N=block_n, BLOCK_B=max(16, triton.next_power_of_2(b)), CL_2D=cl_2d, CLEAN=bool(clean),
                   FILL_N=cfg.get("FILL_N", max(128, 1024 // nn_pad)), SPLIT=bool(cfg.get("SPLIT", False)),
                   KSC_PF=int(cfg.get("KSC_PF", 0)) if bs >= block_n and not cfg.get("SPLIT", False) else 0,
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  HAS_IDX=bool(has_idx), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if cfg.get("maxnreg"):
         kwargs["maxnreg"] = cfg["maxnreg"]  # register cap per thread: more programs per SM
     if q.device.type != "cuda":
         return _LAUNCH.config(**kwargs), 3, None  # interpreter: small, but enough for pieces that span requests
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    key = (dev, q.dtype, args[2].dtype, context_lens.dtype, args[5].dtype, tuple(sorted(kwargs.items())))
+    key = (dev, q.dtype, args[0].dtype, args[2].dtype, context_lens.dtype, args[5].dtype,
+           tuple(sorted(kwargs.items())))
     per_sm = cfg["programs_per_sm"]
     occ = _occupancy(key, args, kwargs)
     if occ is not None:
@@ -314,9 +322,11 @@ def _plan(args, q, context_lens, next_n: int, h: int, d: int, bs: int, b: int, c
     return _LAUNCH.config(**kwargs), _num_sms(dev) * per_sm, per_sm
 
 
-def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean, config=None) -> None:
+def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean, indices=None,
+                         config=None) -> None:
     """See :func:`sparse_indexer.fp8_paged_mqa_logits`; ``kv_cache`` is the 3-D view, arguments are checked.
-    ``config`` overrides :data:`CONFIG` (then nothing is cached)."""
+    ``config`` overrides :data:`CONFIG` (then nothing is cached). ``out`` float32 or bfloat16 (converted once, at
+    the store); ``indices``: entry ``b`` reads block-table row ``indices[b]``."""
     b, next_n, h, d = q.shape
     nb, bs, width = kv_cache.shape
     w = out.shape[1]
@@ -331,20 +341,22 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
     cl_2d = context_lens.dim() == 2
     cls = context_lens.stride()
     qs = q.stride()
-    args = [out, q, kv_cache.view(q.dtype), weights, context_lens, block_table, b, w, min(w, max_blocks * bs),
+    has_idx = indices is not None
+    args = [out, q, kv_cache.view(q.dtype), weights, context_lens, block_table,
+            indices if has_idx else context_lens, b, w, min(w, max_blocks * bs),
             out.stride()[0], qs[0], qs[1], qs[2], weights.stride()[0], cls[0], cls[1] if cl_2d else 0,
             block_table.stride()[0], kv_cache.stride()[0] if nb > 1 else bs * width,  # CacheLayout.block_stride
             1]
     if config is None:
-        key = (q.device, q.dtype, context_lens.dtype, block_table.dtype, next_n, h, d, bs, (b - 1).bit_length(),
-               cl_2d, clean)  # (b - 1).bit_length(): BLOCK_B's power of two
+        key = (q.device, q.dtype, out.dtype, context_lens.dtype, block_table.dtype, next_n, h, d, bs,
+               (b - 1).bit_length(), cl_2d, clean, has_idx)  # (b - 1).bit_length(): BLOCK_B's power of two
         plan = _PLANS.get(key)
         if plan is None:
-            plan = _PLANS[key] = _plan(args, q, context_lens, next_n, h, d, bs, b, cl_2d, clean, None)
+            plan = _PLANS[key] = _plan(args, q, context_lens, next_n, h, d, bs, b, cl_2d, clean, None, has_idx)
     else:
-        plan = _plan(args, q, context_lens, next_n, h, d, bs, b, cl_2d, clean, config)
+        plan = _plan(args, q, context_lens, next_n, h, d, bs, b, cl_2d, clean, config, has_idx)
     cfg, num_programs, per_sm = plan
     if per_sm is not None:
         LAST_LAUNCH["programs_per_sm"] = per_sm
     args[-1] = num_programs
-    _LAUNCH.launch_with((num_programs,), cfg, args, 6)
+    _LAUNCH.launch_with((num_programs,), cfg, args, 7)
