@@ -19,11 +19,7 @@ from . import library
 from .fp8 import SCALE_FMTS
 from .kcache import as_3d, cache_layout
 from .metadata import IndexerMetadata
-from .ops.fp8_mqa_logits import fp8_mqa_logits
-from .ops.fp8_paged_mqa_logits import fp8_paged_mqa_logits
-from .ops.gather_k_cache import gather_k_cache
-from .ops.top_k_per_row import MIN_WORKSPACE_COLS, top_k_per_row
-from .ops.write_k_cache import write_k_cache
+from .ops.top_k_per_row import MIN_WORKSPACE_COLS
 
 __all__ = ["sparse_attn_indexer", "indexer_prefill", "indexer_decode", "check_step", "decode_batch"]
 
@@ -149,10 +145,11 @@ class _StepPlan:
 
     __slots__ = ("buffers", "outs", "ins", "chunks", "subs", "written")
 
-    def __init__(self, metadata: IndexerMetadata, buffers: Buffers, prefill: bool, decode: bool):
+    def __init__(self, metadata: IndexerMetadata, buffers: Buffers, prefill: bool, decode: bool, spans: bool = True):
         self.buffers = buffers
-        self.outs = _Spans(buffers.tensors().values())
-        self.ins = _Spans(metadata.tensors().values())
+        # (spans=False: a plan for one call off the direct route, where tensors may have no data pointers)
+        self.outs = _Spans(buffers.tensors().values()) if spans else None
+        self.ins = _Spans(metadata.tensors().values()) if spans else None
         self.chunks = ()
         if prefill:
             self.chunks = tuple((c, *buffers.k_view(c.num_k_tokens), buffers.logits_view(c.num_tokens, c.num_k_tokens))
@@ -318,35 +315,12 @@ def indexer_prefill(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.
     split request), computes ``[M_c, N_c]`` logits into ``buffers.logits`` with ``clean=False``, and selects
     request-local top-k positions into ``topk_out[token_start:token_end]``.
     """
+    plan = None
     if not _checked:
         kv3, plan = _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, None, True, False, backend)
-        if plan is not None:
-            try:
-                _prefill_direct(plan, q_fp8, weights, kv3, topk_out, backend)
-            finally:
-                library.bump_versions((topk_out, *plan.written))
-            return topk_out
-    for c in metadata.prefill_chunks:
-        rows, logits = _chunk_logits(q_fp8, weights, kv_cache, c, buffers, backend)
-        top_k_per_row(logits, c.cu_seqlen_ks, c.cu_seqlen_ke, out=topk_out[rows], backend=backend,
-                      check_values=False, _checked=True)
+    _run_step(plan, metadata, buffers, q_fp8, weights, None, kv_cache if plan is None else kv3, topk_out,
+              backend, None, True, False)
     return topk_out
-
-
-def _chunk_logits(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor, c, buffers: Buffers,
-                  backend: str | None) -> tuple[slice, torch.Tensor]:
-    """One prefill chunk's gather (skipped when its keys are already there) and ``clean=False`` logits into
-    ``buffers.logits`` (arguments already checked); returns the chunk's token rows and its ``[M_c, N_c]`` logits.
-    Shared by :func:`indexer_prefill` and the context-parallel prefill."""
-    k_fp8, k_scale = buffers.k_view(c.num_k_tokens)
-    if c.gather:
-        gather_k_cache(kv_cache, c.block_table, c.cu_seq_lens, out_k=k_fp8, out_scale=k_scale,
-                       backend=backend, check_values=False, _checked=True)
-    rows = slice(c.token_start, c.token_end)
-    logits = buffers.logits_view(c.num_tokens, c.num_k_tokens)
-    fp8_mqa_logits(q_fp8[rows], k_fp8, k_scale, weights[rows], c.cu_seqlen_ks, c.cu_seqlen_ke, out=logits,
-                   clean=False, backend=backend, check_values=False, _checked=True)
-    return rows, logits
 
 
 def indexer_decode(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor,
@@ -362,33 +336,103 @@ def indexer_decode(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.T
     ``buffers.topk_scratch`` as its workspace when the record has one (the Triton backend splits few rows over
     several programs with it).
     """
+    plan = None
     if not _checked:
         kv3, plan = _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, None, False, True, backend)
-        if plan is not None:
-            try:
-                _decode_direct(plan, q_fp8, weights, kv3, metadata, topk_out, backend)
-            finally:
-                library.bump_versions((topk_out, *plan.written))
-            return topk_out
-    dm = metadata.decode
-    if dm is None:
-        return topk_out
-    b = dm.num_reqs
-    nd = metadata.num_decode_tokens
-    q, w, sel = _decode_inputs(q_fp8, weights, dm, nd, buffers, topk_out)
-    # Sub-batches of whole requests (one unless IndexerLimits.max_decode_logits_bytes binds): host integers
-    # only, so every shape is fixed by the step's metadata and the loop captures in a CUDA graph; each reuses the
-    # same region at the start of buffers.logits (and of qk, topk_scratch). Rows are independent, so the top-k is
-    # the one of a single batch.
-    per = decode_batch(metadata)
-    for b0 in range(0, b, per):
-        b1 = min(b, b0 + per)
-        r0, r1, logits, ws = _decode_logits(q, w, kv_cache, dm, buffers, b0, b1, backend)
-        top_k_per_row(logits, _rows(dm.row_starts, r0, r1), _rows(dm.row_ends, r0, r1), out=_rows(sel, r0, r1),
-                      backend=backend, check_values=False, workspace=ws, _checked=True)
-    if not dm.uniform:
-        torch.index_select(sel, 0, dm.unpack_src, out=topk_out[:nd])
+    _run_step(plan, metadata, buffers, q_fp8, weights, None, kv_cache if plan is None else kv3, topk_out,
+              backend, None, False, True)
     return topk_out
+
+
+def _run_direct(name: str, backend: str | None, device: torch.device, args: tuple, kwargs: dict) -> None:
+    """One op of a step that runs its ops directly (:func:`_check` returned a plan: plain eager, plain tensors):
+    the implementation (``_dispatch.call``), named under the profiler; the step bumps the version counters of
+    what it wrote once (:func:`library.bump_versions`)."""
+    library.call_direct(name, backend, device, args, kwargs, versions=False)
+
+
+def _run_op(name: str, backend: str | None, device: torch.device, args: tuple, kwargs: dict) -> None:
+    """One op of a step on any other route (:func:`library.call`: the custom op under compile and every mode,
+    the reference under ``torch.func``)."""
+    library.call(name, backend, device, *args, **kwargs)
+
+
+def _run_step(plan, metadata: IndexerMetadata, buffers: Buffers, q_fp8: torch.Tensor, weights: torch.Tensor,
+              k: torch.Tensor | None, kv_cache: torch.Tensor, topk_out: torch.Tensor, backend: str | None,
+              scale_fmt: str | None, prefill: bool, decode: bool) -> None:
+    """The step's ops (arguments checked): the cache write (with ``k``), the padding rows, every prefill chunk,
+    the decode sub-batches. With ``plan`` (:func:`_check`'s, plain eager) on its views and through
+    :func:`_run_direct`; without, on views made here and through :func:`_run_op`. The one place that calls the
+    step's ops."""
+    run = _run_direct
+    if plan is None:
+        run = _run_op
+        plan = _StepPlan(metadata, buffers, prefill, decode, spans=False)
+        kv_cache = as_3d(kv_cache)
+    dev = q_fp8.device
+    try:
+        if k is not None:
+            run("write_k_cache", backend, dev, (k, kv_cache, metadata.slot_mapping),
+                {"scale_fmt": scale_fmt, "fp8_dtype": q_fp8.dtype})
+        # docs/spec.md §7 step 2 (fill topk_out[:T] with -1): rows [0, num_tokens) are all written below, by the
+        # top-k of their prefill chunk or decode slot (windows <= topk come out as 0..len-1, -1...), so only the
+        # padding tokens [num_tokens, T) of a padded batch (CUDA graphs) are filled here. Filling every row would
+        # cost a second write of topk_out and, under torch.compile, a staged copy of its rows.
+        n, t = metadata.num_tokens, q_fp8.shape[0]
+        if prefill and decode and t > n:
+            topk_out[n:t].fill_(-1)
+        for c, k_fp8, k_scale, logits in plan.chunks:
+            _chunk_ops(run, backend, dev, q_fp8, weights, kv_cache, c, k_fp8, k_scale, logits)
+            run("top_k_per_row", backend, dev, (logits, c.cu_seqlen_ks, c.cu_seqlen_ke),
+                {"out": _rows(topk_out, c.token_start, c.token_end)})
+        if plan.subs:
+            dm = metadata.decode
+            nd = metadata.num_decode_tokens
+            q, w, sel = _decode_inputs(q_fp8, weights, dm, nd, buffers, topk_out)
+            # Sub-batches of whole requests (one unless IndexerLimits.max_decode_logits_bytes binds): host integers
+            # only, so every shape is fixed by the step's metadata and the loop captures in a CUDA graph; each
+            # reuses the same region at the start of buffers.logits (and of qk, topk_scratch). Rows are
+            # independent, so the top-k is the one of a single batch.
+            for b0, b1, r0, r1, logits, qk, ws, row_starts, row_ends, ctx, bt in plan.subs:
+                _sub_batch_ops(run, backend, dev, q, w, kv_cache, b0, b1, r0, r1, logits, qk, ctx, bt)
+                kw = {"out": _rows(sel, r0, r1)} if ws is None else {"out": _rows(sel, r0, r1), "workspace": ws}
+                run("top_k_per_row", backend, dev, (logits, row_starts, row_ends), kw)
+            if not dm.uniform:
+                torch.index_select(sel, 0, dm.unpack_src, out=_rows(topk_out, 0, nd))
+    finally:
+        if run is _run_direct:  # what the ops wrote, once (their ADInplaceOrView kernels would, op by op)
+            library.bump_versions((topk_out, *plan.written) if k is None else (topk_out, kv_cache, *plan.written))
+
+
+def _chunk_ops(run, backend: str | None, dev: torch.device, q_fp8: torch.Tensor, weights: torch.Tensor,
+               kv3: torch.Tensor, c, k_fp8: torch.Tensor, k_scale: torch.Tensor, logits: torch.Tensor) -> None:
+    """One prefill chunk's gather (skipped when its keys are already there) and ``clean=False`` logits."""
+    if c.gather:
+        run("gather_k_cache", backend, dev, (kv3, c.block_table, c.cu_seq_lens), {"out_k": k_fp8, "out_scale": k_scale})
+    t0, t1 = c.token_start, c.token_end
+    run("fp8_mqa_logits", backend, dev,
+        (_rows(q_fp8, t0, t1), k_fp8, k_scale, _rows(weights, t0, t1), c.cu_seqlen_ks, c.cu_seqlen_ke),
+        {"out": logits, "clean": False})
+
+
+def _sub_batch_ops(run, backend: str | None, dev: torch.device, q: torch.Tensor, w: torch.Tensor, kv3: torch.Tensor,
+                   b0: int, b1: int, r0: int, r1: int, logits: torch.Tensor, qk: torch.Tensor | None,
+                   context_lens: torch.Tensor, block_table: torch.Tensor) -> None:
+    """Paged ``clean=False`` logits of decode requests ``[b0, b1)`` (rows ``[r0, r1)``) into ``logits`` (and
+    ``qk``)."""
+    kw = {"out": logits, "clean": False} if qk is None else {"out": logits, "clean": False, "qk": qk}
+    run("fp8_paged_mqa_logits", backend, dev, (_rows(q, b0, b1), kv3, _rows(w, r0, r1), context_lens, block_table), kw)
+
+
+def _chunk_logits(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor, c, buffers: Buffers,
+                  backend: str | None) -> tuple[slice, torch.Tensor]:
+    """One prefill chunk's gather and ``clean=False`` logits into ``buffers.logits`` (arguments already checked;
+    :func:`_chunk_ops` through :func:`_run_op`); returns the chunk's token rows and its ``[M_c, N_c]`` logits.
+    For the context-parallel prefill."""
+    k_fp8, k_scale = buffers.k_view(c.num_k_tokens)
+    logits = buffers.logits_view(c.num_tokens, c.num_k_tokens)
+    _chunk_ops(_run_op, backend, q_fp8.device, q_fp8, weights, as_3d(kv_cache), c, k_fp8, k_scale, logits)
+    return slice(c.token_start, c.token_end), logits
 
 
 def _decode_inputs(q_fp8: torch.Tensor, weights: torch.Tensor, dm, nd: int, buffers: Buffers,
@@ -408,13 +452,13 @@ def _decode_inputs(q_fp8: torch.Tensor, weights: torch.Tensor, dm, nd: int, buff
 def _decode_logits(q: torch.Tensor, w: torch.Tensor, kv_cache: torch.Tensor, dm, buffers: Buffers, b0: int, b1: int,
                    backend: str | None):
     """Paged ``clean=False`` logits of decode requests ``[b0, b1)`` into the start of ``buffers.logits`` (and
-    ``qk``); returns their rows ``r0, r1``, the logits and the top-k workspace view (``None`` without one)."""
+    ``qk``; :func:`_sub_batch_ops` through :func:`_run_op`); returns their rows ``r0, r1``, the logits and the
+    top-k workspace view (``None`` without one). For the context-parallel decode."""
     r0, r1 = b0 * dm.next_n, b1 * dm.next_n
     logits = buffers.logits_view(r1 - r0, dm.width)
     qk = buffers.qk_view(r1 - r0, dm.width) if buffers.qk is not None else None
-    fp8_paged_mqa_logits(_rows(q, b0, b1), kv_cache, _rows(w, r0, r1), _rows(dm.context_lens, b0, b1),
-                         _rows(dm.block_table, b0, b1), out=logits, clean=False, backend=backend,
-                         check_values=False, qk=qk, _checked=True)
+    _sub_batch_ops(_run_op, backend, q.device, q, w, as_3d(kv_cache), b0, b1, r0, r1, logits, qk,
+                   _rows(dm.context_lens, b0, b1), _rows(dm.block_table, b0, b1))
     ws = buffers.topk_scratch_view(r1 - r0) if buffers.topk_scratch is not None else None
     return r0, r1, logits, ws
 
@@ -444,76 +488,8 @@ def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor | None, weights: to
     kv3, plan = _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, True, True, backend)
     if k is not None and scale_fmt not in SCALE_FMTS:
         raise ValueError(f"scale_fmt must be one of {SCALE_FMTS}, got {scale_fmt!r}")
-    if plan is not None:  # plain eager: the ops' implementations directly, on the plan's views (issue #11)
-        dev = q_fp8.device
-        if k is not None:
-            _run("write_k_cache", backend, dev, (k, kv3, metadata.slot_mapping),
-                 {"scale_fmt": scale_fmt, "fp8_dtype": q_fp8.dtype})
-        try:
-            n, t = metadata.num_tokens, q_fp8.shape[0]
-            if t > n:
-                topk_out[n:t].fill_(-1)
-            _prefill_direct(plan, q_fp8, weights, kv3, topk_out, backend)
-            _decode_direct(plan, q_fp8, weights, kv3, metadata, topk_out, backend)
-        finally:  # what the ops wrote, once (as their ADInplaceOrView kernels would, op by op)
-            library.bump_versions((topk_out, *plan.written) if k is None else (topk_out, kv_cache, *plan.written))
-        return topk_out
-    # Every op below runs with _checked=True: check_step proved its arguments (the layer's tensors, the buffer
-    # views) and the metadata's records checked theirs when they were built, once per step (host time, #11).
-    if k is not None:
-        write_k_cache(k, kv_cache, metadata.slot_mapping, scale_fmt=scale_fmt, fp8_dtype=q_fp8.dtype,
-                      backend=backend, check_values=False, _checked=True)
-    # docs/spec.md §7 step 2 (fill topk_out[:T] with -1): rows [0, num_tokens) are all written below, by the top-k of
-    # their prefill chunk or decode slot (windows <= topk come out as 0..len-1, -1...), so only the padding
-    # tokens [num_tokens, T) of a padded batch (CUDA graphs) are filled here. Filling every row would cost a
-    # second write of topk_out and, under torch.compile, a staged copy of its rows.
-    n, t = metadata.num_tokens, q_fp8.shape[0]
-    if t > n:
-        topk_out[n:t].fill_(-1)
-    indexer_prefill(q_fp8, weights, kv_cache, metadata, buffers, topk_out, backend=backend, _checked=True)
-    indexer_decode(q_fp8, weights, kv_cache, metadata, buffers, topk_out, backend=backend, _checked=True)
+    # check_step proved every op's arguments (the layer's tensors, the buffer views) and the metadata's records
+    # checked theirs when they were built, once per step: the ops run without their own checks (host time, #11)
+    _run_step(plan, metadata, buffers, q_fp8, weights, k, kv_cache if plan is None else kv3, topk_out, backend,
+              scale_fmt, True, True)
     return topk_out
-
-
-def _run(name: str, backend: str | None, device: torch.device, args: tuple, kwargs: dict) -> None:
-    """One op of a step that runs its ops directly: the implementation (``_dispatch.call``), named under the
-    profiler; the step bumps the version counters once (:func:`library.bump_versions`)."""
-    library.call_direct(name, backend, device, args, kwargs, versions=False)
-
-
-# NOTE: the op calls below mirror indexer_prefill / indexer_decode (_chunk_logits, _decode_logits) on the plan's
-# views; a change of the ops' arguments goes into both.
-def _prefill_direct(plan: _StepPlan, q_fp8: torch.Tensor, weights: torch.Tensor, kv3: torch.Tensor,
-                    topk_out: torch.Tensor, backend: str | None) -> None:
-    """:func:`indexer_prefill`'s chunks on the plan's views, every op's implementation called directly
-    (:func:`library.call_direct`; :func:`_check` established that it may; the caller bumps the version
-    counters: ``plan.written``)."""
-    run, dev = _run, q_fp8.device
-    for c, k_fp8, k_scale, logits in plan.chunks:
-        if c.gather:
-            run("gather_k_cache", backend, dev, (kv3, c.block_table, c.cu_seq_lens),
-                {"out_k": k_fp8, "out_scale": k_scale})
-        t0, t1 = c.token_start, c.token_end
-        run("fp8_mqa_logits", backend, dev,
-            (_rows(q_fp8, t0, t1), k_fp8, k_scale, _rows(weights, t0, t1), c.cu_seqlen_ks, c.cu_seqlen_ke),
-            {"out": logits, "clean": False})
-        run("top_k_per_row", backend, dev, (logits, c.cu_seqlen_ks, c.cu_seqlen_ke), {"out": _rows(topk_out, t0, t1)})
-
-
-def _decode_direct(plan: _StepPlan, q_fp8: torch.Tensor, weights: torch.Tensor, kv3: torch.Tensor,
-                   metadata: IndexerMetadata, topk_out: torch.Tensor, backend: str | None) -> None:
-    """:func:`indexer_decode` on the plan's views (sub-batches included), every op's implementation called
-    directly (see :func:`_prefill_direct`)."""
-    if not plan.subs:
-        return
-    dm = metadata.decode
-    nd = metadata.num_decode_tokens
-    run, dev = _run, q_fp8.device
-    q, w, sel = _decode_inputs(q_fp8, weights, dm, nd, plan.buffers, topk_out)
-    for b0, b1, r0, r1, logits, qk, ws, row_starts, row_ends, ctx, bt in plan.subs:
-        kw = {"out": logits, "clean": False} if qk is None else {"out": logits, "clean": False, "qk": qk}
-        run("fp8_paged_mqa_logits", backend, dev, (_rows(q, b0, b1), kv3, _rows(w, r0, r1), ctx, bt), kw)
-        kw = {"out": _rows(sel, r0, r1)} if ws is None else {"out": _rows(sel, r0, r1), "workspace": ws}
-        run("top_k_per_row", backend, dev, (logits, row_starts, row_ends), kw)
-    if not dm.uniform:
-        torch.index_select(sel, 0, dm.unpack_src, out=_rows(topk_out, 0, nd))
