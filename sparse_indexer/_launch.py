@@ -51,15 +51,22 @@ def _prepare(args, ntensors: int | None = None) -> tuple[tuple, list]:
     compiled launcher takes them (tensors as their data pointers). With ``ntensors``, the first ``ntensors``
     arguments are tensors and the rest ints (the wrappers' layout), which is cheaper to key."""
     if ntensors is not None:
-        tensors, ints = args[:ntensors], args[ntensors:]
-        ptrs = [a.data_ptr() for a in tensors]
-        tkey = tuple([(a.dtype, (not p & 15) + 2 * a.is_cuda) for a, p in zip(tensors, ptrs)])
-        if ints and _I32_MIN <= min(ints) and max(ints) <= _I32_MAX:
-            ikey = tuple([2 if a == 1 else not a & 15 for a in ints])  # 2 (the value 1), True, False
-        else:
-            ikey = tuple([_int_class(a) for a in ints])
-        ptrs.extend(ints)
-        return (tkey, ikey), ptrs
+        # plain loops, no comprehensions (each is a function call before Python 3.12): ~1 us for 11 arguments
+        ptrs, key = [], []
+        for a in args[:ntensors]:
+            p = a.data_ptr()
+            ptrs.append(p)
+            key.append(a.dtype)
+            key.append((not p & 15) + 2 * a.is_cuda)
+        for a in args[ntensors:]:
+            ptrs.append(a)
+            if a == 1:
+                key.append(2)
+            elif _I32_MIN <= a <= _I32_MAX:
+                key.append(not a & 15)  # True, False
+            else:
+                key.append(_int_class(a) + 8)  # 12..15: 64-bit classes
+        return tuple(key), ptrs
     key = []
     out = list(args)
     for i, a in enumerate(args):

@@ -227,3 +227,21 @@ def test_step_bumps_the_version_of_what_it_writes():
     _step(sc, md, buf, out)
     _step(sc, md, buf, out)
     assert out._version > v[0] and sc.kv._version > v[1] and buf.logits._version > v[2]
+
+
+def test_launch_key_of_the_wrappers_layout_separates_what_triton_specializes():
+    """``_launch._prepare(args, ntensors)`` (the bound launches' key; plain loops since issue #11): tensors by
+    dtype and 16-byte alignment of the data pointer, integers by the value 1, divisibility by 16 and 32/64 bits;
+    the launch arguments are the data pointers, then the integers."""
+    from sparse_indexer._launch import _prepare
+
+    base = torch.zeros(64)
+    a, off = base[:8], base[1:9]  # 16-byte aligned, 4 bytes off
+    key = lambda *args: _prepare(args, 1)[0]  # noqa: E731
+    assert key(a, 32) == key(a, 48) != key(a, 33)
+    assert key(a, 1) != key(a, 17) and key(a, 1) != key(a, 16)
+    assert key(a, 2**40) != key(a, 32) and key(a, 2**40) != key(a, 2**40 + 1)
+    assert key(a, 2**64 - 16) != key(a, 2**40)
+    assert key(off, 32) != key(a, 32) and key(a.int(), 32) != key(a, 32)
+    _, launch_args = _prepare((a, off, 7, 2**40), 2)
+    assert launch_args == [a.data_ptr(), off.data_ptr(), 7, 2**40]
