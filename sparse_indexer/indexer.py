@@ -181,25 +181,21 @@ class _StepPlan:
         caller then runs the full sweep (:func:`_checks.disjoint`), which raises with the names."""
         outs, ins = self.outs, self.ins
         spans = []
-        for t in outputs:
-            lo, hi = C._span(t)
-            if lo != hi:
-                if outs.hits(lo, hi) or ins.hits(lo, hi):
+        n_out = len(outputs)
+        for i, t in enumerate(outputs + inputs):
+            if t is None:
+                continue
+            n = t.numel()
+            if not n:
+                continue
+            lo = t.data_ptr()
+            hi = lo + n * t.element_size() if t.is_contiguous() else C._span(t)[1]
+            if outs.hits(lo, hi) or (i < n_out and ins.hits(lo, hi)):
+                return False
+            for a, b, is_out in spans:
+                if (is_out or i < n_out) and a < hi and lo < b:
                     return False
-                spans.append((lo, hi))
-        layer_outs = len(spans)
-        for t in inputs:
-            if t is not None:
-                lo, hi = C._span(t)
-                if lo != hi:
-                    if outs.hits(lo, hi):
-                        return False
-                    spans.append((lo, hi))
-        for i in range(layer_outs):
-            lo, hi = spans[i]
-            for j in range(i + 1, len(spans)):
-                if spans[j][0] < hi and lo < spans[j][1]:
-                    return False
+            spans.append((lo, hi, i < n_out))
         return True
 
 

@@ -214,10 +214,12 @@ _increment_version = torch.autograd.graph.increment_version
 def _direct(name: str, backend: str | None, device: torch.device, args, kwargs) -> None:
     _dispatch.call(name, None if backend == "auto" else backend, device, *args, **kwargs)
     if not _inference_mode():  # as the op's ADInplaceOrView kernel: autograd sees the in-place writes
-        written = [kwargs[k] for k in _WRITES[name] if kwargs.get(k) is not None]
-        if name == "write_k_cache":
-            written.append(args[1])
-        _increment_version(written)
+        written = [args[1]] if name == "write_k_cache" else []
+        for k in _WRITES[name]:  # (a loop: a comprehension is a call before Python 3.12)
+            t = kwargs.get(k)
+            if t is not None:
+                written.append(t)
+        torch._C._increment_version(written)
 
 
 def call_direct(name: str, backend: str | None, device: torch.device, args: tuple, kwargs: dict, *,
