@@ -245,3 +245,70 @@ def test_launch_key_of_the_wrappers_layout_separates_what_triton_specializes():
     assert key(off, 32) != key(a, 32) and key(a.int(), 32) != key(a, 32)
     _, launch_args = _prepare((a, off, 7, 2**40), 2)
     assert launch_args == [a.data_ptr(), off.data_ptr(), 7, 2**40]
+
+
+def _variants(sc, md, out):
+    """Layer tensors that break one per-layer check each (and two that pass: a 4-D cache, a padded batch)."""
+    lim, t = md.limits, md.num_tokens
+    kv = sc.kv if sc.kv.dim() == 3 else sc.kv[:, :, 0, :]
+    wide = torch.zeros(sc.w.shape[0], sc.w.shape[1] * 2)
+    return {
+        "q non-contiguous": dict(q=sc.q.transpose(0, 1).contiguous().transpose(0, 1)),
+        "q float32": dict(q=sc.q.float()),
+        "q other fp8": dict(q=sc.q.view(torch.uint8).view(torch.float8_e5m2)),
+        "q too few rows": dict(q=sc.q[:-1], w=sc.w[:-1]),
+        "q other H": dict(q=sc.q[:, :-1]),
+        "weights float16": dict(w=sc.w.half()),
+        "weights strided": dict(w=wide[:, ::2]),
+        "weights other rows": dict(w=torch.cat([sc.w, sc.w[:1]])),
+        "k float64": dict(k=sc.k.double()),
+        "k other D": dict(k=sc.k[:, :-2]),
+        "k too few rows": dict(k=sc.k[:-1]),
+        "k strided": dict(k=torch.cat([sc.k, sc.k], 1)[:, ::2]),
+        "topk_out strided": dict(out=torch.zeros(t, lim.topk * 2, dtype=torch.int32)[:, ::2]),
+        "topk_out int64": dict(out=torch.zeros(t, lim.topk, dtype=torch.int64)),
+        "topk_out too few rows": dict(out=out[:-1]),
+        "kv float": dict(kv=kv.view(torch.float32)),
+        "kv other block size": dict(kv=kv.reshape(kv.shape[0] * 2, kv.shape[1] // 2, kv.shape[2])),
+        "kv 5-D": dict(kv=kv[:, :, None, None, :]),
+        "kv 4-D, dim 2 not 1": dict(kv=kv[:, :, None, :].expand(-1, -1, 2, -1)),
+        "kv misaligned": dict(kv=torch.zeros(kv.numel() + 2, dtype=torch.uint8)[2:].view(kv.shape)),
+        "kv strided inside a block": dict(kv=torch.zeros(kv.shape[0], kv.shape[1], kv.shape[2] * 2,
+                                                         dtype=torch.uint8)[:, :, ::2]),
+        "kv 4-D (valid)": dict(kv=kv[:, :, None, :]),
+        "padded batch (valid)": dict(q=torch.cat([sc.q, sc.q[:2]]), w=torch.cat([sc.w, sc.w[:2]]),
+                                     out=torch.zeros(t + 2, lim.topk, dtype=torch.int32)),
+    }
+
+
+@pytest.mark.parametrize("variant", sorted(_variants(*_step_case()[:2], _step_case()[3]).keys()))
+def test_step_memo_checks_a_layer_as_the_full_checks_do(variant):
+    """Each per-layer check holds on the memo's fast path (``indexer._layer_fast``): a bad layer tensor raises
+    what a first layer (no memo) raises, before anything is written; a valid one runs like the first layer."""
+    sc, md, buf, out = _step_case()
+    kw = _variants(sc, md, out)[variant]
+    o = kw.pop("out", out)
+    q, k, w, kv = kw.get("q", sc.q), kw.get("k", sc.k), kw.get("w", sc.w), kw.get("kv", sc.kv)
+
+    def call(md_):
+        try:
+            si.sparse_attn_indexer(q, k, w, kv, md_, buf, o)
+        except Exception as e:  # noqa: BLE001 - compared below
+            return type(e), str(e)
+        return None
+
+    fresh = sc.metadata()
+    first = call(fresh)  # no memo: every check
+    _step(sc, md, buf, out)  # the memo of md holds the plan
+    assert md._step_memo
+    kv_before, o_before = kv.clone(), o.clone()
+    got = call(md)
+    assert got == first, (variant, got, first)
+    if first is not None:
+        assert torch.equal(kv, kv_before) and torch.equal(o, o_before)
+    else:
+        assert "valid" in variant
+        from sparse_indexer.indexer import _layer_fast, _StepPlan
+
+        plan = next(v for v in md._step_memo.values() if isinstance(v, _StepPlan))
+        assert _layer_fast(plan.layer, q, w, k, o, kv) is not None  # the fast path took it
