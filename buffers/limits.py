@@ -5,7 +5,8 @@ from __future__ import annotations
 import attrs
 import torch
 
-__all__ = ["IndexerLimits", "FP8_DTYPES", "MiB", "DEFAULT_PREFILL_K_TOKENS", "DEFAULT_MAX_LOGITS_BYTES"]
+__all__ = ["IndexerLimits", "FP8_DTYPES", "LOGITS_DTYPES", "MiB", "DEFAULT_PREFILL_K_TOKENS",
+           "DEFAULT_MAX_LOGITS_BYTES"]
 
 MiB = 1 << 20
 
@@ -15,6 +16,7 @@ MiB = 1 << 20
 DEFAULT_PREFILL_K_TOKENS = 131072
 DEFAULT_MAX_LOGITS_BYTES = 2048 * MiB
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+LOGITS_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _positive(inst, attribute, value):
@@ -54,7 +56,8 @@ class IndexerLimits:
         max_decode_logits_bytes: byte budget of the decode logits, or ``None`` (no budget). When
             ``max_num_seqs * next_n * max_model_len * 4`` exceeds it, a decode step scores and selects its
             requests in sub-batches of :attr:`decode_batch` requests that reuse one budget-sized region of
-            ``logits`` (docs/memory.md); it must hold at least one request's rows (``next_n * max_model_len * 4``).
+            ``logits`` (docs/memory.md); it must hold at least one request's rows (``next_n * max_model_len * 4``;
+            ``* 2`` with bfloat16 logits).
         min_prefill_query_len: fewest query tokens a prefill request of a step can have, or ``None`` for
             ``next_n + 1``: :func:`sparse_indexer.build_metadata` makes every request of at most ``next_n`` new
             tokens a decode request. vLLM's metadata builder on ROCm and the CPU also sends requests of 1 to
@@ -64,6 +67,13 @@ class IndexerLimits:
         fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e4m3fnuz``.
         with_qk: also plan the ``qk`` buffer ``[H, max_num_seqs * next_n, max_model_len]`` float32, needed only
             by backends that materialise per-head scores (aiter's paged stage1).
+        logits_dtype: dtype of the ``logits`` field: ``torch.float32`` (default) or ``torch.bfloat16`` (half the
+            bytes and half the logits traffic; each score rounded once, docs/spec.md §5; selection on the rounded
+            values). The prefill chunks stay the same (their cap counts cells: ``max_logits_bytes // 4``).
+        compressed_prefill_logits: score prefill chunks into compressed logits (docs/spec.md §5, DeepGEMM's
+            ``max_seqlen_k``): a chunk's logits are ``[M, longest window]`` instead of ``[M, its keys]``, so a chunk
+            of several requests writes and reads ``M x (longest context)`` cells, not ``M x (sum of contexts)``.
+            The plan sizes ``logits`` by the largest such chunk. Default ``False``.
         world_size: ranks of a context-parallel group (:mod:`sparse_indexer.parallel`, docs/spec.md §11) that
             share each request's keys; 1 (default) plans no context-parallel field, more plans ``cp_scratch``
             (the candidates and the merge of one decode sub-batch's rows).
@@ -89,6 +99,8 @@ class IndexerLimits:
     fp8_dtype: torch.dtype = attrs.field(default=torch.float8_e4m3fn, validator=_one_of(*FP8_DTYPES))
     with_qk: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     world_size: int = attrs.field(default=1, validator=_positive)
+    logits_dtype: torch.dtype = attrs.field(default=torch.float32, validator=_one_of(*LOGITS_DTYPES))
+    compressed_prefill_logits: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     def __attrs_post_init__(self):
         if self.prefill_k_tokens < self.max_model_len:
@@ -106,11 +118,11 @@ class IndexerLimits:
                 f"IndexerLimits.min_prefill_query_len={self.min_prefill_query_len} must be <= next_n + 1 = "
                 f"{self.next_n + 1} (a request of more than next_n tokens is always a prefill request)"
             )
-        one = self.next_n * self.max_model_len * 4
+        one = self.next_n * self.max_model_len * self.logits_dtype.itemsize
         if self.max_decode_logits_bytes is not None and self.max_decode_logits_bytes < one:
             raise ValueError(
                 f"IndexerLimits.max_decode_logits_bytes={self.max_decode_logits_bytes} must hold one decode "
-                f"request's logits, next_n * max_model_len * 4 = {one} bytes"
+                f"request's logits, next_n * max_model_len * {self.logits_dtype.itemsize} = {one} bytes"
             )
 
     @property
@@ -126,8 +138,9 @@ class IndexerLimits:
     @property
     def decode_batch(self) -> int:
         """Decode requests scored and selected together: ``max_num_seqs`` without a budget (or when every row
-        fits it), else ``max_decode_logits_bytes // (next_n * max_model_len * 4)``."""
-        per_req = self.next_n * self.max_model_len * 4
+        fits it), else ``max_decode_logits_bytes // (next_n * max_model_len * itemsize)`` (4 for float32 logits,
+        2 for bfloat16)."""
+        per_req = self.next_n * self.max_model_len * self.logits_dtype.itemsize
         if self.max_decode_logits_bytes is None:
             return self.max_num_seqs
         return min(self.max_num_seqs, self.max_decode_logits_bytes // per_req)

@@ -11,7 +11,7 @@ import torch
 from .limits import IndexerLimits
 
 __all__ = ["ALIGN", "FieldPlan", "BufferPlan", "plan", "FIELDS", "PrefillExtremes", "prefill_extremes",
-           "logits_elems", "cp_scratch_cols"]
+           "logits_elems", "cp_scratch_cols", "compressed_prefill_logits", "prefill_logits_cells"]
 
 ALIGN = 256  # byte alignment of every field inside the arena
 
@@ -124,10 +124,57 @@ def prefill_extremes(lim: IndexerLimits) -> PrefillExtremes:
     return PrefillExtremes(keys=keys, keys_step=keys_step, logits=logits, logits_step=logits_step)
 
 
+@functools.lru_cache(maxsize=512)
+def compressed_prefill_logits(lim: IndexerLimits) -> int:
+    """Most cells of one prefill chunk's *compressed* logits (``IndexerLimits.compressed_prefill_logits``): a
+    chunk's queries times its longest window, over every chunk the planner can form (the chunks do not change).
+
+    With ``T, L, S, K, C, q0`` as in :func:`prefill_extremes`:
+
+    - a chunk of one whole request (``q`` queries, ``s`` keys, ``q s <= C``): its last query's window is ``s``,
+      so ``q s`` cells, the most ``max_s s min(T, s, C // s)`` (``min(...) >= q0``);
+    - a chunk of ``r >= 2`` requests: ``M`` queries, ``N >= M`` keys, longest window ``smax <= L``, with
+      ``M N <= C``, ``N <= K``: for each ``M <= min(T, isqrt(C), K)`` and ``r``, the largest ``smax`` with
+      ``N = max(M, smax + (r - 1) q0)`` (the other requests as short as allowed) and ``r smax >= M``;
+    - a query piece of a request split by the planner: at most its ``max(1, C // s)`` queries times ``s`` (the
+      uncompressed piece, an upper bound: the first pieces' windows are shorter).
+    """
+    L, T, S = lim.max_model_len, lim.max_num_batched_tokens, lim.max_num_seqs
+    K, C, q0 = lim.prefill_k_tokens, lim.prefill_logits_elems, lim.min_prefill_queries
+    if min(T, L) < q0:
+        return 0
+    best = 0
+    s = torch.arange(q0, L + 1, dtype=torch.int64)
+    q = torch.minimum(torch.clamp(s, max=T), C // s)
+    whole = torch.where(q >= q0, q * s, 0)
+    best = max(best, int(whole.max()))
+    qmax = torch.clamp(s, max=T)
+    split = qmax * s > C  # the planner splits a request of qmax queries: pieces of max(1, C // s) queries
+    if bool(split.any()):
+        best = max(best, int(torch.where(split, torch.clamp(C // s, min=1) * s, 0).max()))
+    hi = min(T, math.isqrt(C), K)  # N >= M: a chunk of M queries has M N <= C and N <= K
+    if hi >= 2 * q0 and S >= 2:
+        m = torch.arange(2 * q0, hi + 1, dtype=torch.int64)
+        for r in range(2, min(S, hi // q0) + 1):
+            # r requests, M = m queries: the longest s_max <= L with N = max(m, s_max + (r-1) q0) keys (the other
+            # requests as short as allowed), and r requests of at most s_max keys must hold the m queries
+            smax = torch.clamp(C // m - (r - 1) * q0, max=min(L, K - (r - 1) * q0))
+            ok = (r * q0 <= m) & (smax >= q0) & (smax * r >= m)
+            if bool(ok.any()):
+                best = max(best, int(torch.where(ok, m * smax, 0).max()))
+    return best
+
+
+def prefill_logits_cells(lim: IndexerLimits) -> int:
+    """Most logits cells of one prefill chunk under ``lim``: :func:`prefill_extremes` (``M x N``), or
+    :func:`compressed_prefill_logits` with ``IndexerLimits.compressed_prefill_logits``."""
+    return compressed_prefill_logits(lim) if lim.compressed_prefill_logits else prefill_extremes(lim).logits
+
+
 def logits_elems(lim: IndexerLimits) -> int:
-    """Float32 elements of the flat ``logits`` field: the larger of the biggest prefill chunk
-    (:func:`prefill_extremes`) and one decode sub-batch, ``decode_batch_rows x max_model_len``."""
-    return max(prefill_extremes(lim).logits, lim.decode_batch_rows * lim.max_model_len)
+    """Elements (of ``IndexerLimits.logits_dtype``) of the flat ``logits`` field: the larger of the biggest prefill
+    chunk (:func:`prefill_logits_cells`) and one decode sub-batch, ``decode_batch_rows x max_model_len``."""
+    return max(prefill_logits_cells(lim), lim.decode_batch_rows * lim.max_model_len)
 
 
 # name -> (shape function of the limits, dtype function of the limits); a shape of None means "absent".
@@ -136,7 +183,7 @@ def logits_elems(lim: IndexerLimits) -> int:
 FIELDS = {
     "k_fp8": (lambda lim: (prefill_extremes(lim).keys, lim.head_dim), lambda lim: lim.fp8_dtype),
     "k_scale": (lambda lim: (prefill_extremes(lim).keys,), lambda lim: torch.float32),
-    "logits": (lambda lim: (logits_elems(lim),), lambda lim: torch.float32),
+    "logits": (lambda lim: (logits_elems(lim),), lambda lim: lim.logits_dtype),
     # decode only, one sub-batch at a time
     "qk": (
         lambda lim: (lim.n_heads, lim.decode_batch_rows, lim.max_model_len) if lim.with_qk else None,

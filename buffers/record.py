@@ -7,7 +7,7 @@ import math
 import attrs
 import torch
 
-from .limits import FP8_DTYPES
+from .limits import FP8_DTYPES, LOGITS_DTYPES
 from .plan import ALIGN, BufferPlan
 
 __all__ = ["Buffers", "BufferTooSmall"]
@@ -76,8 +76,9 @@ class Buffers:
         k_fp8: ``[K, D]`` fp8 — gathered keys of one prefill chunk (``K``: the most keys a chunk allowed by the
             limits can gather, at most ``prefill_k_tokens``; :func:`buffers.plan.prefill_extremes`).
         k_scale: ``[K]`` float32 — their scales.
-        logits: ``[E]`` float32, flat — one prefill chunk's ``[M, N]`` logits or one decode sub-batch's logits
-            ``[decode_batch * next_n, W]`` (``E``: :func:`buffers.plan.logits_elems`).
+        logits: ``[E]`` float32 or bfloat16 (``IndexerLimits.logits_dtype``), flat — one prefill chunk's ``[M, N]``
+            logits (``[M, longest window]`` with ``IndexerLimits.compressed_prefill_logits``) or one decode
+            sub-batch's logits ``[decode_batch * next_n, W]`` (``E``: :func:`buffers.plan.logits_elems`).
         qk: ``[H, decode_batch * next_n, max_model_len]`` float32 or ``None`` — per-head scores of one decode
             sub-batch, for backends that need them.
         q_pack, w_pack, topk_pack: ``[max_num_seqs * next_n, H, D]`` fp8, ``[max_num_seqs * next_n, H]``
@@ -98,7 +99,7 @@ class Buffers:
 
     k_fp8: torch.Tensor = attrs.field(validator=_tensor(2, FP8_DTYPES))
     k_scale: torch.Tensor = attrs.field(validator=_tensor(1, (torch.float32,)))
-    logits: torch.Tensor = attrs.field(validator=_tensor(1, (torch.float32,)))
+    logits: torch.Tensor = attrs.field(validator=_tensor(1, LOGITS_DTYPES))
     qk: torch.Tensor | None = attrs.field(default=None, validator=_tensor(3, (torch.float32,)))
     q_pack: torch.Tensor | None = attrs.field(default=None, validator=_tensor(3, FP8_DTYPES))
     w_pack: torch.Tensor | None = attrs.field(default=None, validator=_tensor(2, (torch.float32,)))
@@ -136,7 +137,7 @@ class Buffers:
 
     @property
     def logits_capacity(self) -> int:
-        """Float32 elements of the flat logits buffer."""
+        """Elements of the flat logits buffer (of its dtype, float32 or bfloat16)."""
         return self.logits.shape[0]
 
     def k_view(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,7 +147,7 @@ class Buffers:
         return self.k_fp8[:n], self.k_scale[:n]
 
     def logits_view(self, rows: int, cols: int) -> torch.Tensor:
-        """A contiguous ``[rows, cols]`` float32 view at the start of ``logits``."""
+        """A contiguous ``[rows, cols]`` view at the start of ``logits`` (its dtype: float32 or bfloat16)."""
         if rows < 0 or cols < 0:
             raise ValueError(f"logits_view needs rows, cols >= 0, got {rows=} {cols=}")
         if rows * cols > self.logits_capacity:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 import attrs
+import torch
 
 from buffers import BufferPlan, IndexerLimits, plan
 
@@ -80,6 +81,14 @@ def report(lim: IndexerLimits) -> str:
                 f"{lim.max_decode_rows * lim.max_model_len * 4 / MiB:.1f} MiB); plan "
                 f"{free.total_bytes / MiB:.1f} MiB without the budget -> {p.total_bytes / MiB:.1f} MiB "
                 f"(saves {(free.total_bytes - p.total_bytes) / MiB:.1f} MiB)"]
+    plain = attrs.evolve(lim, logits_dtype=torch.float32, compressed_prefill_logits=False)
+    if plain != lim:
+        base = plan(plain)
+        out += ["", f"logits {str(lim.logits_dtype).replace('torch.', '')}"
+                f"{', compressed prefill logits' if lim.compressed_prefill_logits else ''}: logits "
+                f"{p['logits'].nbytes / MiB:.1f} MiB instead of {base['logits'].nbytes / MiB:.1f} MiB (float32, "
+                f"[M, N] prefill chunks); plan {base.total_bytes / MiB:.1f} MiB -> {p.total_bytes / MiB:.1f} MiB "
+                f"(saves {(base.total_bytes - p.total_bytes) / MiB:.1f} MiB)"]
     rows = vllm_reservations(lim)
     out += ["", "vLLM 0.33 for the same limits (CUDA/DeepGEMM path; it has no decode budget):"]
     w = max(len(n) for n, _ in rows)
@@ -123,6 +132,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode logits budget, MiB: decode runs in sub-batches that fit it (default: %(default)s = "
                         "no budget)")
     p.add_argument("--with-qk", action="store_true", help="also plan the per-head qk buffer (aiter stage1)")
+    p.add_argument("--logits-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="dtype of the logits buffer (default: %(default)s; bfloat16 halves it, docs/spec.md §5)")
+    p.add_argument("--compressed-prefill-logits", action="store_true",
+                   help="prefill chunks write compressed logits [M, longest window] (DeepGEMM's max_seqlen_k)")
 
 
 def limits_from_args(args) -> IndexerLimits:
@@ -130,6 +143,8 @@ def limits_from_args(args) -> IndexerLimits:
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, next_n=args.next_n, n_heads=args.heads, head_dim=args.head_dim,
         topk=args.topk, block_size=args.block_size, with_qk=args.with_qk,
+        logits_dtype=getattr(torch, getattr(args, "logits_dtype", "float32")),
+        compressed_prefill_logits=bool(getattr(args, "compressed_prefill_logits", False)),
     )
     if args.prefill_k_tokens is not None:
         kw["prefill_k_tokens"] = args.prefill_k_tokens

@@ -109,7 +109,7 @@ def test_fnuz_record():
         (dict(k_scale=torch.zeros(11)), ValueError, "k_scale"),
         (dict(k_scale=torch.zeros(20)[::2]), ValueError, "k_scale"),
         (dict(logits=torch.zeros(5, 10)), ValueError, "logits"),
-        (dict(logits=torch.zeros(50, dtype=torch.bfloat16)), TypeError, "logits"),
+        (dict(logits=torch.zeros(50, dtype=torch.float16)), TypeError, "logits"),  # float32 or bfloat16 only
         (dict(qk=torch.zeros(2, 3)), ValueError, "qk"),
         (dict(qk=torch.zeros(2, 3, 4, dtype=torch.int32)), TypeError, "qk"),
         (dict(logits=torch.zeros(50, device="meta")), ValueError, "logits"),
