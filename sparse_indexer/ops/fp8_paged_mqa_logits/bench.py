@@ -16,19 +16,24 @@ def specs(smoke: bool = False) -> list[CaseSpec]:
     """Decode logits: ``(B, next_n, L)`` with a 64-token block size, ``clean=False`` as the step runs it."""
     shapes = ([(2, 1, 256), (2, 2, 256)] if smoke else
               [(64, 1, 65536), (64, 2, 65536), (128, 1, 32768), (256, 1, 16384), (32, 1, 131072)])
-    return [CaseSpec("decode", f"decode-{b}x{n}x{k_str(seq)}", f"decode B={b} next_n={n} L={seq}",
-                     dict(B=b, next_n=n, L=seq)) for b, n, seq in shapes]
+    out = [CaseSpec("decode", f"decode-{b}x{n}x{k_str(seq)}", f"decode B={b} next_n={n} L={seq}",
+                    dict(B=b, next_n=n, L=seq)) for b, n, seq in shapes]
+    # bfloat16 logits (issue #17): half the logits bytes written
+    b, n, seq = shapes[0]
+    out.append(CaseSpec("decode", f"decode-{b}x{n}x{k_str(seq)}-bf16", f"decode B={b} next_n={n} L={seq} bf16 logits",
+                        dict(B=b, next_n=n, L=seq, dtype="bfloat16")))
+    return out
 
 
 def build(spec: CaseSpec, ctx: Ctx) -> Case:
     p = spec.params
-    return DecodeCase(ctx, p["B"], p["next_n"], p["L"])
+    return DecodeCase(ctx, p["B"], p["next_n"], p["L"], getattr(torch, p.get("dtype", "float32")))
 
 
 class DecodeCase(Case):
     note = "clean=False"
 
-    def __init__(self, ctx: Ctx, B: int, next_n: int, L: int):  # noqa: N803 - the paper's names
+    def __init__(self, ctx: Ctx, B: int, next_n: int, L: int, dtype: torch.dtype = torch.float32):  # noqa: N803
         dev, bs, h, d = ctx.device, ctx.block_size, ctx.heads, ctx.head_dim
         self.B, self.next_n, self.L = B, next_n, L
         per = -(-L // bs)
@@ -39,11 +44,12 @@ class DecodeCase(Case):
         self.context_lens = torch.full((B,), L, dtype=torch.int32, device=dev)
         q8, self.weights = queries(ctx, B * next_n)
         self.q = q8.view(B, next_n, h, d)
-        self.out = torch.empty(B * next_n, per * bs, dtype=torch.float32, device=dev)
+        self.out = torch.empty(B * next_n, per * bs, dtype=dtype, device=dev)
         self.limits = row_limits(self.context_lens, next_n)
         rows = B * next_n
         self.amount = float(B * L * (d + 4) + rows * h * d + rows * h * 4 + B * per * 4 + B * 4
-                            + int(self.limits.sum()) * 4)
+                            + int(self.limits.sum()) * dtype.itemsize)
+        self.rtol = LOGITS_RTOL if dtype == torch.float32 else 4e-3  # bfloat16: one rounding, 2**-9 relative
 
     def fn(self, backend):
         return lambda: fp8_paged_mqa_logits(self.q, self.cache, self.weights, self.context_lens,
@@ -61,5 +67,5 @@ class DecodeCase(Case):
                              clean=True, backend="reference")
         cols = torch.arange(self.out.shape[1], device=ref.device)
         inside = cols[None, :] < self.limits[rows][:, None]
-        err, _ = logits_error(self.out[rows], ref, inside, clean=False)
-        return err <= LOGITS_RTOL, f"rel L2 {err:.1e} on {rows.numel()} rows"
+        err, _ = logits_error(self.out[rows].float(), ref, inside, clean=False)
+        return err <= self.rtol, f"rel L2 {err:.1e} on {rows.numel()} rows"
