@@ -53,15 +53,18 @@ def tensor(name: str, t, *, ndim: int | None = None, dtypes=None, device=None, s
             raise ValueError(f"{name} is on {t.device}, expected {device} (the device of the other inputs)")
     if shape is not None:
         have = t.shape
-        if len(shape) != len(have):
-            raise _shape_error(name, t, shape)
-        for s, a in zip(shape, have):
-            if s is not None and s != a:
+        if have != shape:  # equal: the common case, one comparison (else wildcards or a mismatch)
+            if len(shape) != len(have):
                 raise _shape_error(name, t, shape)
+            for s, a in zip(shape, have):
+                if s is not None and s != a:
+                    raise _shape_error(name, t, shape)
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
-    if last_contiguous and t.dim() and t.shape[-1] > 1 and t.stride()[-1] != 1:
-        raise ValueError(f"{name} must have unit stride in its last dimension, got strides {t.stride()}")
+    if last_contiguous:
+        st = t.stride()
+        if st and st[-1] != 1 and t.shape[-1] > 1:
+            raise ValueError(f"{name} must have unit stride in its last dimension, got strides {st}")
     return t
 
 
