@@ -104,3 +104,8 @@ def test_compressed_extreme_bounds_every_chunk(L, S, extra, nn, kx, C):
     assert brute <= planned <= prefill_extremes(lim).logits
     if min(S + extra, L) * L <= C:  # no request is split into query pieces: the plan is exactly the largest chunk
         assert planned == brute
+
+
+def test_compressed_prefill_logits_not_with_context_parallel():
+    with pytest.raises(ValueError, match="context parallel"):
+        IndexerLimits(**DEEPSEEK, compressed_prefill_logits=True, world_size=2)
