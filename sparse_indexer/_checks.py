@@ -172,11 +172,13 @@ def want_value_checks(check_values: bool | None, *tensors: torch.Tensor) -> bool
     """
     if check_values is not None and not check_values:
         return False
+    if check_values is None and not _is_compiling():
+        for t in tensors:  # the default on a GPU (or meta) tensor: no value checks, decided without more reads
+            if t is not None and not t.is_cpu:
+                return False
     for t in tensors:
         if t is not None and is_traced(t):
             return False
-    if check_values is None:
-        return all(t is None or t.is_cpu for t in tensors)
     return True
 
 
