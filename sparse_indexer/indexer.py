@@ -37,23 +37,17 @@ def _check_pack_fields(buffers: Buffers, q_fp8: torch.Tensor) -> None:
         raise ValueError(f"buffers.qk has {buffers.qk.shape[0]} heads, expected H={h}")
 
 
-def _check_cache_ids(metadata: IndexerMetadata, lay, kv_cache: torch.Tensor, memo: dict | None = None) -> None:
+def _check_cache_ids(metadata: IndexerMetadata, lay, kv_cache: torch.Tensor) -> None:
     """Block ids and slots must lie inside the cache. ``build_metadata(..., num_blocks=)`` checked them on the
     host; then only the cache size is compared. Unchecked metadata is checked here when it lives on the CPU
-    (free); on a GPU that would synchronise, so it is the caller's promise (pass ``num_blocks``). With ``memo``
-    (the metadata's step memo) a cache size checked once is not checked again (the metadata does not change)."""
+    (free; every layer, as the tensors' values could change in place); on a GPU that would synchronise, so it
+    is the caller's promise (pass ``num_blocks``)."""
     if metadata.num_blocks is not None:
         if lay.num_blocks < metadata.num_blocks:
             raise ValueError(f"kv_cache has {lay.num_blocks} blocks but the metadata was checked against "
                              f"num_blocks={metadata.num_blocks}")
         return
     if kv_cache.device.type != "cpu" or C.is_traced(metadata.slot_mapping):
-        return
-    if memo is not None:
-        key = ("block ids", lay.num_blocks, lay.block_size)
-        if key not in memo:
-            _check_cache_ids(metadata, lay, kv_cache)
-            memo[key] = True
         return
     bs = lay.block_size
     if metadata.slot_mapping.numel():
@@ -227,7 +221,7 @@ def _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, prefill: bo
                 kv3 = kv_cache if kv_cache.dim() == 3 else kv_cache[:, :, 0, :]
                 if not plan.layer_disjoint((topk_out, kv_cache), (q_fp8, weights, k)):
                     _disjoint(buffers, metadata, q_fp8, weights, k, topk_out, kv_cache)  # raises with the names
-                _check_cache_ids(metadata, lay, kv_cache, memo)
+                _check_cache_ids(metadata, lay, kv_cache)
                 return kv3, plan
     lim = metadata.limits
     C.fp8("q_fp8", q_fp8, ndim=3, contiguous=True)
@@ -274,11 +268,11 @@ def _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, prefill: bo
     if plan is not None and plan.buffers is buffers:
         if not plan.layer_disjoint((topk_out, kv_cache), (q_fp8, weights, k)):
             _disjoint(buffers, metadata, q_fp8, weights, k, topk_out, kv_cache)  # raises, naming the tensors
-        _check_cache_ids(metadata, lay, kv_cache, memo)
+        _check_cache_ids(metadata, lay, kv_cache)
         return kv3, plan
     _check_pack_fields(buffers, q_fp8)
     _disjoint(buffers, metadata, q_fp8, weights, k, topk_out, kv_cache)
-    _check_cache_ids(metadata, lay, kv_cache, memo)
+    _check_cache_ids(metadata, lay, kv_cache)
     # (resolving a backend imports modules, which Dynamo cannot trace; a compiled step raises from the op)
     if backend is not None and backend != "auto" and not torch.compiler.is_compiling():
         ops = (("write_k_cache",) if k is not None else ())

@@ -196,9 +196,9 @@ class IndexerMetadata:
     prefill_chunks: tuple[PrefillChunk, ...]
     limits: IndexerLimits
     num_blocks: int | None = None  # the cache size block ids and slots were checked against (None: unchecked)
-    # what the step proved about this record once (sparse_indexer.indexer._StepPlan per buffers/backend; the
-    # block-id check per cache size): every layer of the step shares the record, so only the layer's own tensors
-    # are checked per layer (issue #11). Not an argument; a copy (attrs.evolve) starts empty.
+    # what the step proved about this record once (sparse_indexer.indexer._StepPlan per buffers record, backend
+    # and step kind): every layer of the step shares the record, so only the layer's own tensors are checked per
+    # layer (issue #11). Not an argument; a copy (attrs.evolve) starts empty.
     _step_memo: dict = attrs.field(factory=dict, init=False, repr=False)
 
     @property
