@@ -132,7 +132,8 @@ class _Spans:
 
 class _StepPlan:
     """What one ``(metadata, buffers, backend, prefill, decode, k given)`` step proved once (kept in
-    ``metadata._step_memo``; every layer of a step shares the metadata): the byte ranges of the buffer fields
+    ``metadata._step_memo`` per backend and step kind, for the last buffers record (or one over the same bytes:
+    :func:`_same_buffers`); every layer of a step shares the metadata): the byte ranges of the buffer fields
     (written) and of the metadata tensors (read), and the buffer views of every prefill chunk
     ``(chunk, k_fp8, k_scale, logits)`` and decode sub-batch
     ``(b0, b1, r0, r1, logits, qk, workspace, row_starts, row_ends, context_lens, block_table)``."""
@@ -198,6 +199,23 @@ class _StepPlan:
         return True
 
 
+def _same_buffers(a: Buffers, b: Buffers) -> bool:
+    """Whether ``b`` holds the same fields as ``a`` over the same bytes (data pointer, shape, strides, dtype,
+    device), as plain tensors: vLLM's shim hands every layer a new record of views of one workspace, and the
+    plan made for the first one serves them all (its views are those bytes)."""
+    ta, tb = a.tensors(), b.tensors()
+    if len(ta) != len(tb):
+        return False
+    for name, x in ta.items():
+        y = tb.get(name)
+        if y is x:
+            continue
+        if (type(y) is not _Tensor or y.requires_grad or y.data_ptr() != x.data_ptr() or y.shape != x.shape
+                or y.dtype != x.dtype or y.device != x.device or y.stride() != x.stride()):
+            return False
+    return True
+
+
 def _plain(tensors) -> bool:
     """Every tensor is exactly a ``torch.Tensor`` that autograd would not record and not on the meta device
     (what :func:`library.runs_directly` asks of a call's tensors)."""
@@ -213,8 +231,8 @@ def _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, prefill: bo
         raise TypeError(f"buffers must be a Buffers record, got {type(buffers).__name__}")
     if (backend is None or type(backend) is str) and not _is_compiling():
         memo = metadata._step_memo
-        plan = memo.get((id(buffers), backend, prefill, decode, k is None))
-        if plan is not None and plan.buffers is buffers:
+        plan = memo.get((backend, prefill, decode, k is None))
+        if plan is not None and (plan.buffers is buffers or _same_buffers(plan.buffers, buffers)):
             lay = _layer_fast(plan.layer, q_fp8, weights, k, topk_out, kv_cache)
             if lay is not None and library.runs_directly(q_fp8.device, (q_fp8, weights, k, kv_cache, topk_out)):
                 # every per-layer check below holds (and the step's own were proven when the plan was made)
@@ -263,9 +281,9 @@ def _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, prefill: bo
     direct = (backend is None or type(backend) is str) and library.runs_directly(dev, (q_fp8, weights, k, kv_cache,
                                                                                          topk_out))
     memo = metadata._step_memo if direct else None
-    key = (id(buffers), backend, prefill, decode, k is None)
+    key = (backend, prefill, decode, k is None)
     plan = memo.get(key) if memo is not None else None
-    if plan is not None and plan.buffers is buffers:
+    if plan is not None and (plan.buffers is buffers or _same_buffers(plan.buffers, buffers)):
         if not plan.layer_disjoint((topk_out, kv_cache), (q_fp8, weights, k)):
             _disjoint(buffers, metadata, q_fp8, weights, k, topk_out, kv_cache)  # raises, naming the tensors
         _check_cache_ids(metadata, lay, kv_cache)

@@ -312,3 +312,30 @@ def test_step_memo_checks_a_layer_as_the_full_checks_do(variant):
 
         plan = next(v for v in md._step_memo.values() if isinstance(v, _StepPlan))
         assert _layer_fast(plan.layer, q, w, k, o, kv) is not None  # the fast path took it
+
+
+def test_step_plan_serves_a_new_record_over_the_same_bytes():
+    """vLLM's shim hands every layer a new Buffers record of views of one workspace: the plan made for the first
+    serves the next ones (same bytes, shapes, strides); a record over other bytes gets its own plan, and the
+    step's output is the same either way."""
+    import attrs
+
+    from buffers import allocate
+    from sparse_indexer.indexer import _StepPlan
+
+    sc, md, buf, out = _step_case()
+    _step(sc, md, buf, out)
+    want = out.clone()
+    plans = lambda: [v for v in md._step_memo.values() if isinstance(v, _StepPlan)]  # noqa: E731
+    (first,) = plans()
+    same = attrs.evolve(buf, logits=buf.logits[:], k_fp8=buf.k_fp8.view(buf.k_fp8.shape))
+    assert same.logits is not buf.logits
+    out.fill_(7)
+    _step(sc, md, same, out)
+    assert plans() == [first] and torch.equal(out, want)
+    other = allocate(md.limits)
+    out.fill_(7)
+    _step(sc, md, other, out)
+    (second,) = plans()
+    assert second is not first and second.buffers is other
+    assert torch.equal(out.sort(dim=1).values, want.sort(dim=1).values)
