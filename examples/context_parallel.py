@@ -10,6 +10,7 @@ the single-process step on a cache holding every block: the same multiset of sel
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 
@@ -85,6 +86,7 @@ def sorted_values(sel: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
 
 
 def worker(rank: int, world: int, port: int) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # ranks of one host over 127.0.0.1: gloo on loopback
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         sel = step(rank, world)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import sys
@@ -176,6 +177,7 @@ def worker(rank: int, a, port: int) -> None:
     dev = torch.device(a.device, rank) if a.device == "cuda" else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # ranks of one host over 127.0.0.1: gloo on loopback
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=a.world)
     try:

@@ -4,6 +4,7 @@ ranks without keys, sub-batches, split prefill chunks and non-uniform decode."""
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -64,6 +65,7 @@ def _case(name, seq, qry, kw, ties):
 
 
 def _worker(rank, world, port, cases, out):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # ranks of one host over 127.0.0.1: gloo on loopback
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         g = torch.Generator().manual_seed(100 + rank)
@@ -234,6 +236,7 @@ def _merge_worker(rank, world, port, out):
     import os
 
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (the merge's kernels, on CPU tensors)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # ranks of one host over 127.0.0.1: gloo on loopback
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         lim = IndexerLimits(max_model_len=256, max_num_batched_tokens=MROWS, max_num_seqs=MROWS, n_heads=4,
