@@ -147,7 +147,7 @@ class _StepPlan:
         self.ins = _Spans(metadata.tensors().values()) if spans else None
         self.chunks = ()
         if prefill:
-            self.chunks = tuple((c, *buffers.k_view(c.num_k_tokens), buffers.logits_view(c.num_tokens, c.num_k_tokens))
+            self.chunks = tuple((c, *buffers.k_view(c.num_k_tokens), buffers.logits_view(c.num_tokens, c.logits_cols))
                                 for c in metadata.prefill_chunks)
         self.subs = ()
         dm = metadata.decode
@@ -302,7 +302,7 @@ def _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, prefill: bo
     if prefill:
         for c in metadata.prefill_chunks:
             buffers.k_view(c.num_k_tokens)
-            buffers.logits_view(c.num_tokens, c.num_k_tokens)
+            buffers.logits_view(c.num_tokens, c.logits_cols)
     dm = metadata.decode
     if decode and dm is not None:
         rows = min(dm.num_reqs, decode_batch(metadata)) * dm.next_n  # one sub-batch at a time
@@ -460,7 +460,7 @@ def _run_step(plan, metadata: IndexerMetadata, buffers: Buffers, q_fp8: torch.Te
             topk_out[n:t].fill_(-1)
         for c, k_fp8, k_scale, logits in plan.chunks:
             _chunk_ops(run, backend, dev, q_fp8, weights, kv_cache, c, k_fp8, k_scale, logits)
-            run("top_k_per_row", backend, dev, (logits, c.cu_seqlen_ks, c.cu_seqlen_ke),
+            run("top_k_per_row", backend, dev, (logits, *c.topk_bounds),
                 {"out": _rows(topk_out, c.token_start, c.token_end)})
         if plan.subs:
             dm = metadata.decode
@@ -489,7 +489,7 @@ def _chunk_ops(run, backend: str | None, dev: torch.device, q_fp8: torch.Tensor,
     t0, t1 = c.token_start, c.token_end
     run("fp8_mqa_logits", backend, dev,
         (_rows(q_fp8, t0, t1), k_fp8, k_scale, _rows(weights, t0, t1), c.cu_seqlen_ks, c.cu_seqlen_ke),
-        {"out": logits, "clean": False})
+        {"out": logits, "clean": False} if c.window is None else {"out": logits, "clean": False, "compressed": True})
 
 
 def _sub_batch_ops(run, backend: str | None, dev: torch.device, q: torch.Tensor, w: torch.Tensor, kv3: torch.Tensor,
@@ -507,7 +507,7 @@ def _chunk_logits(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Te
     :func:`_chunk_ops` through :func:`_run_op`); returns the chunk's token rows and its ``[M_c, N_c]`` logits.
     For the context-parallel prefill."""
     k_fp8, k_scale = buffers.k_view(c.num_k_tokens)
-    logits = buffers.logits_view(c.num_tokens, c.num_k_tokens)
+    logits = buffers.logits_view(c.num_tokens, c.logits_cols)
     _chunk_ops(_run_op, backend, q_fp8.device, q_fp8, weights, as_3d(kv_cache), c, k_fp8, k_scale, logits)
     return slice(c.token_start, c.token_end), logits
 

@@ -103,6 +103,10 @@ class PrefillChunk:
         cu_seqlen_ks, cu_seqlen_ke: ``[token_end - token_start]`` int32 — each query's key window
             ``[ks, ke)`` in the gathered keys (causal). DeepGEMM's names: per-query window bounds, not
             cumulative sums (``cu_seq_lens`` is the cumulative one).
+        window: ``None`` (full ``[M, num_k_tokens]`` logits), or with ``IndexerLimits.compressed_prefill_logits``
+            the compressed width (the chunk's longest window, docs/spec.md §5), with ``window_starts`` (zeros)
+            and ``window_ends`` (``ke - ks``), ``[token_end - token_start]`` int32: the top-k bounds of
+            compressed rows.
     """
 
     token_start: int
@@ -113,10 +117,25 @@ class PrefillChunk:
     cu_seq_lens: torch.Tensor
     cu_seqlen_ks: torch.Tensor
     cu_seqlen_ke: torch.Tensor
+    window: int | None = None
+    window_starts: torch.Tensor | None = None
+    window_ends: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.token_end - self.token_start
+
+    @property
+    def logits_cols(self) -> int:
+        """Columns of the chunk's logits: ``window`` (compressed) or ``num_k_tokens``."""
+        return self.num_k_tokens if self.window is None else self.window
+
+    @property
+    def topk_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(row_starts, row_ends)`` of the chunk's top-k: ``(ks, ke)``, or ``(0, ke - ks)`` compressed."""
+        if self.window is None:
+            return self.cu_seqlen_ks, self.cu_seqlen_ke
+        return self.window_starts, self.window_ends
 
     def __attrs_post_init__(self):
         # checked once per step here, so the step's per-layer ops need not (docs/spec.md §7)
@@ -235,6 +254,9 @@ class IndexerMetadata:
                         f"prefill_chunks[{i}].cu_seq_lens": c.cu_seq_lens,
                         f"prefill_chunks[{i}].cu_seqlen_ks": c.cu_seqlen_ks,
                         f"prefill_chunks[{i}].cu_seqlen_ke": c.cu_seqlen_ke})
+            if c.window is not None:
+                out.update({f"prefill_chunks[{i}].window_starts": c.window_starts,
+                            f"prefill_chunks[{i}].window_ends": c.window_ends})
         return out
 
 
@@ -396,9 +418,14 @@ def build_metadata(seq_lens, query_lens, block_table: torch.Tensor, slot_mapping
         t0 = q_offsets[cp.req_start] + cp.query_start
         gather = not (prev is not None and prev.req_start == cp.req_start and prev.req_end == cp.req_end)
         a, b = num_decodes + cp.req_start, num_decodes + cp.req_end
+        win = {}
+        if limits.compressed_prefill_logits:  # compressed [M, longest window] logits (docs/spec.md §5)
+            lens = [e - s for s, e in zip(ks, ke)]
+            win = dict(window=max(lens, default=0), window_starts=_i32([0] * len(lens), device),
+                       window_ends=_i32(lens, device))
         chunks.append(PrefillChunk(
             token_start=t0, token_end=t0 + len(ks), num_k_tokens=cu[-1], gather=gather, block_table=bt[a:b],
-            cu_seq_lens=_i32(cu, device), cu_seqlen_ks=_i32(ks, device), cu_seqlen_ke=_i32(ke, device),
+            cu_seq_lens=_i32(cu, device), cu_seqlen_ks=_i32(ks, device), cu_seqlen_ke=_i32(ke, device), **win,
         ))
         prev = cp
     return IndexerMetadata(

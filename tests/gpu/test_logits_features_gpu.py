@@ -138,3 +138,27 @@ def test_ragged_compressed_equals_full_windows(dtype, clean):
                             ke[::97].contiguous(), max_seqlen_k=width, backend="reference")
     assert logits_error(out[::97].float(), ref, inside[::97], clean=False)[0] < (4e-3 if dtype == torch.bfloat16
                                                                                   else 1e-3)
+
+
+@pytest.mark.parametrize("dtype,compressed", [(torch.bfloat16, False), (torch.float32, True),
+                                              (torch.bfloat16, True)], ids=["bf16", "compressed", "bf16-compressed"])
+def test_step_with_logits_features(dtype, compressed):
+    """The step on the GPU (auto backends) with bf16 and/or compressed prefill logits: every row a top-k of its
+    float64 model scores (bf16: within two roundings of the k-th)."""
+    from tests.sparse_indexer.test_indexer import Scenario, check_topk, limits
+
+    lim = limits(next_n=2, logits_dtype=dtype, compressed_prefill_logits=compressed)
+    sc = Scenario([300, 90, 41, 512, 512, 200], [2, 1, 2, 300, 250, 120], lim=lim, seed=3)
+    md = si.build_metadata(sc.seq, sc.qry, sc.block_table.cuda(), sc.slot_mapping.cuda(), lim,
+                           num_blocks=sc.kv.shape[0])
+    from buffers import allocate
+
+    buf = allocate(lim, "cuda")
+    out = torch.full((md.num_tokens, lim.topk), 7, dtype=torch.int32, device="cuda")
+    si.sparse_attn_indexer(sc.q.cuda(), sc.k.cuda(), sc.w.cuda(), sc.kv.cuda(), md, buf, out)
+    if dtype == torch.bfloat16:
+        from sparse_indexer.testing import assert_topk
+
+        assert_topk(out.cpu(), sc.model_scores(), rtol=2.0**-7, threshold=True)
+    else:
+        check_topk(out.cpu(), sc.model_scores(), lim.topk)

@@ -1,0 +1,56 @@
+"""The step with the limits' logits features (issue #17): bfloat16 logits (``IndexerLimits.logits_dtype``) and
+compressed prefill logits (``IndexerLimits.compressed_prefill_logits``). Every row's top-k is checked against the
+float64 model: with bf16 logits a selected score may trail the k-th best by one bfloat16 rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.sparse_indexer.test_indexer import Scenario, check_topk, limits, run_step
+
+BF16_RTOL = 2.0**-7  # two roundings of 2**-9 relative (the k-th and the selected score), x max|score|
+
+
+def check(sel, sc, bf16: bool):
+    if bf16:
+        from sparse_indexer.testing import assert_topk
+
+        assert_topk(sel, sc.model_scores(), rtol=BF16_RTOL, threshold=True)
+    else:
+        check_topk(sel, sc.model_scores(), sc.lim.topk)
+
+
+STEPS = {
+    "mixed": ([40, 7, 0, 100, 65], [1, 1, 1, 30, 65], 1, {}),
+    "nonuniform-next_n2": ([90, 50, 33, 200, 120], [2, 1, 2, 40, 30], 2, {}),
+    "several-chunks": ([300, 260, 90, 150], [40, 60, 30, 50], 1, dict(max_logits_bytes=4 * 300 * 70)),
+    "split-request": ([500, 120], [200, 40], 1, dict(max_logits_bytes=4 * 500 * 30)),
+}
+
+
+@pytest.mark.parametrize("compressed", [False, True], ids=["full", "compressed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", list(STEPS))
+def test_step_with_logits_features(backend, name, dtype, compressed):
+    seq, qry, nn, extra = STEPS[name]
+    lim = limits(next_n=nn, logits_dtype=dtype, compressed_prefill_logits=compressed, **extra)
+    sc = Scenario(seq, qry, lim=lim, seed=len(name))
+    md, sel = run_step(sc, backend)
+    check(sel, sc, dtype == torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_compressed_step_fits_a_plan_too_small_for_full_rows(backend, dtype):
+    """Two fresh 512-token prompts in one chunk: full logits are [1024, 1024], compressed [1024, 512]; the
+    compressed plan holds only the latter, so the step must score compressed rows (and selects the same)."""
+    lim = limits(logits_dtype=dtype, compressed_prefill_logits=True)
+    sc = Scenario([512, 512], [512, 512], lim=lim, seed=7)
+    md = sc.metadata()
+    (c,) = md.prefill_chunks
+    assert c.window == 512 and c.logits_cols == 512 and c.num_k_tokens == 1024
+    from buffers import plan
+
+    assert plan(lim)["logits"].shape[0] < 1024 * 1024
+    md, sel = run_step(sc, backend)
+    check(sel, sc, dtype == torch.bfloat16)
