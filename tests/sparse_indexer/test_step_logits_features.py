@@ -54,3 +54,28 @@ def test_compressed_step_fits_a_plan_too_small_for_full_rows(backend, dtype):
     assert plan(lim)["logits"].shape[0] < 1024 * 1024
     md, sel = run_step(sc, backend)
     check(sel, sc, dtype == torch.bfloat16)
+
+
+def test_compiled_step_with_bf16_and_compressed_logits():
+    """torch.compile(fullgraph=True) of the step with bf16, compressed prefill logits: the same bytes as eager."""
+    import sparse_indexer as si
+    from buffers import allocate
+
+    torch._dynamo.reset()
+    lim = limits(next_n=2, n_heads=16, head_dim=64, topk=8, max_model_len=128, max_num_batched_tokens=96,
+                 max_num_seqs=4, prefill_k_tokens=1024, logits_dtype=torch.bfloat16, compressed_prefill_logits=True)
+    sc = Scenario([40, 7, 50, 30], [2, 1, 20, 30], lim=lim, seed=1)
+    md = sc.metadata()
+    assert md.prefill_chunks[0].window == 50
+
+    def step(q, k, w, kv, md, bufs, out):
+        si.sparse_attn_indexer(q, k, w, kv, md, bufs, out, backend="reference")
+
+    bufs = allocate(lim)
+    kv0 = sc.kv.clone()
+    want = torch.full((md.num_tokens, lim.topk), 7, dtype=torch.int32)
+    step(sc.q, sc.k, sc.w, sc.kv, md, bufs, want)
+    sc.kv.copy_(kv0)
+    got = torch.full_like(want, 7)
+    torch.compile(step, fullgraph=True)(sc.q, sc.k, sc.w, sc.kv, md, bufs.split_storages(), got)
+    assert torch.equal(got, want)
