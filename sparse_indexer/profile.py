@@ -115,7 +115,7 @@ def step_needs(metadata) -> dict[str, int]:
     cp_rows = metadata.limits.decode_batch_rows if metadata.limits.world_size > 1 else 0  # context parallel pieces
     for c in metadata.prefill_chunks:
         need["k_fp8"] = need["k_scale"] = max(need["k_fp8"], c.num_k_tokens)
-        need["logits"] = max(need["logits"], c.num_tokens * c.num_k_tokens)
+        need["logits"] = max(need["logits"], c.num_tokens * c.logits_cols)  # compressed: [M, window]
         need["cp_scratch"] = max(need["cp_scratch"], min(c.num_tokens, cp_rows))
     dm = metadata.decode
     if dm is not None:
