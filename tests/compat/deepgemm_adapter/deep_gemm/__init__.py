@@ -98,6 +98,8 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedu
         raise NotImplementedError("one key head per cache token (MQA) only")
     if kv_cache.shape[-1] != q.shape[-1] + 4:
         raise NotImplementedError("FP4 key caches are Blackwell-only in DeepGEMM and not supported by sparse-indexer")
+    if q.shape[-1] not in (64, 128):
+        raise NotImplementedError(f"sparse-indexer's paged cache holds D = 64 or 128, got D = {q.shape[-1]}")
     b, next_n = q.shape[:2]
     if context_lens.dim() == 2 and next_n == 1:
         context_lens = context_lens.reshape(-1)  # [B, 1] per-row lengths == 1-D lengths when next_n == 1
