@@ -60,7 +60,7 @@ def step(rank: int, world: int):
     mine = torch.where(owner == rank, slots, torch.full_like(slots, -1))  # -1: another rank's key, skipped
     si.write_k_cache(keys, kv, mine)
     md = si.build_metadata(SEQ, QRY, table, new_slots, lim, num_blocks=num_blocks)  # global, the same on every rank
-    local = cp.shard_metadata(md, rank, world, seq_lens=SEQ)  # once per step, shared by every layer
+    local = cp.shard_metadata(md, rank, world)  # once per step, shared by every layer
     topk_out = torch.empty(sum(QRY), lim.topk, dtype=torch.int32)
     return cp.cp_sparse_attn_indexer(q_fp8, w, kv, md, local, allocate(lim), topk_out)
 

@@ -218,7 +218,7 @@ def run(rank: int, a, dev) -> None:
     kv, table = write_cache(a, dev, W, rank)
     md = si.build_metadata(seq, qry, table.cpu(), torch.full((a.batch,), -1, dtype=torch.int64), lim,
                            num_blocks=kv.shape[0], device=dev)
-    local = cp.shard_metadata(md, rank, W, seq_lens=seq)
+    local = cp.shard_metadata(md, rank, W)
     bufs = allocate(lim, dev)
     sel = torch.empty(a.batch, a.topk, dtype=torch.int32, device=dev)
     step = lambda: cp.cp_decode(q_fp8, w, kv, md, local, bufs, sel, backend=a.backend)  # noqa: E731

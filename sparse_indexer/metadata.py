@@ -107,6 +107,9 @@ class PrefillChunk:
             the compressed width (the chunk's longest window, docs/spec.md §5), with ``window_starts`` (zeros)
             and ``window_ends`` (``ke - ks``), ``[token_end - token_start]`` int32: the top-k bounds of
             compressed rows.
+        seq_lens: the host key count of each of the chunk's requests (``R_c`` ints, summing to
+            ``num_k_tokens``) where the builder knows them (``build_metadata`` does), else ``None``; context
+            parallel sharding derives each rank's local key count from them without reading the device.
     """
 
     token_start: int
@@ -120,6 +123,7 @@ class PrefillChunk:
     window: int | None = None
     window_starts: torch.Tensor | None = None
     window_ends: torch.Tensor | None = None
+    seq_lens: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -148,6 +152,11 @@ class PrefillChunk:
                  contiguous=True)
         C.tensor("prefill chunk cu_seqlen_ke", self.cu_seqlen_ke, dtypes=C.INDEX_DTYPES, device=dev, shape=(m,),
                  contiguous=True)
+        if self.seq_lens is not None and (len(self.seq_lens) != self.block_table.shape[0]
+                                          or sum(self.seq_lens) != self.num_k_tokens
+                                          or min(self.seq_lens, default=0) < 0):
+            raise ValueError(f"prefill chunk seq_lens {list(self.seq_lens)[:8]} must be {self.block_table.shape[0]} "
+                             f"non-negative key counts summing to num_k_tokens = {self.num_k_tokens}")
 
 
 @attrs.frozen(eq=False, kw_only=True)
@@ -426,6 +435,7 @@ def build_metadata(seq_lens, query_lens, block_table: torch.Tensor, slot_mapping
         chunks.append(PrefillChunk(
             token_start=t0, token_end=t0 + len(ks), num_k_tokens=cu[-1], gather=gather, block_table=bt[a:b],
             cu_seq_lens=_i32(cu, device), cu_seqlen_ks=_i32(ks, device), cu_seqlen_ke=_i32(ke, device), **win,
+            seq_lens=tuple(p_seq[r] for r in reqs),
         ))
         prev = cp
     return IndexerMetadata(

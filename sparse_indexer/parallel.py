@@ -36,8 +36,8 @@ it is five launches: a Triton kernel writing the candidates (:mod:`sparse_indexe
 all-gather, one copy of the gathered values into row-major ``[rows, W * topk]``, the top-k, and a Triton kernel
 writing the selected candidates' positions (read straight from the all-gather's output); ``all_gather_into_tensor``
 on NCCL is capturable, and :func:`cp_decode` replays from a CUDA graph (``scripts/cp_bench.py --graph``).
-:func:`shard_metadata` is per-step host planning (like ``build_metadata``) and stays outside the graph; given the
-host ``seq_lens`` it reads nothing from the device.
+:func:`shard_metadata` is per-step host planning (like ``build_metadata``) and stays outside the graph; on metadata
+from ``build_metadata`` (which records each prefill chunk's host key counts) it reads nothing from the device.
 """
 
 from __future__ import annotations
@@ -114,28 +114,7 @@ def _local_len(n: int, rank: int, world: int, bs: int) -> int:
     return (full + world - 1 - rank) // world * bs + (rem if full % world == rank else 0)
 
 
-def _local_key_counts(metadata: IndexerMetadata, seq_lens, rank: int, world: int) -> list[int]:
-    """Local keys gathered by each prefill chunk, from the step's host ``seq_lens`` (the chunks cover the prefill
-    requests in order; a chunk that does not gather repeats the previous chunk's requests, docs/spec.md §8)."""
-    seq = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else [int(s) for s in seq_lens]
-    n_req = metadata.num_decodes + metadata.num_prefills
-    if len(seq) != n_req:
-        raise ValueError(f"seq_lens has {len(seq)} entries, the metadata {n_req} requests")
-    bs = metadata.limits.block_size
-    counts, cursor, prev = [], metadata.num_decodes, 0
-    for i, c in enumerate(metadata.prefill_chunks):
-        if c.gather and i:
-            cursor += prev
-        prev = c.block_table.shape[0]
-        reqs = seq[cursor : cursor + prev]
-        if sum(reqs) != c.num_k_tokens:
-            raise ValueError(f"seq_lens are not the step's: prefill chunk {i} gathers {c.num_k_tokens} keys, "
-                             f"seq_lens[{cursor}:{cursor + prev}] sum to {sum(reqs)}")
-        counts.append(sum(_local_len(s, rank, world, bs) for s in reqs))
-    return counts
-
-
-def shard_metadata(metadata: IndexerMetadata, rank: int, world_size: int, *, seq_lens=None) -> IndexerMetadata:
+def shard_metadata(metadata: IndexerMetadata, rank: int, world_size: int) -> IndexerMetadata:
     """Rank ``rank``'s local metadata of a step whose global metadata is ``metadata`` (per step, shared by every
     layer; run it beside ``build_metadata``, outside CUDA graphs).
 
@@ -143,11 +122,10 @@ def shard_metadata(metadata: IndexerMetadata, rank: int, world_size: int, *, seq
     ``context_lens [B, next_n]``, so the paged op scores exactly the local causal windows) and a local width of
     ``ceil(ceil(width / bs) / W) * bs`` columns; device ops only. Prefill chunks: the local block table,
     ``cu_seq_lens`` of the local keys and every query's local window (device ops), and the local key count
-    ``num_k_tokens``, a host integer (it sizes the key gather and the logits): from ``seq_lens`` (the host context
-    lengths given to ``build_metadata``, a sequence of ints or a CPU tensor) when given, which reads nothing
-    from the device; otherwise read from the local ``cu_seq_lens`` in one transfer for all chunks (free for CPU
-    metadata; one device synchronisation per step for GPU metadata with prefill chunks, none for decode-only
-    steps). ``seq_lens`` that do not match the metadata raise ``ValueError``.
+    ``num_k_tokens``, a host integer (it sizes the key gather and the logits): from the chunk's host
+    ``seq_lens`` (``build_metadata`` records them), which reads nothing from the device; for chunks of a builder
+    that does not record them, read from the local ``cu_seq_lens`` in one transfer for all such chunks (one
+    device synchronisation per step for GPU metadata; decode-only steps never read the device).
     The slot mapping is the global one; the cache write of a context-parallel step is the caller's (each rank
     writes the new keys of its own blocks, :func:`cp_sparse_attn_indexer`).
     """
@@ -165,9 +143,6 @@ def shard_metadata(metadata: IndexerMetadata, rank: int, world_size: int, *, seq
             context_lens=ends.view(dm.num_reqs, dm.next_n).contiguous(),
             block_table=local_block_table(dm.block_table, rank, world_size),
             row_starts=dm.row_starts, row_ends=ends.contiguous(), pack_src=dm.pack_src, unpack_src=dm.unpack_src)
-    counts = None
-    if seq_lens is not None and metadata.prefill_chunks:
-        counts = _local_key_counts(metadata, seq_lens, rank, world_size)
     parts = []
     for c in metadata.prefill_chunks:
         cu = c.cu_seq_lens.long()
@@ -179,15 +154,20 @@ def shard_metadata(metadata: IndexerMetadata, rank: int, world_size: int, *, seq
         ks_l = cu_l[req]
         ke_l = ks_l + local_lens(c.cu_seqlen_ke.long() - ks, rank, world_size, bs)
         parts.append((cu_l, ks_l, ke_l))
-    if counts is None and parts:
-        counts = torch.stack([cu_l[-1] for cu_l, _, _ in parts]).tolist()  # one transfer for every chunk
+    local_seq = [None if c.seq_lens is None else tuple(_local_len(n, rank, world_size, bs) for n in c.seq_lens)
+                 for c in metadata.prefill_chunks]
+    unknown = [i for i, ls in enumerate(local_seq) if ls is None]
+    read = torch.stack([parts[i][0][-1] for i in unknown]).tolist() if unknown else []  # one transfer
+    counts = [sum(ls) if ls is not None else None for ls in local_seq]
+    for i, n in zip(unknown, read):
+        counts[i] = n
     chunks = []
-    for c, (cu_l, ks_l, ke_l), n in zip(metadata.prefill_chunks, parts, counts or ()):
+    for c, (cu_l, ks_l, ke_l), n, ls in zip(metadata.prefill_chunks, parts, counts, local_seq):
         dt = c.cu_seqlen_ks.dtype
         chunks.append(PrefillChunk(
             token_start=c.token_start, token_end=c.token_end, num_k_tokens=n, gather=c.gather,
             block_table=local_block_table(c.block_table, rank, world_size), cu_seq_lens=cu_l.to(c.cu_seq_lens.dtype),
-            cu_seqlen_ks=ks_l.to(dt), cu_seqlen_ke=ke_l.to(dt)))
+            cu_seqlen_ks=ks_l.to(dt), cu_seqlen_ke=ke_l.to(dt), seq_lens=ls))
     return IndexerMetadata(
         num_decodes=metadata.num_decodes, num_decode_tokens=metadata.num_decode_tokens,
         num_prefills=metadata.num_prefills, num_prefill_tokens=metadata.num_prefill_tokens,

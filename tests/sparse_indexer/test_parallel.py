@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 
+import attrs
 import pytest
 import torch
 import torch.distributed as dist
@@ -80,14 +81,15 @@ def _worker(rank, world, port, cases, out):
             kv[~mine] = torch.randint(0, 256, kv[~mine].shape, dtype=torch.uint8, generator=g)
             md = si.build_metadata(c["seq"], c["qry"], c["block_table"], c["slot_mapping"], lim,
                                    num_blocks=kv.shape[0])
-            local = cp.shard_metadata(md, rank, world, seq_lens=c["seq"])  # host counts: no device read
-            read = cp.shard_metadata(md, rank, world)  # counts read from the local cu_seq_lens
+            local = cp.shard_metadata(md, rank, world)  # host counts from the chunks' seq_lens: no device read
+            # a builder that records no host key counts: the counts are read from the local cu_seq_lens
+            bare = attrs.evolve(md, prefill_chunks=tuple(attrs.evolve(x, seq_lens=None) for x in md.prefill_chunks))
+            read = cp.shard_metadata(bare, rank, world)
             counts = [x.num_k_tokens for x in local.prefill_chunks]
             assert counts == [x.num_k_tokens for x in read.prefill_chunks] and counts, counts
-            with pytest.raises(ValueError, match="seq_lens"):
-                cp.shard_metadata(md, rank, world, seq_lens=c["seq"][:-1])
-            with pytest.raises(ValueError, match="seq_lens are not"):
-                cp.shard_metadata(md, rank, world, seq_lens=c["seq"][:-1] + [c["seq"][-1] + 1])
+            for x in local.prefill_chunks:  # the local chunks carry their requests' local key counts
+                assert sum(x.seq_lens) == x.num_k_tokens == int(x.cu_seq_lens[-1])
+                assert list(x.seq_lens) == (x.cu_seq_lens[1:] - x.cu_seq_lens[:-1]).tolist()
             t = c["q"].shape[0]
             sel = torch.full((t + 2, TOPK), -7, dtype=torch.int32)
             q = torch.cat([c["q"], c["q"][:1]])  # one padding token: its row must come out as -1
