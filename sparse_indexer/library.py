@@ -229,17 +229,18 @@ def call_direct(name: str, backend: str | None, device: torch.device, args: tupl
     ``versions=False`` leaves the version counters of the written tensors to the caller
     (:func:`bump_versions` once for all its ops)."""
     if versions:
-        if _profiling():
-            with torch.autograd.profiler.record_function(_RECORD_NAMES[name]):
-                _direct(name, backend, device, args, kwargs)
-            return
-        _direct(name, backend, device, args, kwargs)
-        return
+        _recorded(name, _direct, name, backend, device, args, kwargs)
+    else:
+        _recorded(name, _dispatch.call, name, None if backend == "auto" else backend, device, *args, **kwargs)
+
+
+def _recorded(name: str, fn, *args, **kwargs) -> None:
+    """``fn(*args, **kwargs)``, inside a profiler range named after op ``name`` while a profiler records."""
     if _profiling():
         with torch.autograd.profiler.record_function(_RECORD_NAMES[name]):
-            _dispatch.call(name, None if backend == "auto" else backend, device, *args, **kwargs)
+            fn(*args, **kwargs)
         return
-    _dispatch.call(name, None if backend == "auto" else backend, device, *args, **kwargs)
+    fn(*args, **kwargs)
 
 
 _bump = torch._C._increment_version
@@ -259,11 +260,7 @@ def call(name: str, backend: str | None, device: torch.device, *args, **kwargs) 
     ``device`` is the device of every tensor argument (the public function checked it).
     """
     if runs_directly(device, (*args, *kwargs.values())):
-        if _profiling():
-            with torch.autograd.profiler.record_function(_RECORD_NAMES[name]):
-                _direct(name, backend, device, args, kwargs)
-            return
-        _direct(name, backend, device, args, kwargs)
+        _recorded(name, _direct, name, backend, device, args, kwargs)
         return
     if functorch_active(*args, *kwargs.values()):
         if backend not in (None, "auto", "reference"):
