@@ -16,7 +16,7 @@ run() {
     fail=1
   fi
 }
-run "$PY" -m pytest -q -p no:cacheprovider tests
+run "$PY" -m pytest -q -p no:cacheprovider --durations=10 tests
 run env TRITON_INTERPRET=1 SPARSE_INDEXER_TEST_BACKENDS=triton "$PY" -m pytest -q -p no:cacheprovider \
   tests/sparse_indexer/ops tests/sparse_indexer/test_indexer.py tests/sparse_indexer/test_decode_budget.py
 # the vLLM shim on metadata from vLLM's own builder (its Triton metadata kernels in the interpreter; vLLM imports
