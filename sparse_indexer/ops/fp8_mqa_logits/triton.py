@@ -31,11 +31,14 @@ __all__ = ["fp8_mqa_logits", "to_out"]
 def to_out(x, ptr):
     """float32 ``x`` in the element type of ``ptr``: itself for float32; for bfloat16 rounded to nearest, ties to
     even, by integer arithmetic on the bits (torch's rounding on every device: Triton's interpreter truncates
-    a plain ``.to(tl.bfloat16)``). ``-inf`` stays ``-inf``."""
+    a plain ``.to(tl.bfloat16)``). ``-inf`` stays ``-inf``; a NaN stays a (quiet) NaN: its payload would carry
+    into the exponent (``0x7FFFFFFF`` -> ``-0.0``, ``0xFFFFFFFF`` -> ``+0.0``), so it keeps its top bits with the
+    quiet bit set, as torch does."""
     if ptr.dtype.element_ty == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        r = tl.where(x != x, (bits >> 16) | 0x40, r)
+        return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x
 

@@ -93,6 +93,21 @@ def test_ragged_bf16_logits(backend, clean, seed):
         assert bool((out[outside] == 5.0).all())
 
 
+@pytest.mark.parametrize("payload", [0x7FFFFFFF, -1, 0x7FC00001])  # -1: 0xFFFFFFFF
+def test_bf16_logits_keep_nan(backend, payload):
+    """A NaN score (here from a NaN weight, with NaN payloads that carry into the exponent when rounded as a
+    number) is a NaN in bfloat16 logits too, never a signed zero or an infinity (docs/spec.md §5, §6)."""
+    g = gen(11)
+    q, k = random_fp8((2, 4, 64), FN, g), random_fp8((6, 64), FN, g)
+    w = torch.ones(2, 4)
+    w.view(torch.int32)[0, 0] = payload
+    ks, ke = int32([0, 0]), int32([6, 6])
+    out = torch.zeros(2, 6, dtype=torch.bfloat16)
+    fp8_mqa_logits(q, k, random_scales(6, g), w, ks, ke, out=out, backend=backend)
+    assert bool(torch.isnan(out[0]).all()), out[0]
+    assert not bool(torch.isnan(out[1]).any()), out[1]
+
+
 @pytest.mark.uses_ops("fp8_mqa_logits")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("clean", [True, False])
