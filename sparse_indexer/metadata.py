@@ -157,6 +157,17 @@ class PrefillChunk:
                                           or min(self.seq_lens, default=0) < 0):
             raise ValueError(f"prefill chunk seq_lens {list(self.seq_lens)[:8]} must be {self.block_table.shape[0]} "
                              f"non-negative key counts summing to num_k_tokens = {self.num_k_tokens}")
+        if self.window is not None:
+            if not 0 <= self.window <= self.num_k_tokens:
+                raise ValueError(f"prefill chunk window = {self.window} must be in [0, num_k_tokens = "
+                                 f"{self.num_k_tokens}]")
+            for name in ("window_starts", "window_ends"):
+                C.tensor(f"prefill chunk {name}", getattr(self, name), dtypes=C.INDEX_DTYPES, device=dev,
+                         shape=(m,), contiguous=True)
+            if dev.type == "cpu" and m:  # values on the host only (a device read would sync)
+                if int(self.window_starts.min()) < 0 or int(self.window_ends.max()) > self.window:
+                    raise ValueError(f"prefill chunk top-k windows must lie in [0, window = {self.window}) "
+                                     f"of the compressed logits")
 
 
 @attrs.frozen(eq=False, kw_only=True)

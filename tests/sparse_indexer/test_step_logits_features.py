@@ -79,3 +79,22 @@ def test_compiled_step_with_bf16_and_compressed_logits():
     got = torch.full_like(want, 7)
     torch.compile(step, fullgraph=True)(sc.q, sc.k, sc.w, sc.kv, md, bufs.split_storages(), got)
     assert torch.equal(got, want)
+
+
+def test_compressed_chunk_windows_are_checked():
+    """A compressed chunk whose window is narrower than its queries' key windows, or whose window fields are
+    missing or of the wrong length, is refused when the metadata is built (before any step writes)."""
+    import attrs
+
+    lim = limits(compressed_prefill_logits=True)
+    sc = Scenario([100, 60], [100, 60], lim=lim, seed=8)
+    (c,) = sc.metadata().prefill_chunks
+    assert c.window == 100
+    with pytest.raises(ValueError, match="top-k windows"):
+        attrs.evolve(c, window=50)
+    with pytest.raises(ValueError, match="window = "):
+        attrs.evolve(c, window=c.num_k_tokens + 1)
+    with pytest.raises((TypeError, ValueError), match="window_ends"):
+        attrs.evolve(c, window_ends=c.window_ends[:-1])
+    with pytest.raises((TypeError, ValueError), match="window_starts"):
+        attrs.evolve(c, window_starts=None)
