@@ -71,6 +71,19 @@ def int32(x) -> torch.Tensor:
     return torch.as_tensor(x, dtype=torch.int32)
 
 
+def causal_windows(seq_lens, query_lens) -> tuple[list[int], list[int], list[int]]:
+    """``(cu, ks, ke)`` of a chunk of requests gathered back to back (docs/spec.md §5, §8): ``cu`` the key
+    offsets, and for every query token (request ``r``'s last ``query_lens[r]`` tokens) its causal window
+    ``[ks, ke)`` over its own request's keys."""
+    cu, ks, ke = [0], [], []
+    for s, q in zip(seq_lens, query_lens):
+        for j in range(q):
+            ks.append(cu[-1])
+            ke.append(cu[-1] + s - q + j + 1)
+        cu.append(cu[-1] + s)
+    return cu, ks, ke
+
+
 def empty_cache(num_blocks: int, block_size: int, d: int, pad: int = 0, four_d: bool = False) -> torch.Tensor:
     """A zeroed uint8 cache ``[nb, bs, D + 4]`` (or 4-D) with ``pad`` extra bytes between blocks."""
     width = d + 4

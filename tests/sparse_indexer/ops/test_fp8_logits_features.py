@@ -18,6 +18,7 @@ from tests import oracle
 from tests.cases import (
     assert_logits,
     assert_unchanged,
+    causal_windows,
     expect_error,
     gen,
     int32,
@@ -126,13 +127,7 @@ def test_ragged_compressed_causal_chunk_of_two_requests(backend):
     """A chunk holding two requests (the step's case): each query's window is its own request's keys."""
     g = gen(11)
     h, d = 64, 128
-    lens, qlens = [70, 40], [5, 3]
-    cu = [0, 70, 110]
-    ks, ke = [], []
-    for r in range(2):
-        for j in range(qlens[r]):
-            ks.append(cu[r])
-            ke.append(cu[r] + lens[r] - qlens[r] + j + 1)
+    _, ks, ke = causal_windows([70, 40], [5, 3])
     ks, ke = int32(ks), int32(ke)
     m, n = 8, 110
     q, k = random_fp8((m, h, d), FN, g), random_fp8((n, d), FN, g)

@@ -12,6 +12,7 @@ from tests.cases import (
     FP8_IDS,
     assert_logits,
     assert_topk,
+    causal_windows,
     expect_error,
     gen,
     hyp_settings,
@@ -110,13 +111,7 @@ def test_out_view_with_row_stride(backend):
 def test_causal_prefill_then_topk(backend, clean):
     """docs/spec.md §5 causal windows of two requests; top-k of the result judged by the oracle's float64 logits."""
     g = gen(3)
-    seq, qlen = [150, 90], [6, 5]
-    cu = [0, 150, 240]
-    starts, ends = [], []
-    for r in range(2):
-        for j in range(qlen[r]):
-            starts.append(cu[r])
-            ends.append(cu[r] + seq[r] - qlen[r] + j + 1)
+    cu, starts, ends = causal_windows([150, 90], [6, 5])
     m, n = len(starts), cu[-1]
     q, k, ks_, w = _inputs(g, m, n, 64, 128, torch.float8_e4m3fn)
     ks, ke = int32(starts), int32(ends)
