@@ -118,6 +118,9 @@ class IndexerLimits:
                 f"IndexerLimits.min_prefill_query_len={self.min_prefill_query_len} must be <= next_n + 1 = "
                 f"{self.next_n + 1} (a request of more than next_n tokens is always a prefill request)"
             )
+        if self.logits_dtype != torch.float32 and self.world_size > 1:
+            raise ValueError(f"IndexerLimits.logits_dtype={self.logits_dtype} is not supported with context parallel "
+                             f"(world_size={self.world_size}): the merge exchanges float32 candidate values")
         if self.compressed_prefill_logits and self.world_size > 1:
             raise ValueError("IndexerLimits.compressed_prefill_logits is not supported with context parallel "
                              f"(world_size={self.world_size}): each rank scores its local keys in full [M, N] rows")

@@ -184,6 +184,9 @@ def check_group(group, buffers: Buffers, topk: int) -> tuple[int, int]:
     rank = dist.get_rank(group)
     if buffers.cp_scratch is None:
         raise BufferTooSmall("cp_scratch", 1, 0, f"this record was planned with world_size=1, the group has {world}")
+    if buffers.logits.dtype != torch.float32:
+        raise ValueError(f"context parallel needs float32 logits buffers (the merge exchanges float32 candidates); "
+                         f"buffers.logits is {buffers.logits.dtype}")
     cols = cp_scratch_cols(world, topk)
     if buffers.cp_scratch.shape[1] != cols:
         raise ValueError(f"buffers.cp_scratch has {buffers.cp_scratch.shape[1]} columns; world_size={world}, "

@@ -24,6 +24,9 @@ def test_defaults_and_validation():
         IndexerLimits(**DEEPSEEK, logits_dtype=torch.float16)
     with pytest.raises(TypeError, match="compressed_prefill_logits"):
         IndexerLimits(**DEEPSEEK, compressed_prefill_logits=1)
+    with pytest.raises(ValueError, match="context parallel"):  # the merge exchanges float32 candidates
+        IndexerLimits(**DEEPSEEK, logits_dtype=torch.bfloat16, world_size=2)
+    assert IndexerLimits(**DEEPSEEK, logits_dtype=torch.bfloat16, world_size=1).world_size == 1
 
 
 @pytest.mark.parametrize("base", [DEEPSEEK, dict(max_model_len=8192, max_num_batched_tokens=32768, max_num_seqs=64)])
