@@ -139,31 +139,41 @@ def run(env) -> tuple[list[tuple[str, str, str, str]], dict]:
             f"nan_ok={nan_ok} {'OK' if ok else 'FAIL'}")
         return ok
 
+    def best_config(what, configs, fn_of, report, **bench_kw):
+        """``(ms, cfg)`` of the fastest of ``configs`` (``fn_of(cfg)``: the call to time; a config that fails is
+        logged and skipped); ``report(cfg, ms)`` logs and records each timing and returns the config to keep."""
+        best = None
+        for cfg in configs:
+            try:
+                fn = fn_of(cfg)
+                fn()
+                ms = bench(fn, **bench_kw)
+            except Exception as e:  # noqa
+                log(f"  {what} cfg {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            cfg = report(cfg, ms)
+            if best is None or ms < best[0]:
+                best = (ms, cfg)
+        return best
+
     def time_paged(b, L, next_n, configs, floor_tbs, clean=False, ragged=False):
         q, kv, wts, cl, bt = make_paged(b, L, next_n, ragged=ragged)
         W = bt.shape[1] * kv.shape[1]
         out = torch.empty(b * next_n, W, device=dev)
         kv3 = kv
         bytes_ = cl.long().clamp(min=0).sum().item() * 132 if ragged else b * L * 132
-        best = None
-        for cfg in configs:
-            try:
-                fn = functools.partial(paged_tr.fp8_paged_mqa_logits, q, kv3, wts, cl, bt, out=out, clean=clean,
-                                       config=cfg)
-                fn()
-                ms = bench(fn)
-            except Exception as e:  # noqa
-                log(f"  paged cfg {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
-                continue
+
+        def report(cfg, ms):
             tbs = bytes_ / ms / 1e9
             cfg = dict(cfg, programs_per_sm=paged_tr.LAST_LAUNCH.get("programs_per_sm"))
             frac = tbs / floor_tbs
             log(f"  paged B={b} L={L} next_n={next_n} clean={clean} ragged={ragged} {cfg}: {ms*1e3:.1f} us  "
                 f"{tbs:.2f} TB/s  {frac*100:.1f}% of copy floor")
             RESULTS[f"paged_b{b}_L{L}_nn{next_n}_clean{clean}_ragged{ragged}_{json.dumps(cfg, sort_keys=True)}"] = ms
-            if best is None or ms < best[0]:
-                best = (ms, cfg)
-        return best
+            return cfg
+
+        return best_config("paged", configs, lambda cfg: functools.partial(
+            paged_tr.fp8_paged_mqa_logits, q, kv3, wts, cl, bt, out=out, clean=clean, config=cfg), report)
 
     # ---------------------------------------------------------------- ragged
     def make_ragged(mq, nk, h=64, d=128):
@@ -217,22 +227,16 @@ def run(env) -> tuple[list[tuple[str, str, str, str]], dict]:
         out = torch.empty(mq, nk, device=dev)
         pairs = (ke.long() - ks.long()).sum().item()
         flop = pairs * 64 * 128 * 2
-        best = None
-        for cfg in configs:
-            try:
-                fn = lambda cfg=cfg: ragged_tr.fp8_mqa_logits(q, k, ksc, wts, ks, ke, out=out, clean=clean, config=cfg)
-                fn()
-                ms = bench(fn, rep=300)
-            except Exception as e:  # noqa
-                log(f"  ragged cfg {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
-                continue
+
+        def report(cfg, ms):
             tf = flop / ms / 1e9
             log(f"  ragged {mq}x{nk} causal clean={clean} {cfg}: {ms:.3f} ms  {tf:.0f} TFLOP/s  "
                 f"{tf / fp8_rate * 100:.1f}% of measured fp8 mm rate")
             RESULTS[f"ragged_{mq}x{nk}_clean{clean}_{json.dumps(cfg, sort_keys=True)}"] = ms
-            if best is None or ms < best[0]:
-                best = (ms, cfg)
-        return best
+            return cfg
+
+        return best_config("ragged", configs, lambda cfg: functools.partial(
+            ragged_tr.fp8_mqa_logits, q, k, ksc, wts, ks, ke, out=out, clean=clean, config=cfg), report, rep=300)
 
     DB, DL = (4, 300) if SMOKE else (64, 65536)  # noqa: N806
 
