@@ -182,15 +182,23 @@ def want_value_checks(check_values: bool | None, *tensors: torch.Tensor) -> bool
     return True
 
 
+_HOST_VALUES = 32  # values_in reads up to this many values of a 1-D CPU tensor as a list (more: aminmax)
+
+
 def values_in(name: str, t: torch.Tensor, lo: int | None, hi: int | None, what: str, mask=None) -> None:
     """Raise unless ``lo <= t < hi`` for every element (where ``mask``); names the first offender.
 
     ``mask`` is a bool tensor of ``t``'s shape, or a function returning one, and ``what`` a string or a function
     returning one: both are only built when some value lies outside the range (one ``aminmax`` of ``t``
     decides that first)."""
-    if t.numel() == 0:
+    n = t.numel()
+    if n == 0:
         return
-    tmin, tmax = torch.aminmax(t)
+    if n <= _HOST_VALUES and t.dim() == 1 and t.is_cpu:  # a few CPU values as Python ints: ~0.5 us vs 1.5
+        vals = t.tolist()
+        tmin, tmax = min(vals), max(vals)
+    else:
+        tmin, tmax = torch.aminmax(t)
     if (lo is None or int(tmin) >= lo) and (hi is None or int(tmax) < hi):
         return
     if callable(mask):
@@ -209,3 +217,73 @@ def values_in(name: str, t: torch.Tensor, lo: int | None, hi: int | None, what: 
         rng = f"is >= {hi}" if lo is None else f"is < {lo}" if hi is None else f"is outside [{lo}, {hi})"
         what = what() if callable(what) else what
         raise ValueError(f"{name}[{where}] = {v} {rng}: {what}")
+
+
+class Layouts:
+    """One public op's memo of the layout of its last fully checked call (issue #11): per tensor argument (or
+    ``None``) its dtype, shape, strides, device and byte extent, the non-tensor arguments the layout checks read
+    (``key``), and values derived from them (``extra``: sizes, the cache layout).
+
+    A later call whose tensors have exactly that layout (read by plain attribute access: :meth:`match`) passes
+    every layout check the full checks would run (they read nothing else), so the op runs only what can change
+    with the same layout: that no output's bytes overlap another argument's (data pointers), and the value
+    checks where they are on. Only in plain eager mode with plain tensors (:func:`sparse_indexer.library.plain_eager`;
+    :meth:`remember` is called only when the call runs directly); anything else, or any miss, runs the full
+    checks, which raise what they always raised. The memo holds no tensor (no reference keeps memory alive);
+    replacing it is one attribute store, so concurrent callers see one whole entry or the other."""
+
+    __slots__ = ("_last",)
+
+    def __init__(self):
+        self._last = None
+
+    def remember(self, tensors: tuple, n_out: int, key=None, extra=None) -> None:
+        """Keep the layout of ``tensors`` (the outputs first: ``n_out`` of them, each disjoint from every other
+        argument) after every check of the call passed on plain tensors."""
+        layout = []
+        for t in tensors:
+            if t is None:
+                layout.append(None)
+                continue
+            if type(t) is not _Tensor or is_traced(t):
+                return
+            n = t.numel()
+            layout.append((t.dtype, t.shape, t.stride(), t.device, (_span(t)[1] - t.data_ptr()) if n else 0))
+        self._last = (key, tuple(layout), n_out, extra)
+
+    def match(self, tensors: tuple, key=None):
+        """``(True, extra)`` when ``tensors`` (plain tensors or ``None`` as remembered; ``key`` equal) have the
+        remembered layout and no output overlaps another argument's bytes, else ``(False, None)``: the caller
+        then runs the full checks. The caller has checked :func:`~sparse_indexer.library.plain_eager`."""
+        last = self._last
+        if last is None or last[0] != key:
+            return _MISS
+        n_out = last[2]
+        outs = []  # the outputs' byte ranges so far: every later argument is compared with them
+        i = 0
+        try:
+            for t, want in zip(tensors, last[1]):
+                i += 1
+                if t is None:
+                    if want is not None:
+                        return _MISS
+                    continue
+                if want is None or type(t) is not _Tensor or t.requires_grad:
+                    return _MISS
+                dt, shape, stride, dev, ext = want
+                if t.dtype is not dt or t.shape != shape or t.stride() != stride or t.device != dev:
+                    return _MISS
+                if ext:
+                    lo = t.data_ptr()
+                    hi = lo + ext
+                    for a, b in outs:
+                        if lo < b and a < hi:
+                            return _MISS  # maybe overlapping: the full checks name the tensors
+                    if i <= n_out:
+                        outs.append((lo, hi))
+        except RuntimeError:  # a tensor without storage (a functional wrapper outside its transform)
+            return _MISS
+        return True, last[3]
+
+
+_MISS = (False, None)

@@ -21,7 +21,8 @@ import torch
 from . import backends as _registry
 from .backends import OPS, _interpret
 
-__all__ = ["BACKENDS", "OPS", "BackendUnavailable", "available", "candidates", "call", "unavailable_reason"]
+__all__ = ["BACKENDS", "OPS", "BackendUnavailable", "available", "call", "candidates", "invoke", "routes",
+           "unavailable_reason"]
 
 BACKENDS = _registry.BUILTIN
 """The built-in backends (``sparse_indexer.BACKENDS``); :func:`sparse_indexer.backends.names` adds registered ones."""
@@ -115,20 +116,40 @@ def _routes(op: str, backend: str | None, device_type: str, interpret: bool | No
     return tuple(routes)
 
 
-def call(op: str, backend: str | None, device: torch.device, *args, **kwargs):
-    """Run ``op`` on the first candidate backend that accepts the case.
+_resolved: dict = {}
+"""``(op, backend, device) -> (generation, unavailable_reason, implementation, routes)``: :func:`routes`'s memo of
+:func:`_routes`, one dictionary look-up per call (the ``functools`` key of seven items and ``device.type`` cost about
+0.6 us of host time per call, issue #11). An entry holds the functions it was made with and is used only while they
+are still the module's (a test's monkeypatch is never served a stale entry), as :func:`_routes`'s key does."""
 
-    The candidates of ``(op, backend, device.type)`` are resolved once (:func:`_routes`); a call then costs a
-    dictionary look-up before the implementation runs."""
+
+def routes(op: str, backend: str | None, device: torch.device) -> tuple[_Route, ...]:
+    """The candidates of ``op`` for ``backend`` on ``device``, best first (:func:`_routes`, resolved once); raises
+    what :func:`candidates` raises for an unknown or unavailable backend."""
+    hit = _resolved.get((op, backend, device)) if backend is None or type(backend) is str else None
+    if (hit is not None and hit[0] == _registry.generation and hit[1] is unavailable_reason
+            and hit[2] is implementation):
+        return hit[3]
     if backend is not None and type(backend) is not str:
         candidates(op, backend, device)  # raises the error that names the argument (and keeps it unhashed)
     dev_type = device.type if isinstance(device, torch.device) else torch.device(device).type
-    # TRITON_INTERPRET only decides whether Triton runs on a non-CUDA device (reading it costs ~0.5 us)
+    # TRITON_INTERPRET only decides whether Triton runs on a non-CUDA device (reading it costs ~0.5 us): such
+    # routes are resolved on every call (tests switch it), the others are kept
     interp = _interpret() if backend == "triton" and dev_type != "cuda" else None
-    routes = _routes(op, backend, dev_type, interp, unavailable_reason, implementation, _registry.generation)
+    gen, reason, impl = _registry.generation, unavailable_reason, implementation
+    found = _routes(op, backend, dev_type, interp, reason, impl, gen)
+    if interp is None and isinstance(device, torch.device):
+        _resolved[(op, backend, device)] = (gen, reason, impl, found)
+    return found
+
+
+def invoke(found: tuple[_Route, ...], op: str, backend: str | None, args: tuple, kwargs: dict):
+    """Run ``op`` on the first of ``found`` (:func:`routes`) that accepts the case: an explicitly named backend
+    raises what it raises; ``None``/``"auto"`` tries the next on :class:`NotImplementedError` (raised before
+    anything is written)."""
     explicit = not (backend is None or backend == "auto")
     last = None
-    for r in routes:
+    for r in found:
         if r.fn is None:
             if explicit:
                 raise BackendUnavailable(f"backend {r.name!r} has no implementation of {op}: {r.error}") from r.error
@@ -141,5 +162,13 @@ def call(op: str, backend: str | None, device: torch.device, *args, **kwargs):
             if explicit:
                 raise
             last = e
-    names = tuple(r.name for r in routes)
+    names = tuple(r.name for r in found)
     raise BackendUnavailable(f"no backend among {names} handles this {op} call: {last}")
+
+
+def call(op: str, backend: str | None, device: torch.device, *args, **kwargs):
+    """Run ``op`` on the first candidate backend that accepts the case.
+
+    The candidates of ``(op, backend, device)`` are resolved once (:func:`routes`); a call then costs a
+    dictionary look-up before the implementation runs (:func:`invoke`)."""
+    return invoke(routes(op, backend, device), op, backend, args, kwargs)

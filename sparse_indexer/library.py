@@ -59,7 +59,8 @@ import torch
 
 from . import _dispatch
 
-__all__ = ["NAMESPACE", "OPS", "call", "call_direct", "functorch_active", "op", "runs_directly"]
+__all__ = ["NAMESPACE", "OPS", "bump_versions", "call", "call_direct", "functorch_active", "op", "plain_eager",
+           "run_direct", "runs_directly"]
 
 NAMESPACE = "sparse_indexer"
 OPS = _dispatch.OPS
@@ -178,14 +179,22 @@ def _device_modes_only() -> bool:
                for i in range(torch._C._len_torch_function_stack()))
 
 
+def plain_eager() -> bool:
+    """The mode half of :func:`runs_directly` (no tensor read): not while Dynamo traces, no dispatch mode, no
+    torch-function mode other than ``torch.device(...)``, no ``torch.func`` transform, no ``torch.jit.trace``.
+    The public functions test it before they use their memo of the last proven layout (``_checks.Layouts``)."""
+    if _is_compiling() or _dispatch_modes() or _functorch_level() is not None or _jit_tracing() is not None:
+        return False
+    return not _function_mode_on() or _device_modes_only()
+
+
 def runs_directly(device: torch.device, tensors) -> bool:
     """Whether a call on ``tensors`` (the op's arguments; non-tensors are skipped) may run the backend
     implementation directly.
 
-    True only in plain eager mode, where the custom op would do nothing but dispatch: not while Dynamo traces,
-    no dispatch mode (user or infra: fake, proxy, functional), no torch-function mode other than
-    ``torch.device(...)``, no ``torch.func`` transform, no ``torch.jit.trace``, every tensor exactly a
-    ``torch.Tensor`` (no subclass), not on the meta device, and no input that autograd would record.
+    True only in plain eager mode, where the custom op would do nothing but dispatch (:func:`plain_eager`), every
+    tensor exactly a ``torch.Tensor`` (no subclass), not on the meta device, and no input that autograd would
+    record.
     """
     if _is_compiling() or _dispatch_modes() or _functorch_level() is not None or _jit_tracing() is not None:
         return False
@@ -208,42 +217,45 @@ _RECORD_NAMES = {name: f"{NAMESPACE}::{name}" for name in OPS}
 _WRITES = {"write_k_cache": (), "gather_k_cache": ("out_k", "out_scale"), "fp8_mqa_logits": ("out",),
            "fp8_paged_mqa_logits": ("out", "qk"), "top_k_per_row": ("out", "workspace")}
 _inference_mode = torch.is_inference_mode_enabled
-_increment_version = torch.autograd.graph.increment_version
+_bump = torch._C._increment_version
+_routes = _dispatch.routes
+_invoke = _dispatch.invoke
 
 
-def _direct(name: str, backend: str | None, device: torch.device, args, kwargs) -> None:
-    _dispatch.call(name, None if backend == "auto" else backend, device, *args, **kwargs)
-    if not _inference_mode():  # as the op's ADInplaceOrView kernel: autograd sees the in-place writes
-        written = [args[1]] if name == "write_k_cache" else []
-        for k in _WRITES[name]:  # (a loop: a comprehension is a call before Python 3.12)
-            t = kwargs.get(k)
-            if t is not None:
-                written.append(t)
-        torch._C._increment_version(written)
+def run_direct(name: str, backend: str | None, device: torch.device, args: tuple, kwargs: dict,
+               written) -> None:
+    """The direct route of :func:`call`: the backend implementation (:func:`_dispatch.invoke` on the resolved
+    routes, auto fallback kept), inside a profiler range named ``sparse_indexer::<name>`` while a profiler records,
+    then the version counters of ``written`` (a tuple or list of the tensors the call wrote; empty: the caller
+    bumps them, :func:`bump_versions`) bumped as the op's ADInplaceOrView kernel would.
+
+    For a caller that has established :func:`runs_directly` for every tensor of the call: a public function
+    after its checks, :func:`sparse_indexer.sparse_attn_indexer` once per layer for all its ops."""
+    found = _routes(name, None if backend == "auto" else backend, device)
+    if _profiling():
+        with torch.autograd.profiler.record_function(_RECORD_NAMES[name]):
+            _invoke(found, name, backend, args, kwargs)
+    else:
+        _invoke(found, name, backend, args, kwargs)
+    if written and not _inference_mode():
+        _bump(written)
+
+
+def _written(name: str, args: tuple, kwargs: dict) -> list:
+    """The tensors op ``name`` writes among ``args``/``kwargs`` (its ``mutates_args``)."""
+    written = [args[1]] if name == "write_k_cache" else []
+    for k in _WRITES[name]:  # (a loop: a comprehension is a call before Python 3.12)
+        t = kwargs.get(k)
+        if t is not None:
+            written.append(t)
+    return written
 
 
 def call_direct(name: str, backend: str | None, device: torch.device, args: tuple, kwargs: dict, *,
                 versions: bool = True) -> None:
-    """The direct route of :func:`call`, for a caller that has established :func:`runs_directly` for every tensor
-    of the call (:func:`sparse_indexer.sparse_attn_indexer` does it once per layer for all its ops).
-    ``versions=False`` leaves the version counters of the written tensors to the caller
-    (:func:`bump_versions` once for all its ops)."""
-    if versions:
-        _recorded(name, _direct, name, backend, device, args, kwargs)
-    else:
-        _recorded(name, _dispatch.call, name, None if backend == "auto" else backend, device, *args, **kwargs)
-
-
-def _recorded(name: str, fn, *args, **kwargs) -> None:
-    """``fn(*args, **kwargs)``, inside a profiler range named after op ``name`` while a profiler records."""
-    if _profiling():
-        with torch.autograd.profiler.record_function(_RECORD_NAMES[name]):
-            fn(*args, **kwargs)
-        return
-    fn(*args, **kwargs)
-
-
-_bump = torch._C._increment_version
+    """:func:`run_direct`, the written tensors found from ``name``'s ``mutates_args``; ``versions=False`` leaves
+    their version counters to the caller (:func:`bump_versions` once for all its ops)."""
+    run_direct(name, backend, device, args, kwargs, _written(name, args, kwargs) if versions else ())
 
 
 def bump_versions(tensors) -> None:
@@ -260,7 +272,7 @@ def call(name: str, backend: str | None, device: torch.device, *args, **kwargs) 
     ``device`` is the device of every tensor argument (the public function checked it).
     """
     if runs_directly(device, (*args, *kwargs.values())):
-        _recorded(name, _direct, name, backend, device, args, kwargs)
+        run_direct(name, backend, device, args, kwargs, _written(name, args, kwargs))
         return
     if functorch_active(*args, *kwargs.values()):
         if backend not in (None, "auto", "reference"):

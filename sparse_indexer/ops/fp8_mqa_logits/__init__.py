@@ -57,6 +57,17 @@ def fp8_mqa_logits(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, 
             library.call("fp8_mqa_logits", backend, q.device, q, k_fp8, k_scale, weights, cu_seqlen_ks,
                          cu_seqlen_ke, out=out, clean=bool(clean), compressed=True)
         return out
+    ts = (out, q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke)  # (outputs first: _checks.Layouts)
+    if out is not None and (max_seqlen_k is None or type(max_seqlen_k) is int) and _plain_eager():
+        proven, facts = _LAYOUTS.match(ts, (max_seqlen_k, logits_dtype))
+        if proven:  # the layout of a call that passed every check below: only aliasing (matched) and values
+            dev, n, cpu = facts
+            if check_values or (check_values is None and cpu):
+                _check_values(cu_seqlen_ks, cu_seqlen_ke, n, max_seqlen_k)
+            _run("fp8_mqa_logits", backend, dev, (q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke),
+                 {"out": out, "clean": bool(clean)} if max_seqlen_k is None else
+                 {"out": out, "clean": bool(clean), "compressed": True}, (out,))
+            return out
     C.fp8("q", q, ndim=3, last_contiguous=True)
     m, h, d = q.shape
     dev = q.device
@@ -72,6 +83,7 @@ def fp8_mqa_logits(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, 
     width = n if max_seqlen_k is None else max_seqlen_k
     if logits_dtype is not None and logits_dtype not in LOGITS_DTYPES:
         raise TypeError(f"logits_dtype must be one of {LOGITS_DTYPES}, got {logits_dtype}")
+    given = out is not None
     if out is None:
         out = torch.empty(m, width, dtype=logits_dtype or torch.float32, device=dev)
     else:
@@ -80,14 +92,9 @@ def fp8_mqa_logits(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, 
         C.no_alias("out", out, q=q, k_fp8=k_fp8, k_scale=k_scale, weights=weights, cu_seqlen_ks=cu_seqlen_ks,
                    cu_seqlen_ke=cu_seqlen_ke)
     if C.want_value_checks(check_values, cu_seqlen_ks, cu_seqlen_ke):
-        nonempty = lambda: cu_seqlen_ke > cu_seqlen_ks  # noqa: E731 - built only when a value is out of range
-        C.values_in("cu_seqlen_ks", cu_seqlen_ks, 0, None, "window starts must be >= 0", mask=nonempty)
-        C.values_in("cu_seqlen_ke", cu_seqlen_ke, None, n + 1, lambda: f"window ends must be <= N = {n}",
-                    mask=nonempty)
-        if max_seqlen_k is not None and m:
-            lens = cu_seqlen_ke.long() - cu_seqlen_ks.long()
-            C.values_in("cu_seqlen_ke - cu_seqlen_ks", lens, None, max_seqlen_k + 1,
-                        lambda: f"windows must be at most max_seqlen_k = {max_seqlen_k} keys long")
+        _check_values(cu_seqlen_ks, cu_seqlen_ke, n, max_seqlen_k)
+    if given and library.runs_directly(dev, ts):
+        _LAYOUTS.remember(ts, 1, (max_seqlen_k, logits_dtype), (dev, n, dev.type == "cpu"))
     if max_seqlen_k is None:
         library.call("fp8_mqa_logits", backend, dev, q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke,
                      out=out, clean=bool(clean))
@@ -95,3 +102,19 @@ def fp8_mqa_logits(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, 
         library.call("fp8_mqa_logits", backend, dev, q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke,
                      out=out, clean=bool(clean), compressed=True)
     return out
+
+
+_LAYOUTS = C.Layouts()  # the last fully checked call's layout (issue #11)
+_plain_eager = library.plain_eager
+_run = library.run_direct
+
+
+def _check_values(cu_seqlen_ks: torch.Tensor, cu_seqlen_ke: torch.Tensor, n: int, max_seqlen_k: int | None) -> None:
+    nonempty = lambda: cu_seqlen_ke > cu_seqlen_ks  # noqa: E731 - built only when a value is out of range
+    C.values_in("cu_seqlen_ks", cu_seqlen_ks, 0, None, "window starts must be >= 0", mask=nonempty)
+    C.values_in("cu_seqlen_ke", cu_seqlen_ke, None, n + 1, lambda: f"window ends must be <= N = {n}",
+                mask=nonempty)
+    if max_seqlen_k is not None and cu_seqlen_ks.shape[0]:
+        lens = cu_seqlen_ke.long() - cu_seqlen_ks.long()
+        C.values_in("cu_seqlen_ke - cu_seqlen_ks", lens, None, max_seqlen_k + 1,
+                    lambda: f"windows must be at most max_seqlen_k = {max_seqlen_k} keys long")

@@ -74,6 +74,24 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
             library.call("fp8_paged_mqa_logits", backend, q.device, q, as_3d(kv_cache), weights, context_lens,
                          block_table, out=out, clean=bool(clean), qk=qk)
         return out
+    ts = (out, qk, q, kv_cache, weights, context_lens, block_table, indices)  # outputs first: _checks.Layouts
+    if out is not None and _plain_eager():
+        proven, facts = _LAYOUTS.match(ts, logits_dtype)
+        if proven and not kv_cache.storage_offset() & 3:
+            # the layout of a call that passed every check below: only aliasing (matched), the cache's
+            # alignment (above) and the values
+            dev, lay, capacity, next_n, cpu = facts
+            if (check_values or (check_values is None and cpu)) and context_lens.numel():
+                _values(context_lens, block_table, indices, next_n, out.shape[1], capacity, lay)
+            kw = {"out": out, "clean": bool(clean)}
+            if indices is not None:
+                kw["indices"] = indices
+            if qk is not None:
+                kw["qk"] = qk
+            _run("fp8_paged_mqa_logits", backend, dev,
+                 (q, kv_cache if kv_cache.dim() == 3 else kv_cache[:, :, 0, :], weights, context_lens, block_table),
+                 kw, (out,) if qk is None else (out, qk))
+            return out
     C.fp8("q", q, ndim=4, last_contiguous=True)
     b, next_n, h, d = q.shape
     dev = q.device
@@ -92,6 +110,7 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     capacity = block_table.shape[1] * lay.block_size
     if logits_dtype is not None and logits_dtype not in LOGITS_DTYPES:
         raise TypeError(f"logits_dtype must be one of {LOGITS_DTYPES}, got {logits_dtype}")
+    given = out is not None
     if out is None:
         out = torch.empty(b * next_n, capacity, dtype=logits_dtype or torch.float32, device=dev)
     else:
@@ -101,21 +120,34 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
                    block_table=block_table, indices=indices)
     w = out.shape[1]
     if C.want_value_checks(check_values, context_lens, block_table, indices) and context_lens.numel():
-        if indices is not None:
-            C.values_in("indices", indices, 0, block_table.shape[0],
-                        lambda: f"indices must be in [0, block_table rows = {block_table.shape[0]})")
-            _check_values(context_lens, block_table.index_select(0, indices.long()), next_n, w, capacity, lay)
-        else:
-            _check_values(context_lens, block_table, next_n, w, capacity, lay)
+        _values(context_lens, block_table, indices, next_n, w, capacity, lay)
     extra = {} if indices is None else {"indices": indices}
     if qk is not None:
         C.tensor("qk", qk, dtypes=torch.float32, device=dev, shape=(h, b * next_n, w), last_contiguous=True)
         C.no_alias("qk", qk, q=q, kv_cache=kv_cache, weights=weights, context_lens=context_lens,
                    block_table=block_table, logits_out=out, indices=indices)
         extra["qk"] = qk
+    if given and library.runs_directly(dev, ts):
+        _LAYOUTS.remember(ts, 2, logits_dtype, (dev, lay, capacity, next_n, dev.type == "cpu"))
     library.call("fp8_paged_mqa_logits", backend, dev, q, kv3, weights, context_lens, block_table,
                  out=out, clean=bool(clean), **extra)
     return out
+
+
+_LAYOUTS = C.Layouts()  # the last fully checked call's layout (issue #11)
+_plain_eager = library.plain_eager
+_run = library.run_direct
+
+
+def _values(context_lens, block_table, indices, next_n: int, w: int, capacity: int, lay) -> None:
+    """The value checks (``check_values``): ``indices`` within the block table's rows, then the row limits and
+    the block ids they use (:func:`_check_values`)."""
+    if indices is not None:
+        C.values_in("indices", indices, 0, block_table.shape[0],
+                    lambda: f"indices must be in [0, block_table rows = {block_table.shape[0]})")
+        _check_values(context_lens, block_table.index_select(0, indices.long()), next_n, w, capacity, lay)
+    else:
+        _check_values(context_lens, block_table, next_n, w, capacity, lay)
 
 
 def _check_values(context_lens, block_table, next_n: int, w: int, capacity: int, lay) -> None:

@@ -35,6 +35,19 @@ def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_len
         library.call("gather_k_cache", backend, kv_cache.device, as_3d(kv_cache), block_table, cu_seq_lens,
                      out_k=out_k, out_scale=out_scale)
         return
+    ts = (out_k, out_scale, kv_cache, block_table, cu_seq_lens)  # (outputs first: _checks.Layouts)
+    if _plain_eager():
+        proven, facts = _LAYOUTS.match(ts)
+        if proven and not kv_cache.storage_offset() & 3:
+            # the layout of a call that passed every check below: only aliasing (matched), the cache's
+            # alignment (above) and the values
+            dev, lay, cpu = facts
+            if check_values or (check_values is None and cpu):
+                _check_values(block_table, cu_seq_lens, out_k.shape[0], lay)
+            _run("gather_k_cache", backend, dev,
+                 (kv_cache if kv_cache.dim() == 3 else kv_cache[:, :, 0, :], block_table, cu_seq_lens),
+                 {"out_k": out_k, "out_scale": out_scale}, ts[:2])
+            return
     kv3 = as_3d(kv_cache)
     lay = cache_layout(kv3)
     dev = kv_cache.device
@@ -47,26 +60,41 @@ def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_len
                out_scale=out_scale)
     C.no_alias("out_scale", out_scale, kv_cache=kv_cache, block_table=block_table, cu_seq_lens=cu_seq_lens)
     if C.want_value_checks(check_values, block_table, cu_seq_lens):
-        cap = lay.block_size * block_table.shape[1]
-        if r <= _HOST_LIST_ROWS:  # few requests: one copy to a list, then plain integers
-            cu = cu_seq_lens.tolist()
-            if cu[0] != 0:
-                raise ValueError(f"cu_seq_lens[0] must be 0, got {cu[0]}")
-            lens_ok = all(0 <= b - a <= cap for a, b in zip(cu, cu[1:]))
-            total = cu[-1] if r else 0
-        else:
-            if int(cu_seq_lens[0]) != 0:
-                raise ValueError(f"cu_seq_lens[0] must be 0, got {int(cu_seq_lens[0])}")
-            lens_ok = False
-            total = int(cu_seq_lens[-1])
-        lens = lambda: cu_seq_lens.long().diff()  # noqa: E731 - request lengths, only built when needed
-        if not lens_ok:
-            C.values_in("cu_seq_lens diffs", lens(), 0, cap + 1,
-                        lambda: f"request lengths must be >= 0 and fit max_blocks * block_size = {cap}")
-        if total > out_k.shape[0]:
-            raise ValueError(f"cu_seq_lens[-1] = {total} exceeds the {out_k.shape[0]} rows of out_k")
-        used = lambda: torch.arange(block_table.shape[1], device=dev)[None, :] < (  # noqa: E731 - only on failure
-            (lens() + lay.block_size - 1) // lay.block_size)[:, None]
-        C.values_in("block_table", block_table, 0, lay.num_blocks,
-                    lambda: f"block ids must be in [0, num_blocks={lay.num_blocks})", mask=used)
+        _check_values(block_table, cu_seq_lens, out_k.shape[0], lay)
+    if library.runs_directly(dev, ts):
+        _LAYOUTS.remember(ts, 2, extra=(dev, lay, dev.type == "cpu"))
     library.call("gather_k_cache", backend, dev, kv3, block_table, cu_seq_lens, out_k=out_k, out_scale=out_scale)
+
+
+_LAYOUTS = C.Layouts()  # the last fully checked call's layout (issue #11)
+_plain_eager = library.plain_eager
+_run = library.run_direct
+
+
+def _check_values(block_table: torch.Tensor, cu_seq_lens: torch.Tensor, rows: int, lay) -> None:
+    """``cu_seq_lens`` starts at 0, its request lengths fit the block table and their sum the ``rows`` of
+    ``out_k``; the block ids they use lie in the cache."""
+    r = block_table.shape[0]
+    dev = block_table.device
+    cap = lay.block_size * block_table.shape[1]
+    if r <= _HOST_LIST_ROWS:  # few requests: one copy to a list, then plain integers
+        cu = cu_seq_lens.tolist()
+        if cu[0] != 0:
+            raise ValueError(f"cu_seq_lens[0] must be 0, got {cu[0]}")
+        lens_ok = all(0 <= b - a <= cap for a, b in zip(cu, cu[1:]))
+        total = cu[-1] if r else 0
+    else:
+        if int(cu_seq_lens[0]) != 0:
+            raise ValueError(f"cu_seq_lens[0] must be 0, got {int(cu_seq_lens[0])}")
+        lens_ok = False
+        total = int(cu_seq_lens[-1])
+    lens = lambda: cu_seq_lens.long().diff()  # noqa: E731 - request lengths, only built when needed
+    if not lens_ok:
+        C.values_in("cu_seq_lens diffs", lens(), 0, cap + 1,
+                    lambda: f"request lengths must be >= 0 and fit max_blocks * block_size = {cap}")
+    if total > rows:
+        raise ValueError(f"cu_seq_lens[-1] = {total} exceeds the {rows} rows of out_k")
+    used = lambda: torch.arange(block_table.shape[1], device=dev)[None, :] < (  # noqa: E731 - only on failure
+        (lens() + lay.block_size - 1) // lay.block_size)[:, None]
+    C.values_in("block_table", block_table, 0, lay.num_blocks,
+                lambda: f"block ids must be in [0, num_blocks={lay.num_blocks})", mask=used)

@@ -34,6 +34,19 @@ def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.T
         library.call("write_k_cache", backend, k.device, k, as_3d(kv_cache), slot_mapping, scale_fmt=scale_fmt,
                      fp8_dtype=fp8_dtype)
         return
+    ts = (kv_cache, k, slot_mapping)  # (outputs first: _checks.Layouts)
+    if _plain_eager():
+        proven, facts = _LAYOUTS.match(ts, (scale_fmt, fp8_dtype))
+        if proven and not kv_cache.storage_offset() & 3:
+            # the layout (and scale_fmt, fp8_dtype) of a call that passed every check below: only aliasing
+            # (matched), the cache's alignment (above) and the values
+            dev, num_slots, cpu = facts
+            if check_values or (check_values is None and cpu):
+                _check_values(slot_mapping, num_slots)
+            _run("write_k_cache", backend, dev, (k, kv_cache if kv_cache.dim() == 3 else kv_cache[:, :, 0, :],
+                                                 slot_mapping), {"scale_fmt": scale_fmt, "fp8_dtype": fp8_dtype},
+                 ts[:1])
+            return
     C.tensor("k", k, ndim=2, dtypes=(torch.bfloat16, torch.float16, torch.float32), last_contiguous=True)
     dev = k.device
     kv3 = as_3d(kv_cache)
@@ -51,6 +64,17 @@ def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.T
         raise ValueError(f"fp8_dtype must be one of {FP8_DTYPES}, got {fp8_dtype!r}")
     C.no_alias("kv_cache", kv_cache, k=k, slot_mapping=slot_mapping)
     if C.want_value_checks(check_values, k, slot_mapping):
-        C.values_in("slot_mapping", slot_mapping, None, lay.num_slots,
-                    lambda: f"slots must be < num_blocks * block_size = {lay.num_slots} (negative = skip)")
+        _check_values(slot_mapping, lay.num_slots)
+    if library.runs_directly(dev, ts):
+        _LAYOUTS.remember(ts, 1, (scale_fmt, fp8_dtype), (dev, lay.num_slots, dev.type == "cpu"))
     library.call("write_k_cache", backend, dev, k, kv3, slot_mapping, scale_fmt=scale_fmt, fp8_dtype=fp8_dtype)
+
+
+_LAYOUTS = C.Layouts()  # the last fully checked call's layout (issue #11)
+_plain_eager = library.plain_eager
+_run = library.run_direct
+
+
+def _check_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    C.values_in("slot_mapping", slot_mapping, None, num_slots,
+                lambda: f"slots must be < num_blocks * block_size = {num_slots} (negative = skip)")
