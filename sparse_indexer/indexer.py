@@ -112,7 +112,7 @@ def check_step(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tenso
 
 class _Spans:
     """Byte ranges ``[lo, hi)`` of some tensors sorted by start, with the running maximum of their ends, so
-    whether any of them overlaps a range is one bisection."""
+    whether any of them overlaps a range is one bisection (:meth:`hits`, or inlined by its callers)."""
 
     __slots__ = ("starts", "max_end")
 
@@ -138,13 +138,13 @@ class _StepPlan:
     ``(chunk, k_fp8, k_scale, logits)`` and decode sub-batch
     ``(b0, b1, r0, r1, logits, qk, workspace, row_starts, row_ends, context_lens, block_table)``."""
 
-    __slots__ = ("buffers", "outs", "ins", "chunks", "subs", "written", "layer")
+    __slots__ = ("buffers", "outs", "both", "chunks", "subs", "written", "layer")
 
     def __init__(self, metadata: IndexerMetadata, buffers: Buffers, prefill: bool, decode: bool, spans: bool = True):
         self.buffers = buffers
         # (spans=False: a plan for one call off the direct route, where tensors may have no data pointers)
         self.outs = _Spans(buffers.tensors().values()) if spans else None
-        self.ins = _Spans(metadata.tensors().values()) if spans else None
+        self.both = _Spans((*buffers.tensors().values(), *metadata.tensors().values())) if spans else None
         self.chunks = ()
         if prefill:
             self.chunks = tuple((c, *buffers.k_view(c.num_k_tokens), buffers.logits_view(c.num_tokens, c.logits_cols))
@@ -178,25 +178,32 @@ class _StepPlan:
     def layer_disjoint(self, outputs: tuple, inputs: tuple) -> bool:
         """Whether the layer's ``outputs`` are disjoint from everything (the buffer fields, the metadata tensors,
         each other, ``inputs``) and its ``inputs`` from the buffer fields. ``False`` means "maybe not": the
-        caller then runs the full sweep (:func:`_checks.disjoint`), which raises with the names."""
-        outs, ins = self.outs, self.ins
+        caller then runs the full sweep (:func:`_checks.disjoint`), which raises with the names. One bisection
+        per tensor (outputs: over the buffer fields and metadata tensors together)."""
         spans = []
         n_out = len(outputs)
-        for i, t in enumerate(outputs + inputs):
+        i = 0
+        for t in outputs + inputs:
+            i += 1
             if t is None:
                 continue
-            n = t.numel()
+            n = t.nbytes
             if not n:
                 continue
             lo = t.data_ptr()
-            hi = lo + n * t.element_size() if t.is_contiguous() else C._span(t)[1]
-            if outs.hits(lo, hi) or (i < n_out and ins.hits(lo, hi)):
+            hi = lo + n if t.is_contiguous() else C._span(t)[1]
+            kept = self.both if i <= n_out else self.outs  # outputs: against everything the step keeps
+            j = _bisect(kept.starts, hi)
+            if j and kept.max_end[j - 1] > lo:
                 return False
             for a, b, is_out in spans:
-                if (is_out or i < n_out) and a < hi and lo < b:
+                if (is_out or i <= n_out) and a < hi and lo < b:
                     return False
-            spans.append((lo, hi, i < n_out))
+            spans.append((lo, hi, i <= n_out))
         return True
+
+
+_bisect = bisect_left
 
 
 def _same_buffers(a: Buffers, b: Buffers) -> bool:
@@ -234,7 +241,9 @@ def _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, prefill: bo
         plan = memo.get((backend, prefill, decode, k is None))
         if plan is not None and (plan.buffers is buffers or _same_buffers(plan.buffers, buffers)):
             lay = _layer_fast(plan.layer, q_fp8, weights, k, topk_out, kv_cache)
-            if lay is not None and library.runs_directly(q_fp8.device, (q_fp8, weights, k, kv_cache, topk_out)):
+            # (_layer_fast checked what runs_directly asks of the tensors: plain, on the plan's device, not
+            # recorded by autograd; the mode half here)
+            if lay is not None and _plain_eager():
                 # every per-layer check below holds (and the step's own were proven when the plan was made)
                 kv3 = kv_cache if kv_cache.dim() == 3 else kv_cache[:, :, 0, :]
                 if not plan.layer_disjoint((topk_out, kv_cache), (q_fp8, weights, k)):
@@ -325,6 +334,8 @@ def _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, prefill: bo
 
 
 _is_compiling = torch.compiler.is_compiling
+_plain_eager = library.plain_eager
+_grad_on = torch.is_grad_enabled
 _Tensor = torch.Tensor
 _K_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -358,6 +369,9 @@ def _layer_fast(want: tuple, q_fp8, weights, k, topk_out, kv_cache) -> CacheLayo
         return None
     if kv_cache.dtype != torch.uint8 or kv_cache.device != dev:
         return None
+    if _grad_on() and (q_fp8.requires_grad or weights.requires_grad or topk_out.requires_grad
+                       or kv_cache.requires_grad or (k is not None and k.requires_grad)):
+        return None  # autograd would record the call: the custom-op route (library.runs_directly)
     cs = kv_cache.shape
     if len(cs) == 3:
         nb, b, width = cs
@@ -421,11 +435,10 @@ def indexer_decode(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.T
     return topk_out
 
 
-def _run_direct(name: str, backend: str | None, device: torch.device, args: tuple, kwargs: dict) -> None:
-    """One op of a step that runs its ops directly (:func:`_check` returned a plan: plain eager, plain tensors):
-    the implementation (``_dispatch.call``), named under the profiler; the step bumps the version counters of
-    what it wrote once (:func:`library.bump_versions`)."""
-    library.call_direct(name, backend, device, args, kwargs, versions=False)
+_run_direct = library.run_direct
+"""One op of a step that runs its ops directly (:func:`_check` returned a plan: plain eager, plain tensors): the
+implementation (resolved routes, named under the profiler); the step bumps the version counters of what it
+wrote once (:func:`library.bump_versions`)."""
 
 
 def _run_op(name: str, backend: str | None, device: torch.device, args: tuple, kwargs: dict) -> None:

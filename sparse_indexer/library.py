@@ -223,7 +223,7 @@ _invoke = _dispatch.invoke
 
 
 def run_direct(name: str, backend: str | None, device: torch.device, args: tuple, kwargs: dict,
-               written) -> None:
+               written=()) -> None:
     """The direct route of :func:`call`: the backend implementation (:func:`_dispatch.invoke` on the resolved
     routes, auto fallback kept), inside a profiler range named ``sparse_indexer::<name>`` while a profiler records,
     then the version counters of ``written`` (a tuple or list of the tensors the call wrote; empty: the caller
