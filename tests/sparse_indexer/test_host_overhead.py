@@ -339,3 +339,192 @@ def test_step_plan_serves_a_new_record_over_the_same_bytes():
     (second,) = plans()
     assert second is not first and second.buffers is other
     assert torch.equal(out.sort(dim=1).values, want.sort(dim=1).values)
+
+
+# --- the public ops' memo of their last fully checked layout (issue #11: _checks.Layouts)
+
+
+def _i32(*x):
+    return torch.tensor(x, dtype=torch.int32)
+
+
+def _op_cases():
+    """Per op: (name, module with the op's ``_LAYOUTS``, a function of keyword arguments calling the op, a
+    factory of valid arguments, the names of its outputs, and bad variants: ``{what: function of the valid
+    arguments -> the arguments to change}``). Several variants keep every layout (same dtypes, shapes, strides)
+    and break only what the memo must still check: an output overlapping another argument, the values, the
+    cache's alignment."""
+    import importlib
+
+    mod = lambda n: importlib.import_module(f"sparse_indexer.ops.{n}")  # noqa: E731
+
+    def topk():
+        buf = torch.zeros(64, dtype=torch.int32)
+        rs, re_ = buf[0:2], buf[2:4]
+        re_.fill_(16)
+        return dict(logits=torch.randn(2, 16, generator=torch.Generator().manual_seed(0)), row_starts=rs,
+                    row_ends=re_, out=buf[8:16].view(2, 4), workspace=None, _buf=buf)
+
+    def shifted_kv(a):
+        raw = torch.zeros(a["kv_cache"].numel() + 4, dtype=torch.uint8)
+        return raw[1: 1 + a["kv_cache"].numel()].view(a["kv_cache"].shape)
+
+    def write():
+        return dict(k=torch.randn(2, 64), kv_cache=new_kv_cache(4, 16, 64), slot_mapping=torch.tensor([3, 17]))
+
+    def gather():
+        raw = torch.zeros(20 * 64 + 4 * 20, dtype=torch.uint8)
+        return dict(kv_cache=new_kv_cache(4, 16, 64), block_table=_i32(1, 2).view(1, 2), cu_seq_lens=_i32(0, 20),
+                    out_k=raw[: 20 * 64].view(FN).view(20, 64), out_scale=raw[20 * 64:].view(torch.float32),
+                    _raw=raw)
+
+    def mqa():
+        wbuf = torch.ones(64)
+        return dict(q=torch.zeros(2, 16, 64, dtype=FN), k_fp8=torch.zeros(8, 64, dtype=FN), k_scale=torch.ones(8),
+                    weights=wbuf[:32].view(2, 16), cu_seqlen_ks=_i32(0, 0), cu_seqlen_ke=_i32(4, 8),
+                    out=wbuf[32:48].view(2, 8), _wbuf=wbuf)
+
+    def paged():
+        wbuf = torch.ones(64)
+        return dict(q=torch.zeros(1, 1, 16, 64, dtype=FN), kv_cache=new_kv_cache(4, 16, 64),
+                    weights=wbuf[:16].view(1, 16), context_lens=_i32(20), block_table=_i32(2, 3).view(1, 2),
+                    out=wbuf[32:64].view(1, 32), _wbuf=wbuf)
+
+    def set_(a, name, i, v):
+        t = a[name].clone()
+        t.view(-1)[i] = v
+        return {name: t}
+
+    return [
+        ("top_k_per_row", mod("top_k_per_row"), lambda a: si.top_k_per_row(**a), topk, ("out",), {
+            "out over row_starts (same layout)": lambda a: {"out": a["_buf"][0:8].view(2, 4)},
+            "row_ends past W": lambda a: set_(a, "row_ends", 1, 17),
+            "row_starts negative": lambda a: set_(a, "row_starts", 0, -1),
+            "out strided": lambda a: {"out": torch.zeros(2, 8, dtype=torch.int32)[:, ::2]},
+            "row_starts int64": lambda a: {"row_starts": a["row_starts"].long()},
+            "logits float16": lambda a: {"logits": a["logits"].half()},
+            "workspace too small": lambda a: {"workspace": torch.zeros(1, 40, dtype=torch.int32)},
+            "workspace over out": lambda a: {"workspace": a["_buf"][8:48].view(1, 40).expand(2, 40)},
+        }),
+        ("write_k_cache", mod("write_k_cache"), lambda a: si.write_k_cache(**a), write, ("kv_cache",), {
+            "slot past the cache": lambda a: set_(a, "slot_mapping", 1, 64),
+            "k on the cache (same layout)": lambda a: {
+                "k": a["kv_cache"].view(-1)[: 2 * 64 * 4].view(torch.float32).view(2, 64)},
+            "cache misaligned (same layout)": lambda a: {"kv_cache": shifted_kv(a)},
+            "scale_fmt": lambda a: {"scale_fmt": "e8m0"},
+            "fp8_dtype": lambda a: {"fp8_dtype": torch.float16},
+            "k other D": lambda a: {"k": torch.randn(2, 128)},
+        }),
+        ("gather_k_cache", mod("gather_k_cache"), lambda a: si.gather_k_cache(**a), gather, ("out_k", "out_scale"), {
+            "out_scale over out_k (same layout)": lambda a: {"out_scale": a["_raw"][:80].view(torch.float32)},
+            "request longer than its blocks": lambda a: set_(a, "cu_seq_lens", 1, 40),
+            "cu_seq_lens[0] not 0": lambda a: set_(a, "cu_seq_lens", 0, 1),
+            "block id past the cache": lambda a: set_(a, "block_table", 1, 9),
+            "cache misaligned (same layout)": lambda a: {"kv_cache": shifted_kv(a)},
+            "out_k float32": lambda a: {"out_k": torch.zeros(20, 64)},
+        }),
+        ("fp8_mqa_logits", mod("fp8_mqa_logits"), lambda a: si.fp8_mqa_logits(**a), mqa, ("out",), {
+            "out over weights (same layout)": lambda a: {"out": a["_wbuf"][16:32].view(2, 8)},
+            "window end past N": lambda a: set_(a, "cu_seqlen_ke", 1, 9),
+            "window start negative": lambda a: set_(a, "cu_seqlen_ks", 0, -1),
+            "compressed, window longer than max_seqlen_k": lambda a: {"max_seqlen_k": 8, "cu_seqlen_ks": _i32(0, 0),
+                                                                      "cu_seqlen_ke": _i32(4, 9)},
+            "max_seqlen_k a bool": lambda a: {"max_seqlen_k": True},
+            "logits_dtype other than out": lambda a: {"logits_dtype": torch.bfloat16},
+            "weights strided": lambda a: {"weights": torch.ones(2, 32)[:, ::2]},
+        }),
+        ("fp8_paged_mqa_logits", mod("fp8_paged_mqa_logits"), lambda a: si.fp8_paged_mqa_logits(**a), paged,
+         ("out",), {
+            "out over weights (same layout)": lambda a: {"out": a["_wbuf"][8:40].view(1, 32)},
+            "context longer than out": lambda a: set_(a, "context_lens", 0, 33),
+            "block id past the cache": lambda a: set_(a, "block_table", 1, 7),
+            "indices past the block table": lambda a: {"indices": _i32(1)},
+            "cache misaligned (same layout)": lambda a: {"kv_cache": shifted_kv(a)},
+            "cache of other D": lambda a: {"kv_cache": new_kv_cache(4, 16, 128)},
+            "qk over out": lambda a: {"qk": a["_wbuf"][32:64].view(1, 1, 32).expand(16, 1, 32)},
+        }),
+    ]
+
+
+def _same_bytes(x, y):
+    return torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
+
+
+def _raised(fn, a):
+    try:
+        fn({k: v for k, v in a.items() if not k.startswith("_")})
+    except Exception as e:  # noqa: BLE001 - compared by the caller
+        return type(e), str(e)
+    return None
+
+
+@pytest.mark.parametrize("case", _op_cases(), ids=lambda c: c[0])
+def test_op_memo_raises_what_the_full_checks_raise_before_writing(case, monkeypatch):
+    """After a valid call (the op's memo holds its layout), every bad variant raises exactly what the full checks
+    raise (the memo cleared), before the implementation runs and without writing; a valid call after it still
+    runs (and takes the memo)."""
+    name, mod, call, make, outputs, bad = case
+    reached = []
+    real = _dispatch.implementation
+
+    def impl(op, backend):
+        fn = real(op, backend)
+        return lambda *a, **k: (reached.append(op), fn(*a, **k))
+
+    monkeypatch.setattr(_dispatch, "implementation", impl)
+    for what, change in bad.items():
+        a = make()
+        assert _raised(call, a) is None, (name, "the valid call")
+        assert mod._LAYOUTS._last is not None, "the valid call was remembered"
+        memo = mod._LAYOUTS._last
+        b = {**a, **change(a)}
+        before = [b[o].clone() for o in outputs]
+        reached.clear()
+        got = _raised(call, b)
+        assert not reached, (name, what, "the implementation ran")
+        assert all(_same_bytes(b[o], x) for o, x in zip(outputs, before)), (
+            name, what, "wrote before raising")
+        mod._LAYOUTS._last = None
+        want = _raised(call, b)  # the full checks
+        assert want is not None, (name, what, "the variant is not bad")
+        assert got == want, (name, what, got, want)
+        mod._LAYOUTS._last = memo
+        assert _raised(call, a) is None
+
+
+@pytest.mark.parametrize("case", _op_cases(), ids=lambda c: c[0])
+def test_op_memo_repeat_call_skips_the_layout_checks_only(case, monkeypatch):
+    """A repeat call with the same layout runs no layout check (``_checks.tensor``) but the same value checks,
+    and gives the first call's output; a call under a torch-function mode never uses the memo."""
+    from torch.overrides import TorchFunctionMode
+
+    from sparse_indexer import _checks
+
+    name, mod, call, make, outputs, _ = case
+    a = make()
+    assert _raised(call, a) is None
+    first = [a[o].clone() for o in outputs]
+    seen = {"tensor": 0, "values": 0}
+    real_tensor, real_values = _checks.tensor, _checks.values_in
+
+    def tensor(*args, **kw):
+        seen["tensor"] += 1
+        return real_tensor(*args, **kw)
+
+    def values(*args, **kw):
+        seen["values"] += 1
+        return real_values(*args, **kw)
+
+    monkeypatch.setattr(_checks, "tensor", tensor)
+    monkeypatch.setattr(_checks, "values_in", values)
+    assert _raised(call, a) is None
+    assert seen["tensor"] == 0 and seen["values"] >= 1, (name, seen)
+    assert all(_same_bytes(a[o], x) for o, x in zip(outputs, first))
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Watch():
+        assert _raised(call, a) is None
+    assert seen["tensor"] > 0, "the full checks ran under the mode"
