@@ -293,6 +293,9 @@ def metadata_from_vllm(md, limits: IndexerLimits) -> IndexerMetadata:
 
 
 # ------------------------------------------------------------------------------------------------ the op
+_cuda_available = torch.cuda.is_available
+
+
 def _forward_context_metadata():
     from vllm.forward_context import get_forward_context
 
@@ -337,14 +340,60 @@ class VllmIndexer:
     # the key: a conversion made outside a CUDA graph capture (a warm-up with the same object) must not be
     # reused inside it, or the graph would replay stale tensors instead of converting the new metadata.
     _last: dict = attrs.field(factory=dict, init=False, repr=False, eq=False)
+    # per-call records that only change with the op's shapes or the workspace (issue #11: a per-layer call
+    # costs what a direct sparse_attn_indexer call costs): "limits" maps the arguments that fix the
+    # IndexerLimits to (limits, plan); "buffers" maps a workspace slot to (plan, its workspace tensor, the
+    # Buffers record of views of it), kept only while the workspace is locked (it cannot grow or move then)
+    _memo: dict = attrs.field(factory=lambda: {"limits": {}, "buffers": {}}, init=False, repr=False, eq=False)
 
     def _metadata(self, vllm_md, limits: IndexerLimits) -> IndexerMetadata:
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        key = (limits, capturing)
-        if self._last.get("src") is not vllm_md or self._last.get("key") != key:
-            self._last.clear()
-            self._last.update(src=vllm_md, key=key, md=metadata_from_vllm(vllm_md, limits))
-        return self._last["md"]
+        capturing = _cuda_available() and torch.cuda.is_current_stream_capturing()
+        last = self._last
+        if (last.get("src") is not vllm_md or last.get("capturing") != capturing
+                or (last.get("limits") is not limits and last.get("limits") != limits)):
+            last.clear()
+            last.update(src=vllm_md, capturing=capturing, limits=limits, md=metadata_from_vllm(vllm_md, limits))
+        return last["md"]
+
+    def _limits_and_plan(self, kv_cache: torch.Tensor, q_fp8: torch.Tensor, topk_tokens: int, head_dim: int,
+                         max_model_len: int, total_seq_lens: int,
+                         topk_indices_buffer: torch.Tensor) -> tuple[IndexerLimits, BufferPlan]:
+        """:meth:`limits` and its plan, made once per distinct set of the arguments they read."""
+        key = (kv_cache.shape[1], q_fp8.shape[1], q_fp8.dtype, topk_tokens, head_dim, max_model_len, total_seq_lens,
+               topk_indices_buffer.shape[0])
+        memo = self._memo["limits"]
+        try:
+            hit = memo.get(key)
+        except TypeError:  # an unhashable argument: no memo (limits() converts or rejects it)
+            lim = self.limits(kv_cache, q_fp8, topk_tokens, head_dim, max_model_len, total_seq_lens,
+                              topk_indices_buffer)
+            return lim, plan(lim)
+        if hit is None:
+            lim = self.limits(kv_cache, q_fp8, topk_tokens, head_dim, max_model_len, total_seq_lens,
+                              topk_indices_buffer)
+            if len(memo) >= 64:  # (distinct shapes are few; a bound all the same)
+                memo.clear()
+            hit = memo[key] = (lim, plan(lim))
+        return hit
+
+    def _buffers(self, p: BufferPlan) -> Buffers:
+        """:func:`buffers_from_workspace`; the record is kept per workspace slot while vLLM's workspace is locked
+        and reused while the slot holds the same workspace tensor (the views would be the same bytes)."""
+        m = _manager(self.manager)
+        slots = getattr(m, "_current_workspaces", None)
+        get_id = getattr(m, "_get_workspace_id", None)
+        is_locked = getattr(m, "is_locked", None)
+        memo = self._memo["buffers"]
+        if slots is None or get_id is None or is_locked is None or not is_locked():
+            memo.clear()  # (the workspace may grow: no views of an old one are kept)
+            return buffers_from_workspace(p, m)
+        wid = get_id()
+        hit = memo.get(wid)
+        if hit is not None and hit[0] is p and hit[1] is slots[wid]:
+            return hit[2]
+        bufs = buffers_from_workspace(p, m)
+        memo[wid] = (p, slots[wid], bufs)
+        return bufs
 
     @classmethod
     def from_vllm_config(cls, vllm_config, **kw) -> VllmIndexer:
@@ -390,16 +439,16 @@ class VllmIndexer:
             raise ValueError("topk_indices_buffer must be given")
         if topk_indices_buffer.shape[1] != topk_tokens:
             raise ValueError(f"topk_indices_buffer has {topk_indices_buffer.shape[1]} columns, {topk_tokens=}")
-        limits = self.limits(kv_cache, q_fp8, topk_tokens, head_dim, max_model_len, total_seq_lens,
-                             topk_indices_buffer)
+        limits, p = self._limits_and_plan(kv_cache, q_fp8, topk_tokens, head_dim, max_model_len, total_seq_lens,
+                                          topk_indices_buffer)
         attn_metadata = self.attn_metadata()
         if not isinstance(attn_metadata, dict):
             # Profiling run: reserve here, in the real implementation (the fake runs under FakeTensor mode).
-            reserve(limits, self.manager)
+            reserve(p, self.manager)
             return self.fake(hidden_states, k_cache_prefix, kv_cache, q_fp8, k, weights, quant_block_size,
                              scale_fmt, topk_tokens, head_dim, max_model_len, total_seq_lens, topk_indices_buffer)
         md = self._metadata(attn_metadata[_layer_name(k_cache_prefix)], limits)
-        bufs = buffers_from_workspace(limits, self.manager)
+        bufs = self._buffers(p)
         rows = hidden_states.shape[0]
         out = topk_indices_buffer
         if not skip_k_cache_insert and k is None:

@@ -528,3 +528,51 @@ def test_op_memo_repeat_call_skips_the_layout_checks_only(case, monkeypatch):
     with Watch():
         assert _raised(call, a) is None
     assert seen["tensor"] > 0, "the full checks ran under the mode"
+
+
+def test_vllm_shim_keeps_its_per_call_records_while_the_workspace_is_locked(monkeypatch):
+    """vLLM's op is called once per layer: the drop-in makes its IndexerLimits, plan and Buffers record once
+    (the record while the workspace is locked, per slot and workspace tensor) and the metadata once per step,
+    so every layer hands the step the same objects (the step's plan is found by identity); unlocked, the
+    record is made per call again. The result is the one of a direct step."""
+    ws = pytest.importorskip("vllm.v1.worker.workspace")
+    from sparse_indexer.compat import vllm as shim
+    from tests.compat.test_vllm_metadata import limits
+    from tests.compat.test_vllm_workspace import op_args
+    from tests.compat.vllm_batches import make_batch, run_ours, vllm_metadata
+
+    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)  # (as tests/compat/test_vllm_workspace.py)
+    ws.reset_workspace_manager()
+    ws.init_workspace_manager(torch.device("cpu"), num_lanes=1)
+    try:
+        lim = limits(next_n=1)
+        batch = make_batch([40, 61, 30, 75], [1, 1, 1, 9], lim)
+        state = {"md": None}
+        op = shim.VllmIndexer(max_num_seqs=lim.max_num_seqs, max_logits_bytes=lim.max_logits_bytes,
+                              backend="reference", attn_metadata=lambda: state["md"])
+        buf = torch.full((lim.max_num_batched_tokens, lim.topk), 7, dtype=torch.int32)
+        kv = batch.kv.clone()
+        op(*op_args(batch, lim, kv, buf))  # profiling: reserves
+        ws.lock_workspace()
+        state["md"] = {"model.layers.0.indexer.k_cache": vllm_metadata(batch, 1)}
+        seen = []
+        real = shim.sparse_attn_indexer
+
+        def step(q, k, w, kv_, md, bufs, out, **kw):
+            seen.append((md, bufs))
+            return real(q, k, w, kv_, md, bufs, out, **kw)
+
+        monkeypatch.setattr(shim, "sparse_attn_indexer", step)
+        for _ in range(3):  # three layers of one step
+            op(*op_args(batch, lim, kv, buf))
+        assert all(md is seen[0][0] and bufs is seen[0][1] for md, bufs in seen)
+        n = sum(batch.query_lens)
+        expected, kv_expected = run_ours(batch, lim)
+        assert torch.equal(kv, kv_expected)
+        assert torch.equal(buf[:n].sort(1).values, expected[:n].sort(1).values)
+        ws.unlock_workspace()
+        op(*op_args(batch, lim, kv, buf))
+        assert seen[-1][1] is not seen[0][1] and not op._memo["buffers"]
+        assert seen[-1][1].logits.data_ptr() == seen[0][1].logits.data_ptr()  # the same bytes all the same
+    finally:
+        ws.reset_workspace_manager()
