@@ -17,7 +17,7 @@ from buffers import Buffers, BufferTooSmall
 from . import _checks as C
 from . import library
 from .fp8 import SCALE_FMTS
-from .kcache import CacheLayout, as_3d, cache_layout
+from .kcache import as_3d, cache_layout
 from .metadata import IndexerMetadata
 from .ops.top_k_per_row import MIN_WORKSPACE_COLS
 
@@ -180,11 +180,9 @@ class _StepPlan:
         each other, ``inputs``) and its ``inputs`` from the buffer fields. ``False`` means "maybe not": the
         caller then runs the full sweep (:func:`_checks.disjoint`), which raises with the names. One bisection
         per tensor (outputs: over the buffer fields and metadata tensors together)."""
-        spans = []
-        n_out = len(outputs)
-        i = 0
-        for t in outputs + inputs:
-            i += 1
+        outs = []
+        starts, max_end = self.both.starts, self.both.max_end  # outputs: against everything the step keeps
+        for t in outputs:
             if t is None:
                 continue
             n = t.nbytes
@@ -192,14 +190,28 @@ class _StepPlan:
                 continue
             lo = t.data_ptr()
             hi = lo + n if t.is_contiguous() else C._span(t)[1]
-            kept = self.both if i <= n_out else self.outs  # outputs: against everything the step keeps
-            j = _bisect(kept.starts, hi)
-            if j and kept.max_end[j - 1] > lo:
+            j = _bisect(starts, hi)
+            if j and max_end[j - 1] > lo:
                 return False
-            for a, b, is_out in spans:
-                if (is_out or i <= n_out) and a < hi and lo < b:
+            for a, b in outs:
+                if a < hi and lo < b:
                     return False
-            spans.append((lo, hi, i <= n_out))
+            outs.append((lo, hi))
+        starts, max_end = self.outs.starts, self.outs.max_end  # inputs: against what the step writes
+        for t in inputs:
+            if t is None:
+                continue
+            n = t.nbytes
+            if not n:
+                continue
+            lo = t.data_ptr()
+            hi = lo + n if t.is_contiguous() else C._span(t)[1]
+            j = _bisect(starts, hi)
+            if j and max_end[j - 1] > lo:
+                return False
+            for a, b in outs:
+                if a < hi and lo < b:
+                    return False
         return True
 
 
@@ -240,15 +252,16 @@ def _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, prefill: bo
         memo = metadata._step_memo
         plan = memo.get((backend, prefill, decode, k is None))
         if plan is not None and (plan.buffers is buffers or _same_buffers(plan.buffers, buffers)):
-            lay = _layer_fast(plan.layer, q_fp8, weights, k, topk_out, kv_cache)
+            nb = _layer_fast(plan.layer, q_fp8, weights, k, topk_out, kv_cache)
             # (_layer_fast checked what runs_directly asks of the tensors: plain, on the plan's device, not
             # recorded by autograd; the mode half here)
-            if lay is not None and _plain_eager():
+            if nb is not None and _plain_eager():
                 # every per-layer check below holds (and the step's own were proven when the plan was made)
                 kv3 = kv_cache if kv_cache.dim() == 3 else kv_cache[:, :, 0, :]
                 if not plan.layer_disjoint((topk_out, kv_cache), (q_fp8, weights, k)):
                     _disjoint(buffers, metadata, q_fp8, weights, k, topk_out, kv_cache)  # raises with the names
-                _check_cache_ids(metadata, lay, kv_cache)
+                if metadata.num_blocks is None or nb < metadata.num_blocks:  # (else the cache is large enough)
+                    _check_cache_ids(metadata, cache_layout(kv3), kv_cache)
                 return kv3, plan
     lim = metadata.limits
     C.fp8("q_fp8", q_fp8, ndim=3, contiguous=True)
@@ -338,36 +351,37 @@ _plain_eager = library.plain_eager
 _grad_on = torch.is_grad_enabled
 _Tensor = torch.Tensor
 _K_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_F32, _I32, _U8 = torch.float32, torch.int32, torch.uint8
 
 
-def _layer_fast(want: tuple, q_fp8, weights, k, topk_out, kv_cache) -> CacheLayout | None:
-    """The cache's layout when the layer's tensors pass every per-layer check of :func:`_check` (plain tensors;
-    ``want``: :attr:`_StepPlan.layer`), else ``None`` (the caller then runs those checks, which say what is
-    wrong). Plain attribute reads: about a quarter of the checks' cost, paid once per layer (issue #11)."""
+def _layer_fast(want: tuple, q_fp8, weights, k, topk_out, kv_cache) -> int | None:
+    """The cache's block count when the layer's tensors pass every per-layer check of :func:`_check` (plain
+    tensors; ``want``: :attr:`_StepPlan.layer`), else ``None`` (the caller then runs those checks, which say what
+    is wrong). Plain attribute reads: about a quarter of the checks' cost, paid once per layer (issue #11)."""
     dev, fp8, n_tok, k_rows, h, d, topk, bs = want
     T = _Tensor
     if type(q_fp8) is not T or type(weights) is not T or type(topk_out) is not T or type(kv_cache) is not T:
         return None
     qs = q_fp8.shape
-    if len(qs) != 3 or q_fp8.dtype != fp8 or q_fp8.device != dev or not q_fp8.is_contiguous():
+    if len(qs) != 3 or q_fp8.dtype is not fp8 or q_fp8.device != dev or not q_fp8.is_contiguous():
         return None
     t, qh, qd = qs
     if t < n_tok or qh != h or qd != d:
         return None
     ws = weights.shape
-    if len(ws) != 2 or ws[0] != t or ws[1] != h or weights.dtype != torch.float32 or weights.device != dev or (
-            h > 1 and weights.stride(1) != 1):
+    if len(ws) != 2 or ws[0] != t or ws[1] != h or weights.dtype is not _F32 or weights.device != dev or (
+            h > 1 and weights.stride()[1] != 1):
         return None
     if k is not None:
         ks = k.shape
         if (type(k) is not T or len(ks) != 2 or ks[1] != d or ks[0] < k_rows or k.dtype not in _K_DTYPES
-                or k.device != dev or (d > 1 and k.stride(1) != 1)):
+                or k.device != dev or (d > 1 and k.stride()[1] != 1)):
             return None
     os_ = topk_out.shape
-    if (len(os_) != 2 or os_[0] < t or os_[1] != topk or topk_out.dtype != torch.int32 or topk_out.device != dev
+    if (len(os_) != 2 or os_[0] < t or os_[1] != topk or topk_out.dtype is not _I32 or topk_out.device != dev
             or not topk_out.is_contiguous()):
         return None
-    if kv_cache.dtype != torch.uint8 or kv_cache.device != dev:
+    if kv_cache.dtype is not _U8 or kv_cache.device != dev:
         return None
     if _grad_on() and (q_fp8.requires_grad or weights.requires_grad or topk_out.requires_grad
                        or kv_cache.requires_grad or (k is not None and k.requires_grad)):
@@ -387,7 +401,7 @@ def _layer_fast(want: tuple, q_fp8, weights, k, topk_out, kv_cache) -> CacheLayo
         s0 = b * width
     if s0 < b * width or s0 & 3:
         return None
-    return CacheLayout(num_blocks=nb, block_size=b, head_dim=d, block_stride=s0)
+    return nb
 
 
 def _disjoint(buffers, metadata, q_fp8, weights, k, topk_out, kv_cache) -> None:
