@@ -28,7 +28,8 @@ implementation of every op does nothing: an op that returns ``None`` has no outp
 touches real memory.
 
 The public functions (``sparse_indexer.write_k_cache`` and the others) check their arguments and then call
-:func:`call`, which picks one of three routes:
+:func:`call`, which picks one of three routes (a repeat call in plain eager mode whose tensors have the layout of
+the op's last fully checked call checks only what can change and calls :func:`run_direct`: ``_checks.Layouts``):
 
 * **through the custom op** ``torch.ops.sparse_indexer.<op>`` whenever anything could be watching or
   transforming the call: ``torch.compile``/``torch.export`` tracing (Dynamo), a ``TorchDispatchMode``
@@ -59,8 +60,8 @@ import torch
 
 from . import _dispatch
 
-__all__ = ["NAMESPACE", "OPS", "bump_versions", "call", "call_direct", "functorch_active", "op", "plain_eager",
-           "run_direct", "runs_directly"]
+__all__ = ["NAMESPACE", "OPS", "bump_versions", "call", "functorch_active", "op", "plain_eager", "run_direct",
+           "runs_directly"]
 
 NAMESPACE = "sparse_indexer"
 OPS = _dispatch.OPS
@@ -249,13 +250,6 @@ def _written(name: str, args: tuple, kwargs: dict) -> list:
         if t is not None:
             written.append(t)
     return written
-
-
-def call_direct(name: str, backend: str | None, device: torch.device, args: tuple, kwargs: dict, *,
-                versions: bool = True) -> None:
-    """:func:`run_direct`, the written tensors found from ``name``'s ``mutates_args``; ``versions=False`` leaves
-    their version counters to the caller (:func:`bump_versions` once for all its ops)."""
-    run_direct(name, backend, device, args, kwargs, _written(name, args, kwargs) if versions else ())
 
 
 def bump_versions(tensors) -> None:

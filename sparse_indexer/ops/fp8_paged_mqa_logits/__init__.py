@@ -155,7 +155,8 @@ def _check_values(context_lens, block_table, next_n: int, w: int, capacity: int,
     b = block_table.shape[0]
     dev = block_table.device
     # the largest row limit is the largest length (1-D: the last token's limit is context_lens[b] itself)
-    if int(context_lens.max()) > min(w, capacity):
+    small = context_lens.dim() == 1 and context_lens.shape[0] <= 32 and context_lens.is_cpu
+    if (max(context_lens.tolist()) if small else int(context_lens.max())) > min(w, capacity):  # (a list: ~1 us less)
         lim = row_limits(context_lens, next_n)
         bad = lim > min(w, capacity)
         if bool(bad.any()):
