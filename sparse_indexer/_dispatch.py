@@ -147,9 +147,22 @@ def invoke(found: tuple[_Route, ...], op: str, backend: str | None, args: tuple,
     """Run ``op`` on the first of ``found`` (:func:`routes`) that accepts the case: an explicitly named backend
     raises what it raises; ``None``/``"auto"`` tries the next on :class:`NotImplementedError` (raised before
     anything is written)."""
+    r = found[0] if found else None
+    if r is not None and r.fn is not None and (not r.drop or r.drop.isdisjoint(kwargs)):  # the first one runs
+        try:
+            return r.fn(*args, **kwargs)
+        except NotImplementedError as e:
+            if not (backend is None or backend == "auto"):
+                raise
+            return _invoke_from(found, 1, op, backend, args, kwargs, e)
+    return _invoke_from(found, 0, op, backend, args, kwargs, None)
+
+
+def _invoke_from(found: tuple[_Route, ...], start: int, op: str, backend: str | None, args: tuple, kwargs: dict,
+                 last: BaseException | None):
+    """:func:`invoke` from candidate ``start`` on (``last``: why the earlier ones did not run)."""
     explicit = not (backend is None or backend == "auto")
-    last = None
-    for r in found:
+    for r in found[start:]:
         if r.fn is None:
             if explicit:
                 raise BackendUnavailable(f"backend {r.name!r} has no implementation of {op}: {r.error}") from r.error
