@@ -3,7 +3,8 @@
 The success path of every check reads tensor metadata only (no tensor op, no string built): messages are
 formatted when a check fails. The value checks (:func:`values_in`, opt-in on GPUs) first test the whole
 tensor's range with one reduction and fall back to the exact, masked test only when that range is out of
-bounds, so a passing check costs one ``aminmax``.
+bounds, so a passing check costs one ``aminmax``. :class:`Layouts` lets a public op skip the layout checks of a
+call whose tensors have the layout of its last fully checked call.
 """
 
 from __future__ import annotations
@@ -189,8 +190,8 @@ def values_in(name: str, t: torch.Tensor, lo: int | None, hi: int | None, what: 
     """Raise unless ``lo <= t < hi`` for every element (where ``mask``); names the first offender.
 
     ``mask`` is a bool tensor of ``t``'s shape, or a function returning one, and ``what`` a string or a function
-    returning one: both are only built when some value lies outside the range (one ``aminmax`` of ``t``
-    decides that first)."""
+    returning one: both are only built when some value lies outside the range (one ``aminmax`` of ``t``, or a
+    list of its values for a few CPU values, decides that first)."""
     n = t.numel()
     if n == 0:
         return
