@@ -148,9 +148,10 @@ def invoke(found: tuple[_Route, ...], op: str, backend: str | None, args: tuple,
     raises what it raises; ``None``/``"auto"`` tries the next on :class:`NotImplementedError` (raised before
     anything is written)."""
     r = found[0] if found else None
-    if r is not None and r.fn is not None and (not r.drop or r.drop.isdisjoint(kwargs)):  # the first one runs
+    if r is not None and r.fn is not None:  # the common case: the first candidate runs
+        kw = kwargs if not r.drop or r.drop.isdisjoint(kwargs) else {k: v for k, v in kwargs.items() if k not in r.drop}
         try:
-            return r.fn(*args, **kwargs)
+            return r.fn(*args, **kw)
         except NotImplementedError as e:
             if not (backend is None or backend == "auto"):
                 raise
