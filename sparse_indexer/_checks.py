@@ -187,7 +187,8 @@ _HOST_VALUES = 32  # values_in reads up to this many values of a 1-D CPU tensor 
 
 
 def values_in(name: str, t: torch.Tensor, lo: int | None, hi: int | None, what: str, mask=None) -> None:
-    """Raise unless ``lo <= t < hi`` for every element (where ``mask``); names the first offender.
+    """Raise unless ``lo <= t < hi`` for every element (where ``mask``) of the integer tensor ``t``; names the first
+    offender.
 
     ``mask`` is a bool tensor of ``t``'s shape, or a function returning one, and ``what`` a string or a function
     returning one: both are only built when some value lies outside the range (one ``aminmax`` of ``t``, or a
