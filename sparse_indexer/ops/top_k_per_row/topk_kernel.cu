@@ -8,7 +8,10 @@
 // the key of +0.0. A row of len n (window [start, start + n)):
 //   * n <= k: out = 0, 1, ..., n - 1, -1, ... (the logits are not read).
 //   * n <= small_max (<= cap, a launch argument): the leader loads the window's keys into shared memory (16-byte
-//     loads, SU per thread in flight, the first radix histogram fused) and radix-selects among them.
+//     loads, SU per thread in flight, the first radix histogram fused) and finds the first digit d1 (the bin of
+//     the k-th largest). Then (LIST) one pass writes the cells above d1 to the output and lists the positions of
+//     the cells in d1 (up to 2048, 16-bit, in the upper half of the histogram), which are radix-selected on their
+//     21 low bits (1024-bin histograms); a larger d1 bin takes the radix select over all n keys.
 //   * otherwise: every CTA of the cluster computes the same threshold key T from a strided sample of the window
 //     (the r-th largest of S sampled keys, r a few binomial sigmas above the expected rank of the k-th largest;
 //     the sample is S / SCHUNK evenly spread runs of SCHUNK cells, one 32-byte sector each, so it reads 1/8 of
@@ -23,13 +26,15 @@
 //       - gt < k <= gt + count(key == T): all candidates plus the first k - gt ties;
 //       - otherwise (the sample missed, or the candidates overflowed): radix select over the whole window in
 //         global memory (slow but exact; no listed value distribution takes it).
-// A radix select stops early once the selected digit's bin holds exactly the cells still needed (and, for
-// bfloat16, after the second digit: 22 bits cover its 16).
+// A radix select stops early once the selected digit's bin holds exactly the cells still needed, when the first
+// digit is 0 (its bin holds key 0 only: -inf and NaN, all equal), and, for bfloat16, after the second digit (22
+// bits cover its 16).
 // Output positions are relative to the window start, in no particular order.
 //
 // Compile-time parameters (-D): NT threads per CTA (a multiple of 32, 256..1024), CS CTAs per row (a cluster when
 // > 1, needs sm_90+), SMAX sample cells at most, BF16 (1: the logits are bfloat16, read as raw 16-bit words and
-// widened exactly to float32, so the keys and the selection are those of the values given).
+// widened exactly to float32, so the keys and the selection are those of the values given), LIST (default 1; 0:
+// small rows take the radix select over all their keys after the first digit, for measurements).
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -48,6 +53,9 @@ typedef unsigned long long u64;
 #endif
 #ifndef BF16
 #define BF16 0
+#endif
+#ifndef LIST
+#define LIST 1  // small rows: after the first digit, one pass writes the cells above it and lists the cells in it
 #endif
 #if BF16
 typedef unsigned short elem_t;  // bfloat16 bits
@@ -76,6 +84,7 @@ typedef float elem_t;
 #define C_D 8     // find_digit results: digit, cells above it, cells in it
 #define C_ABOVE 9
 #define C_CNT 10
+#define C_LST 11  // small rows: cells listed (small_list_select)
 
 __device__ __forceinline__ u32 fkey(float x) {
     u32 u = __float_as_uint(x);
@@ -149,11 +158,12 @@ __device__ __forceinline__ void cluster_sync() { __syncthreads(); }
 __device__ __forceinline__ u32 cluster_rank() { return 0; }
 #endif
 
-// Block-wide: the digit d with count(digit > d) < kr <= count(digit >= d) of hist[0..NB); results in ctr.
+// Block-wide: the digit d with count(digit > d) < kr <= count(digit >= d) of hist[0..NBINS); results in ctr.
+template <int NBINS = NB>
 __device__ void find_digit(const u32* hist, u32 kr, u32* wsum, u32* ctr) {
-    constexpr int B = NB / NT;
+    constexpr int B = NBINS / NT;
     const int t = threadIdx.x;
-    const int top = NB - 1 - t * B;  // this thread's bins: top, top - 1, ..., top - B + 1 (thread 0: highest)
+    const int top = NBINS - 1 - t * B;  // this thread's bins: top, top - 1, ..., top - B + 1 (thread 0: highest)
     u32 v[B];
     u32 s = 0;
 #pragma unroll
@@ -195,25 +205,34 @@ __device__ void find_digit(const u32* hist, u32 kr, u32* wsum, u32* ctr) {
     __syncthreads();
 }
 
+// Block-wide: hist[(key >> shift) & dmask] += 1 for the keys load(0..m) with (key & mask) == prefix. (Adding a
+// warp's keys of one bin by one atomic, found by __reduce_min/max_sync, measured slower on the H200 for every
+// distribution, few distinct values included: docs/benchmarks.md.)
+template <class Load>
+__device__ __forceinline__ void hist_pass(Load load, int m, u32 mask, u32 prefix, int shift, u32 dmask, u32* hist) {
+    for (int i = threadIdx.x; i < m; i += NT) {
+        const u32 key = load(i);
+        if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & dmask], 1u);
+    }
+}
+
 // Block-wide radix select of the kr-th largest (1 <= kr <= m) of the keys load(0..m). Result: every key > hi is
 // among the kr largest, and *krem of the keys in [lo, hi] complete them (lo == hi unless the select stopped early
 // because a digit bin held exactly the keys still needed, then krem is that bin's full count).
 // first_done: the caller already built the first pass's histogram (top 11 bits of every key) in hist.
+// pass0 > 0: the first pass0 digits are already resolved (prefix0 under mask0, kr counted within them).
 template <class Load>
 __device__ void radix_select(Load load, int m, u32 kr, u32* hist, u32* wsum, u32* ctr, u32* lo, u32* hi,
-                             u32* krem, bool first_done = false) {
-    u32 prefix = 0, mask = 0;
+                             u32* krem, bool first_done = false, int pass0 = 0, u32 prefix0 = 0, u32 mask0 = 0) {
+    u32 prefix = prefix0, mask = mask0;
 #pragma unroll 1
-    for (int pass = 0; pass < 3; ++pass) {
+    for (int pass = pass0; pass < 3; ++pass) {
         const int shift = pass == 0 ? 21 : (pass == 1 ? 10 : 0);
         const u32 dmask = pass < 2 ? 0x7ffu : 0x3ffu;
         if (pass > 0 || !first_done) {
             for (int i = threadIdx.x; i < NB; i += NT) hist[i] = 0;
             __syncthreads();
-            for (int i = threadIdx.x; i < m; i += NT) {
-                u32 key = load(i);
-                if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & dmask], 1u);
-            }
+            hist_pass(load, m, mask, prefix, shift, dmask, hist);
             __syncthreads();
         }
         find_digit(hist, kr, wsum, ctr);
@@ -222,6 +241,7 @@ __device__ void radix_select(Load load, int m, u32 kr, u32* hist, u32* wsum, u32
         prefix |= d << shift;
         mask |= dmask << shift;
         if (cnt == kr) break;  // the whole bin is taken
+        if (pass == 0 && d == 0) break;  // first digit 0 holds key 0 only (-inf, NaN): its cells are all equal
         if (BF16 && pass == 1) break;  // 22 bits resolved: bfloat16 keys have nothing below bit 16 (all equal)
     }
     *lo = prefix;
@@ -240,10 +260,7 @@ __device__ u32 sample_threshold(const u32* samp, int m, u32 r, u32 rlimit, u32* 
         const u32 dmask = pass < 2 ? 0x7ffu : 0x3ffu;
         for (int i = threadIdx.x; i < NB; i += NT) hist[i] = 0;
         __syncthreads();
-        for (int i = threadIdx.x; i < m; i += NT) {
-            u32 key = samp[i];
-            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & dmask], 1u);
-        }
+        hist_pass([&](int i) { return samp[i]; }, m, mask, prefix, shift, dmask, hist);
         __syncthreads();
         find_digit(hist, kr, wsum, ctr);
         const u32 d = ctr[C_D], above = ctr[C_ABOVE], cnt = ctr[C_CNT];
@@ -256,7 +273,8 @@ __device__ u32 sample_threshold(const u32* samp, int m, u32 r, u32 rlimit, u32* 
     return prefix;
 }
 
-// Block-wide: write the positions of the kr largest of the keys load(0..m) to orow (classes from radix_select).
+// Block-wide: write the positions of the kr largest of the keys load(0..m) to orow (classes from radix_select):
+// keys > hi at orow[ctr[C_OG]++], krem of the keys in [lo, hi] at orow[k - krem + ctr[C_OE]++].
 template <class Load, class Pos>
 __device__ void collect(Load load, Pos pos, int m, int k, u32 lo, u32 hi, u32 krem, u32* ctr, int* orow) {
     const u32 n_above = (u32)k - krem;
@@ -326,6 +344,54 @@ __device__ __forceinline__ void stage(const u32 (&key)[NC], PosF pos, u32 valid,
         }
     }
 }
+
+#if LIST
+// Block-wide, small rows (keys ckey[0..n) in shared memory, n < 65536; the first digit d1 found: kr1 of its
+// cnt1 <= NB cells complete the k - kr1 cells above it). One pass writes the cells above d1 to orow and lists the
+// positions of the cells in d1 (16-bit) in hist[NB / 2..NB); the list is radix-selected on the 21 bits left
+// (digits of 10, 10 and 1 bits, 1024-bin histograms in hist[0..NB / 2)) and its selected cells written after them.
+__device__ void small_list_select(int n, int k, u32 d1, u32 kr1, u32 cnt1, const u32* ckey, u32* hist, u32* wsum,
+                                  u32* ctr, int* orow) {
+    unsigned short* lst = reinterpret_cast<unsigned short*>(hist + NB / 2);
+    for (int i0 = 0; i0 < n; i0 += NT) {  // warp-uniform trip count (ballots below)
+        const int i = i0 + (int)threadIdx.x;
+        const u32 dg = i < n ? ckey[i] >> 21 : 0u;
+        const bool gt = i < n && dg > d1, eq = i < n && dg == d1;
+        const u32 bg = __ballot_sync(FULL, gt), be = __ballot_sync(FULL, eq);
+        if (bg) {
+            u32 base = 0;
+            if (lane_id() == 0) base = atomicAdd(&ctr[C_OG], (u32)__popc(bg));
+            base = __shfl_sync(FULL, base, 0);
+            if (gt) orow[base + __popc(bg & lanemask_lt())] = i;
+        }
+        if (be) {
+            u32 base = 0;
+            if (lane_id() == 0) base = atomicAdd(&ctr[C_LST], (u32)__popc(be));
+            base = __shfl_sync(FULL, base, 0);
+            if (eq) lst[base + __popc(be & lanemask_lt())] = (unsigned short)i;
+        }
+    }
+    auto ldl = [&](int j) { return ckey[lst[j]]; };
+    u32 prefix = d1 << 21, mask = 0x7ffu << 21, kr = kr1;
+#pragma unroll 1
+    for (int pass = 0; pass < 3; ++pass) {
+        const int shift = pass == 0 ? 11 : (pass == 1 ? 1 : 0);
+        const u32 dmask = pass < 2 ? 0x3ffu : 0x1u;
+        for (int i = threadIdx.x; i < NB / 2; i += NT) hist[i] = 0;
+        __syncthreads();  // (the first: also every list entry written)
+        hist_pass(ldl, (int)cnt1, mask, prefix, shift, dmask, hist);
+        __syncthreads();
+        find_digit<NB / 2>(hist, kr, wsum, ctr);
+        const u32 d = ctr[C_D], above = ctr[C_ABOVE], cnt = ctr[C_CNT];
+        kr -= above;
+        prefix |= d << shift;
+        mask |= dmask << shift;
+        if (cnt == kr) break;
+        if (BF16 && pass == 0) break;  // bits 20..11 resolved: a bfloat16 key's bits below 16 are all equal
+    }
+    collect(ldl, [&](int j) { return (int)lst[j]; }, (int)cnt1, k, prefix, prefix | ~mask, kr, ctr, orow);
+}
+#endif
 
 extern "C" __global__ void __launch_bounds__(NT, MINB)
 si_top_k_per_row(const elem_t* __restrict__ logits, long long stride_l, const int* __restrict__ starts,
@@ -404,7 +470,23 @@ si_top_k_per_row(const elem_t* __restrict__ logits, long long stride_l, const in
         __syncthreads();
         u32 lo, hi, krem;
         auto ld = [&](int i) { return ckey[i]; };
+#if LIST
+        find_digit(hist, (u32)k, wsum, ctr);
+        const u32 d1 = ctr[C_D], cnt1 = ctr[C_CNT], kr1 = (u32)k - ctr[C_ABOVE];
+        if (cnt1 != kr1 && d1 != 0 && cnt1 <= NB) {
+            small_list_select(n, k, d1, kr1, cnt1, ckey, hist, wsum, ctr, orow);
+            return;
+        }
+        if (cnt1 == kr1 || d1 == 0) {  // the first digit's whole bin is taken, or its cells are all equal (key 0)
+            lo = d1 << 21;
+            hi = lo | 0x1fffffu;
+            krem = kr1;
+        } else {
+            radix_select(ld, n, kr1, hist, wsum, ctr, &lo, &hi, &krem, false, 1, d1 << 21, 0x7ffu << 21);
+        }
+#else
         radix_select(ld, n, (u32)k, hist, wsum, ctr, &lo, &hi, &krem, true);
+#endif
         collect(ld, [](int i) { return i; }, n, k, lo, hi, krem, ctr, orow);
         return;
     }
