@@ -119,6 +119,42 @@ def test_cuda_topk_every_config(nt, cs, small, dist):
             _check(x, s, e, out)
 
 
+def _list_edge_rows(n: int = 8000, k: int = 2048) -> torch.Tensor:
+    """Small rows (``n`` cells, selected in shared memory) at the edges of the small-row list (topk_kernel.cu,
+    LIST): 1000 cells above the bin [2, 2.5) (one first digit), ``cnt`` cells in it, the rest in [-1, 1), so the
+    k-th largest lies in that bin: ``cnt`` 2048 (the list's capacity), 2049 (over it: the radix select over every
+    key), 2048 with repeated values (ties in the list), 1048 (the bin holds exactly the cells still needed); and a
+    row whose k-th largest is -inf / NaN (first digit 0: all equal, selected without further digits)."""
+    g = torch.Generator().manual_seed(11)
+    rows = []
+    for cnt, ties in ((2048, False), (2049, False), (2048, True), (k - 1000, False)):
+        hi = 100.0 + torch.arange(1000, dtype=torch.float32)
+        # in [2, 2.49): stays in the bin when rounded to bfloat16 (2 + m / 64 plus less than half its step)
+        mid = (2.0 + torch.randint(0, 32, (cnt,), generator=g) / 64 + torch.rand(cnt, generator=g) / 256
+               if not ties else 2.0 + (torch.arange(cnt) % 7).float() / 16)
+        lo = torch.rand(n - 1000 - cnt, generator=g) * 2 - 1
+        rows.append(torch.cat([hi, mid, lo]))
+    junk = torch.tensor([float("-inf"), float("nan"), -float("nan")]).repeat(n)[: n - 1000]
+    rows.append(torch.cat([torch.randn(1000, generator=g), junk]))
+    x = torch.stack(rows)
+    return x.gather(1, torch.stack([torch.randperm(n, generator=g) for _ in rows]))  # cells in random order
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nt", [256, 512, 1024])
+def test_cuda_topk_small_row_list_edges(nt, dtype):
+    """The small-row list at its capacity and one past it, with ties, a first-digit bin taken whole, and a k-th
+    largest of -inf / NaN, at every thread count."""
+    tkc = _cuda()
+    x = _list_edge_rows().to(device=DEV, dtype=dtype)
+    r, w = x.shape
+    s = torch.zeros(r, dtype=torch.int32, device=DEV)
+    e = torch.full((r,), w, dtype=torch.int32, device=DEV)
+    out = torch.full((r, 2048), -7, dtype=torch.int32, device=DEV)
+    tkc.launch(x, s, e, out, nt=nt, cs=1)
+    _check(x, s, e, out)
+
+
 @pytest.mark.parametrize("topk", [1, 100, 3000, 4096, 5000])
 def test_cuda_topk_sizes(topk):
     """topk up to the backend's limit; above it ``auto`` falls back (to Triton) and an explicit request raises."""
