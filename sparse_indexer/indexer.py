@@ -181,38 +181,32 @@ class _StepPlan:
         caller then runs the full sweep (:func:`_checks.disjoint`), which raises with the names. One bisection
         per tensor (outputs: over the buffer fields and metadata tensors together)."""
         outs = []
-        starts, max_end = self.both.starts, self.both.max_end  # outputs: against everything the step keeps
-        for t in outputs:
-            if t is None:
-                continue
-            n = t.nbytes
-            if not n:
-                continue
-            lo = t.data_ptr()
-            hi = lo + n if t.is_contiguous() else C._span(t)[1]
-            j = _bisect(starts, hi)
-            if j and max_end[j - 1] > lo:
+        return (_clear_of(outputs, self.both, outs, True)  # outputs: against everything the step keeps
+                and _clear_of(inputs, self.outs, outs, False))  # inputs: against what the step writes
+
+
+def _clear_of(tensors: tuple, ranges, outs: list, keep: bool) -> bool:
+    """Whether no tensor of ``tensors`` (``None`` and empty ones skipped) may overlap the sorted byte ranges
+    ``ranges`` (``starts``, running ``max_end``) or a span in ``outs``; ``keep`` appends each tensor's span to
+    ``outs``. ``False`` means "maybe not" (see :meth:`_StepPlan.layer_disjoint`)."""
+    starts, max_end = ranges.starts, ranges.max_end
+    for t in tensors:
+        if t is None:
+            continue
+        n = t.nbytes
+        if not n:
+            continue
+        lo = t.data_ptr()
+        hi = lo + n if t.is_contiguous() else C._span(t)[1]
+        j = _bisect(starts, hi)
+        if j and max_end[j - 1] > lo:
+            return False
+        for a, b in outs:
+            if a < hi and lo < b:
                 return False
-            for a, b in outs:
-                if a < hi and lo < b:
-                    return False
+        if keep:
             outs.append((lo, hi))
-        starts, max_end = self.outs.starts, self.outs.max_end  # inputs: against what the step writes
-        for t in inputs:
-            if t is None:
-                continue
-            n = t.nbytes
-            if not n:
-                continue
-            lo = t.data_ptr()
-            hi = lo + n if t.is_contiguous() else C._span(t)[1]
-            j = _bisect(starts, hi)
-            if j and max_end[j - 1] > lo:
-                return False
-            for a, b in outs:
-                if a < hi and lo < b:
-                    return False
-        return True
+    return True
 
 
 _bisect = bisect_left
