@@ -164,6 +164,12 @@ def is_traced(t: torch.Tensor) -> bool:
     return _functional(t) if _functional is not None else False
 
 
+def values_wanted(check_values: bool | None, cpu: bool) -> bool:
+    """:func:`want_value_checks` for a call whose layout a :class:`Layouts` memo proved (plain eager, plain
+    tensors): ``cpu`` says whether the proven call's tensors were on the CPU."""
+    return bool(check_values) or (check_values is None and cpu)
+
+
 def want_value_checks(check_values: bool | None, *tensors: torch.Tensor) -> bool:
     """Whether to run checks that read tensor *values* (they synchronise with the device).
 

@@ -17,7 +17,7 @@ from buffers import Buffers, BufferTooSmall
 from . import _checks as C
 from . import library
 from .fp8 import SCALE_FMTS
-from .kcache import as_3d, cache_layout
+from .kcache import as_3d, cache_layout, view_3d
 from .metadata import IndexerMetadata
 from .ops.top_k_per_row import MIN_WORKSPACE_COLS
 
@@ -251,7 +251,7 @@ def _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, prefill: bo
             # recorded by autograd; the mode half here)
             if nb is not None and _plain_eager():
                 # every per-layer check below holds (and the step's own were proven when the plan was made)
-                kv3 = kv_cache if kv_cache.dim() == 3 else kv_cache[:, :, 0, :]
+                kv3 = view_3d(kv_cache)
                 if not plan.layer_disjoint((topk_out, kv_cache), (q_fp8, weights, k)):
                     _disjoint(buffers, metadata, q_fp8, weights, k, topk_out, kv_cache)  # raises with the names
                 if metadata.num_blocks is None or nb < metadata.num_blocks:  # (else the cache is large enough)

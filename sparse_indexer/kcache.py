@@ -32,6 +32,11 @@ class CacheLayout(NamedTuple):
         return self.block_size * self.head_dim
 
 
+def view_3d(kv_cache: torch.Tensor) -> torch.Tensor:
+    """``[nb, bs, D + 4]`` view of a cache already checked by :func:`as_3d` (no checks: the fast paths)."""
+    return kv_cache if kv_cache.dim() == 3 else kv_cache[:, :, 0, :]
+
+
 def as_3d(kv_cache: torch.Tensor, name: str = "kv_cache") -> torch.Tensor:
     """``[nb, bs, D + 4]`` view of a 3-D or 4-D (``[nb, bs, 1, D + 4]``) cache, checked."""
     if not isinstance(kv_cache, torch.Tensor):

@@ -62,7 +62,7 @@ def fp8_mqa_logits(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, 
         proven, facts = _LAYOUTS.match(ts, (max_seqlen_k, logits_dtype))
         if proven:  # the layout of a call that passed every check below: only aliasing (matched) and values
             dev, n, cpu = facts
-            if check_values or (check_values is None and cpu):
+            if C.values_wanted(check_values, cpu):
                 _check_values(cu_seqlen_ks, cu_seqlen_ke, n, max_seqlen_k)
             _run("fp8_mqa_logits", backend, dev, (q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke),
                  {"out": out, "clean": bool(clean)} if max_seqlen_k is None else

@@ -6,7 +6,7 @@ import torch
 
 from ... import _checks as C
 from ... import library
-from ...kcache import as_3d, cache_layout
+from ...kcache import as_3d, cache_layout, view_3d
 from ..fp8_mqa_logits import LOGITS_DTYPES
 
 __all__ = ["fp8_paged_mqa_logits", "row_limits"]
@@ -81,7 +81,7 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
             # the layout of a call that passed every check below: only aliasing (matched), the cache's
             # alignment (above) and the values
             dev, lay, capacity, next_n, cpu = facts
-            if (check_values or (check_values is None and cpu)) and context_lens.numel():
+            if C.values_wanted(check_values, cpu) and context_lens.numel():
                 _values(context_lens, block_table, indices, next_n, out.shape[1], capacity, lay)
             kw = {"out": out, "clean": bool(clean)}
             if indices is not None:
@@ -89,7 +89,7 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
             if qk is not None:
                 kw["qk"] = qk
             _run("fp8_paged_mqa_logits", backend, dev,
-                 (q, kv_cache if kv_cache.dim() == 3 else kv_cache[:, :, 0, :], weights, context_lens, block_table),
+                 (q, view_3d(kv_cache), weights, context_lens, block_table),
                  kw, (out,) if qk is None else (out, qk))
             return out
     C.fp8("q", q, ndim=4, last_contiguous=True)

@@ -6,7 +6,7 @@ import torch
 
 from ... import _checks as C
 from ... import library
-from ...kcache import as_3d, cache_layout
+from ...kcache import as_3d, cache_layout, view_3d
 
 __all__ = ["gather_k_cache"]
 
@@ -42,10 +42,10 @@ def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_len
             # the layout of a call that passed every check below: only aliasing (matched), the cache's
             # alignment (above) and the values
             dev, lay, cpu = facts
-            if check_values or (check_values is None and cpu):
+            if C.values_wanted(check_values, cpu):
                 _check_values(block_table, cu_seq_lens, out_k.shape[0], lay)
             _run("gather_k_cache", backend, dev,
-                 (kv_cache if kv_cache.dim() == 3 else kv_cache[:, :, 0, :], block_table, cu_seq_lens),
+                 (view_3d(kv_cache), block_table, cu_seq_lens),
                  {"out_k": out_k, "out_scale": out_scale}, ts[:2])
             return
     kv3 = as_3d(kv_cache)

@@ -69,7 +69,7 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
         proven, facts = _LAYOUTS.match(ts)
         if proven:  # the layout of a call that passed every check below: only aliasing (matched) and values
             dev, w, cpu = facts
-            if check_values or (check_values is None and cpu):
+            if C.values_wanted(check_values, cpu):
                 _check_values(row_starts, row_ends, w)
             _run("top_k_per_row", backend, dev, (logits, row_starts, row_ends),
                  {"out": out} if workspace is None else {"out": out, "workspace": workspace},

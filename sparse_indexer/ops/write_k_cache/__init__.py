@@ -7,7 +7,7 @@ import torch
 from ... import _checks as C
 from ... import library
 from ...fp8 import FP8_DTYPES, SCALE_FMTS
-from ...kcache import as_3d, cache_layout
+from ...kcache import as_3d, cache_layout, view_3d
 
 __all__ = ["write_k_cache"]
 
@@ -41,9 +41,9 @@ def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.T
             # the layout (and scale_fmt, fp8_dtype) of a call that passed every check below: only aliasing
             # (matched), the cache's alignment (above) and the values
             dev, num_slots, cpu = facts
-            if check_values or (check_values is None and cpu):
+            if C.values_wanted(check_values, cpu):
                 _check_values(slot_mapping, num_slots)
-            _run("write_k_cache", backend, dev, (k, kv_cache if kv_cache.dim() == 3 else kv_cache[:, :, 0, :],
+            _run("write_k_cache", backend, dev, (k, view_3d(kv_cache),
                                                  slot_mapping), {"scale_fmt": scale_fmt, "fp8_dtype": fp8_dtype},
                  ts[:1])
             return
