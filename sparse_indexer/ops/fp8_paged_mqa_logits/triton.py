@@ -88,7 +88,7 @@ def _load_token(q_ptr, w_ptr, cl_ptr, b64, j: tl.constexpr, stride_qn, stride_qh
 def _paged_logits_kernel(
     out_ptr,  # [B * next_n, W] float32 or bfloat16, row stride stride_out
     q_ptr,  # [B, next_n, H, D] fp8
-    kv_ptr,  # cache bytes viewed as fp8: block b at b * stride_blk (bytes)
+    kv_ptr,  # cache bytes (uint8; read as q's fp8 type): block b at b * stride_blk (bytes)
     w_ptr,  # [B * next_n, H] float32
     cl_ptr,  # [B] or [B, next_n] int32/int64
     bt_ptr,  # [B, max_blocks] int32 (HAS_IDX: [num_requests, max_blocks])
@@ -102,6 +102,8 @@ def _paged_logits_kernel(
     FILL_N: tl.constexpr, SPLIT: tl.constexpr, KSC_PF: tl.constexpr, HAS_IDX: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    # the byte cache read as q's fp8 type (a pointer cast here instead of a torch view per call: issue #11)
+    kv_ptr = kv_ptr.to(tl.pointer_type(q_ptr.dtype.element_ty))
     offs_b = tl.arange(0, BLOCK_B)
     bmask = offs_b < B
     # Largest row limit of every request (the last token's for 1-D lengths), clamped to [0, CAP].
@@ -342,7 +344,7 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
     cls = context_lens.stride()
     qs = q.stride()
     has_idx = indices is not None
-    args = [out, q, kv_cache.view(q.dtype), weights, context_lens, block_table,
+    args = [out, q, kv_cache, weights, context_lens, block_table,
             indices if has_idx else context_lens, b, w, min(w, max_blocks * bs),
             out.stride()[0], qs[0], qs[1], qs[2], weights.stride()[0], cls[0], cls[1] if cl_2d else 0,
             block_table.stride()[0], kv_cache.stride()[0] if nb > 1 else bs * width,  # CacheLayout.block_stride
