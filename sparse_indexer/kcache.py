@@ -46,13 +46,12 @@ def as_3d(kv_cache: torch.Tensor, name: str = "kv_cache") -> torch.Tensor:
     if kv_cache.dim() == 4:
         if kv_cache.shape[2] != 1:
             raise ValueError(f"4-D {name} must be [num_blocks, block_size, 1, D + 4], got {tuple(kv_cache.shape)}")
-        kv_cache = kv_cache[:, :, 0, :]
     elif kv_cache.dim() != 3:
         raise ValueError(
             f"{name} must be [num_blocks, block_size, D + 4] or [num_blocks, block_size, 1, D + 4], "
             f"got shape {tuple(kv_cache.shape)}"
         )
-    return kv_cache
+    return view_3d(kv_cache)
 
 
 def cache_layout(kv_cache: torch.Tensor, name: str = "kv_cache") -> CacheLayout:
