@@ -127,6 +127,21 @@ def _cuda_reason(device: torch.device) -> str | None:
     return topk_cuda.unavailable_reason()
 
 
+def _gluon_reason(device: torch.device) -> str | None:
+    if device.type != "cuda" or torch.version.hip is not None:
+        return (f"the Gluon backend runs on NVIDIA Hopper GPUs only, not on {device} "
+                f"(torch.version.hip={torch.version.hip})")
+    if _interpret():
+        return "the Gluon backend has no interpreter (TRITON_INTERPRET is set)"
+    why = _module_ok("triton.experimental.gluon.language.nvidia.hopper")
+    if why:
+        return why
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        return f"the Gluon backend's kernels use Hopper's wgmma and TMA (sm_90), not sm_{major}{minor}"
+    return None
+
+
 _BUILTIN = (
     Backend("reference", _reference_reason, auto=(ANY_DEVICE,), rank=30,
             where="CPU and GPU, pure torch"),
@@ -136,6 +151,8 @@ _BUILTIN = (
             where="ROCm GPUs with AMD's aiter installed"),
     Backend("cuda", _cuda_reason, auto=("cuda",), rank=10, ops=("top_k_per_row",),
             where="NVIDIA GPUs (sm_80+), `top_k_per_row` only"),
+    Backend("gluon", _gluon_reason, auto=("cuda",), rank=15, ops=("fp8_mqa_logits", "fp8_paged_mqa_logits"),
+            where="NVIDIA Hopper (sm_90), the logits ops only"),
 )
 
 _table: dict[str, Backend] = {b.name: b for b in _BUILTIN}

@@ -210,5 +210,5 @@ def test_registry_rejects_bad_entries():
         backends.register(backends.get("reference"))
     with pytest.raises(ValueError, match="unknown backend 'nope'"):
         backends.get("nope")
-    assert backends.auto_order("cuda") == ("aiter", "cuda", "triton", "reference")
+    assert backends.auto_order("cuda") == ("aiter", "cuda", "gluon", "triton", "reference")
     assert backends.auto_order("cpu") == ("reference",)
