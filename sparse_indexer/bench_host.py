@@ -6,7 +6,7 @@ host (``time.perf_counter_ns`` around the call, after warm-up; on a GPU the devi
 each timed call, so the launch queue is empty and the time is the host's alone), for
 
 * every public op (argument checks included; the default ``check_values``), beside its backend implementation
-  called directly (the added cost of the public function is the difference) and the custom op
+  called directly, the two timed in turn (the added cost of the public function is the difference) and the custom op
   ``torch.ops.sparse_indexer.<op>`` (the route ``torch.compile`` records);
 * the decode step (``sparse_attn_indexer`` with K: cache write, paged logits, top-k) and a prefill step of one
   chunk (cache write, gather, ragged logits, top-k), with the step's metadata built once (as every layer of a
@@ -86,6 +86,27 @@ def _median_us(fn: Callable[[], object], iters: int, warmup: int, sync: Callable
     return statistics.median(ts) / 1e3
 
 
+def _paired_median_us(fns: tuple[Callable[[], object], ...], iters: int, warmup: int,
+                      sync: Callable[[], None]) -> list[float]:
+    """Median host time (us) of each of ``fns``, timed in turn within every iteration: the calls share the host's
+    state of the moment (clock, caches, neighbours on a shared host), so the difference of two medians is not the
+    drift between two separate timing windows (issue #11's added cost is such a difference)."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    sync()
+    ts = [[] for _ in fns]
+    clock = time.perf_counter_ns
+    for _ in range(iters):
+        for fn, t in zip(fns, ts):
+            sync()
+            t0 = clock()
+            fn()
+            t.append(clock() - t0)
+    sync()
+    return [statistics.median(t) / 1e3 for t in ts]
+
+
 class _Inputs:
     """Every case's tensors on ``device``: a paged cache with a history, the step's metadata and buffers."""
 
@@ -151,8 +172,10 @@ def _cases(x: _Inputs, backend: str | None,
            check_values: bool | None = None) -> list[tuple[str, Callable, Callable | None, Callable | None]]:
     """(name, public call, backend implementation call, custom-op call); ``check_values`` of the public ops."""
     cv = check_values
-    impls = {name: _dispatch.implementation(name, _dispatch.candidates(name, backend, x.device)[0])
-             for name in _dispatch.OPS}  # resolved here: the timed call is the implementation alone
+    # resolved here (the timed call is the implementation alone): the first candidate that imports, the one the
+    # public call runs (a registered backend without a module for an op is skipped, as dispatch skips it)
+    impls = {name: next(r.fn for r in _dispatch.routes(name, backend, x.device) if r.fn is not None)
+             for name in _dispatch.OPS}
     impl = impls.__getitem__
     op = library.op
     be = backend or "auto"
@@ -280,11 +303,12 @@ def measure(device: torch.device, backend: str | None, iters: int = 300, warmup:
         }
         rows = []
         for name, public, impl, op in _cases(x, backend):
-            row = {"case": name, "public_us": _median_us(public, iters, warmup, sync)}
-            if impl is not None:
-                row["impl_us"] = _median_us(impl, iters, warmup, sync)
-                row["added_us"] = row["public_us"] - row["impl_us"]
-                row["op_us"] = _median_us(op, iters, warmup, sync)
+            if impl is None:
+                row = {"case": name, "public_us": _median_us(public, iters, warmup, sync)}
+            else:  # the public call and its implementation in turn: their difference is the added cost
+                pub, imp = _paired_median_us((public, impl), iters, warmup, sync)
+                row = {"case": name, "public_us": pub, "impl_us": imp, "added_us": pub - imp,
+                       "op_us": _median_us(op, iters, warmup, sync)}
             rows.append(row)
         # the same public calls with every backend implementation replaced by a no-op: what the library's own
         # Python (checks, routing, the step's views) costs, without the backend's host work and launches

@@ -79,6 +79,10 @@ SPLIT_WARPS = 4
 SPLIT_PROGRAMS_PER_SM = 16
 SPLIT_SAMPLE_WARPS = 16  # 16/16 vs 8/8: 53.9 vs 54.8 us (64 x 64K), 56.4 vs 57.4 (128 x 32K); 4/4: 68.8
 SPLIT_FINISH_WARPS = 16
+# Narrower rows take the one-program-per-row kernel even with a workspace: one launch instead of three (issue #11,
+# host time) and no slower on the device. H200, L2 flushed, us per-row / split: 4 x 4K 30.1 / 39.3, 4 x 8K 26.3 /
+# 37.2, 64 x 8K 40.9 / 39.0, 4 x 16K 37.4 / 38.8, 64 x 16K 46.0 / 42.4, 64 x 32K 69.4 / 50.0 (docs/benchmarks.md)
+SPLIT_MIN_WIDTH = 16384
 CBLOCK = 4096
 
 
@@ -493,14 +497,16 @@ def _launch_split(logits, row_starts, row_ends, out, workspace, *, block=SPLIT_B
     _FINISH.launch_with((r,), c_finish, args + (cap,), 5)
 
 
-def use_split(rows: int, device: torch.device) -> bool:
-    """Whether a call of ``rows`` rows with a workspace takes the split path (shapes only, no host sync)."""
-    return 0 < rows < 2 * _sm_count(torch.device(device))
+def use_split(rows: int, device: torch.device, width: int | None = None) -> bool:
+    """Whether a call of ``rows`` rows of ``width`` logits columns with a workspace takes the split path (shapes
+    only, no host sync): few rows (``< 2 x SMs``) and rows wide enough (``>= SPLIT_MIN_WIDTH``) that spreading
+    one row over several programs pays for the split path's two extra launches (``width=None``: any width)."""
+    return 0 < rows < 2 * _sm_count(torch.device(device)) and (width is None or width >= SPLIT_MIN_WIDTH)
 
 
 def top_k_per_row(logits, row_starts, row_ends, *, out, workspace=None) -> None:
     """See :func:`sparse_indexer.top_k_per_row`; arguments are checked."""
-    if workspace is not None and use_split(logits.shape[0], logits.device):
+    if workspace is not None and use_split(logits.shape[0], logits.device, logits.shape[1]):
         _launch_split(logits, row_starts, row_ends, out, workspace)
     else:
         _launch(logits, row_starts, row_ends, out)

@@ -162,6 +162,46 @@ def test_validation(backend, what, change, exc, name):
 WS_COLS = 32 + 2 * 512  # counters + 512 candidates
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _split_any_width():
+    """The tests here use narrow rows: let them take the Triton split path anyway (on the GPU rows narrower
+    than ``SPLIT_MIN_WIDTH`` take the one-launch kernel; :func:`test_split_min_width` checks that)."""
+    try:
+        from sparse_indexer.ops.top_k_per_row import triton as tkt
+    except ImportError:  # no Triton: only other backends run
+        yield
+        return
+    was = tkt.SPLIT_MIN_WIDTH
+    tkt.SPLIT_MIN_WIDTH = 0
+    yield
+    tkt.SPLIT_MIN_WIDTH = was
+
+
+def test_split_min_width(backend):
+    """Triton: few rows narrower than ``SPLIT_MIN_WIDTH`` take the one-program-per-row kernel (one launch, the
+    workspace untouched), wider ones the split path; the selection is exact either way."""
+    if backend != "triton":
+        pytest.skip("the split path is the Triton backend's")
+    from sparse_indexer.ops.top_k_per_row import triton as tkt
+
+    cpu = torch.device("cpu")
+    assert tkt.use_split(4, cpu) and not tkt.use_split(0, cpu) and not tkt.use_split(2 * 64, cpu)
+    g = gen(12)
+    x = torch.randn(3, 700, generator=g)
+    starts, ends = [0, 5, 0], [700, 650, 100]
+    for min_width, split in ((701, False), (700, True)):
+        tkt.SPLIT_MIN_WIDTH = min_width
+        try:
+            assert tkt.use_split(3, cpu, 700) is split
+            ws = _ws(3)
+            out = torch.full((3, 128), 7, dtype=torch.int32)
+            top_k_per_row(x, int32(starts), int32(ends), out=out, backend=backend, workspace=ws)
+        finally:
+            tkt.SPLIT_MIN_WIDTH = 0
+        assert_topk(out, x, starts, ends)
+        assert bool((ws[:2, :4] != -12345).all()) is split
+
+
 def _ws(r, cols=WS_COLS):
     return torch.full((r, cols), -12345, dtype=torch.int32)
 
