@@ -73,6 +73,8 @@ def _compare(got, ref, ks, ke, *, clean, compressed=False, rtol=RTOL):
     else:
         inside = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None])
     err, mask_bad = logits_error(got.float(), ref.float(), inside, clean=clean)
+    if int(inside.sum()) < 4096:  # a handful of cells: the L2 ratio is one fp8 tensor-core sum's error
+        rtol = max(rtol, 2e-3)
     assert err <= rtol, f"relative L2 {err:.2e} > {rtol:.0e}"
     if clean:
         assert mask_bad == 0, f"{mask_bad} cells with a wrong -inf mask"

@@ -44,7 +44,8 @@ __all__ = ["CONFIG", "fp8_mqa_logits"]
 HEADS = 64
 HEAD_DIM = 128
 
-CONFIG = {"BLOCK_Q": 4, "STAGES": 8, "MATH_REGS": 232, "LOAD_REGS": 24, "MAXNREG": 168, "FILL_N": 256}
+CONFIG = {"BLOCK_Q": 4, "SPLIT": True, "PIPE": False, "STAGES": 8, "MATH_REGS": 232, "LOAD_REGS": 24, "MAXNREG": 168,
+          "FILL_N": 256}
 """Tuned on an H200; overridable (``config=``) for benchmarking. ``BLOCK_Q`` query tokens per block (the MMA's
 N is ``BLOCK_Q * 64 <= 256``), ``STAGES`` key tiles in flight, register budgets of the partitions."""
 
@@ -125,15 +126,48 @@ if gluon is not None:
             it += 1
 
     @gluon.jit
+    def _rows(ks_ptr, ke_ptr, w_ptr, out_ptr, r0, M, stride_w, stride_out, BT: gl.constexpr, H: gl.constexpr,
+              tok_l: gl.constexpr, col_l: gl.constexpr):
+        """Windows, head weights and output rows of the ``BT`` tokens from row ``r0`` (rows past ``M``: empty)."""
+        rows = r0 + gl.arange(0, BT, layout=tok_l)
+        rmask = rows < M
+        ks = gl.load(ks_ptr + rows, mask=rmask, other=0).to(gl.int32)
+        ke = gl.load(ke_ptr + rows, mask=rmask, other=0).to(gl.int32)
+        ke = gl.where(rmask, ke, 0)
+        offs_c = gl.arange(0, BT * H, layout=col_l)
+        crow = r0 + offs_c // H
+        wts = gl.load(w_ptr + crow.to(gl.int64) * stride_w + offs_c % H, mask=crow < M, other=0.0)
+        return ks, ke, wts, out_ptr + rows.to(gl.int64) * stride_out
+
+    @gluon.jit
+    def _epilogue(acc, wts, ksc, keys, ks, ke, out_rows, W, BT: gl.constexpr, H: gl.constexpr,
+                  COMPRESSED: gl.constexpr):
+        """``[keys, BT tokens]`` logits of one accumulator ``[keys, BT * H]``: relu, head weights, sum over each
+        token's heads (in-thread + quad shuffles: the reshape moves no data), key scale, masked store."""
+        BLOCK_N: gl.constexpr = acc.shape[0]
+        sc = gl.maximum(acc, 0.0) * wts[None, :]
+        logit = gl.sum(gl.reshape(sc, [BLOCK_N, BT, H]), axis=2) * ksc[:, None]
+        kk = keys[:, None]
+        inside = (kk >= ks[None, :]) & (kk < ke[None, :])
+        if COMPRESSED:
+            col = kk - ks[None, :]
+            gl.store(out_rows[None, :] + col, logit.to(out_rows.dtype.element_ty), mask=inside & (col < W))
+        else:
+            gl.store(out_rows[None, :] + kk, logit.to(out_rows.dtype.element_ty), mask=inside)
+
+    @gluon.jit
     def _math(WG: gl.constexpr, out_ptr, k_bufs, q_bufs, k_ready, k_empty, q_ready, q_empty, ksc_ptr, w_ptr,
               ks_ptr, ke_ptr, M, N, W, stride_out, stride_w,
-              BLOCK_Q: gl.constexpr, STAGES: gl.constexpr, COMPRESSED: gl.constexpr):
+              BLOCK_Q: gl.constexpr, STAGES: gl.constexpr, COMPRESSED: gl.constexpr, SPLIT: gl.constexpr,
+              PIPE: gl.constexpr):
+        """One math warpgroup: the ring's tiles ``WG``, ``WG + 2``, ... With ``SPLIT = 2`` the MMA runs as two
+        halves of ``BLOCK_Q / 2`` tokens each: the first half's epilogue overlaps the second half's MMA."""
         BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
         H: gl.constexpr = q_bufs.type.shape[1] // BLOCK_Q
-        NQ: gl.constexpr = BLOCK_Q * H
+        BT: gl.constexpr = BLOCK_Q // SPLIT
+        NQ: gl.constexpr = BT * H
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 32])
-        l3: gl.constexpr = _tok_layout(BLOCK_Q, H)
-        l2: gl.constexpr = gl.SliceLayout(2, l3)  # [keys, tokens]
+        l2: gl.constexpr = gl.SliceLayout(2, _tok_layout(BT, H))  # [keys, tokens]
         key_l: gl.constexpr = gl.SliceLayout(1, l2)
         tok_l: gl.constexpr = gl.SliceLayout(0, l2)
         col_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -142,46 +176,82 @@ if gluon is not None:
         G = gl.num_programs(0)
         nblocks = (M + BLOCK_Q - 1) // BLOCK_Q
         offs_n = gl.arange(0, BLOCK_N, layout=key_l)
-        offs_t = gl.arange(0, BLOCK_Q, layout=tok_l)
-        offs_c = gl.arange(0, NQ, layout=col_l)
         zero = gl.zeros([BLOCK_N, NQ], gl.float32, mma)
         i = 0
         it = 0
         for j in range(gl.program_id(0), nblocks, G):
             mb = _block_of(j, nblocks, G)
             t_lo, nt = _union(ks_ptr, ke_ptr, mb, M, N, BLOCK_Q, BLOCK_N, lay1)
-            rows = mb * BLOCK_Q + offs_t
-            rmask = rows < M
-            ks = gl.load(ks_ptr + rows, mask=rmask, other=0).to(gl.int32)
-            ke = gl.load(ke_ptr + rows, mask=rmask, other=0).to(gl.int32)
-            ke = gl.where(rmask, ke, 0)  # rows past M: empty windows
-            crow = mb * BLOCK_Q + offs_c // H
-            wts = gl.load(w_ptr + crow.to(gl.int64) * stride_w + offs_c % H, mask=crow < M, other=0.0)
-            out_rows = out_ptr + rows.to(gl.int64) * stride_out  # [BLOCK_Q]
+            ks_a, ke_a, w_a, o_a = _rows(ks_ptr, ke_ptr, w_ptr, out_ptr, mb * BLOCK_Q, M, stride_w, stride_out, BT, H,
+                                         tok_l, col_l)
+            if SPLIT == 2:
+                ks_b, ke_b, w_b, o_b = _rows(ks_ptr, ke_ptr, w_ptr, out_ptr, mb * BLOCK_Q + BT, M, stride_w,
+                                             stride_out, BT, H, tok_l, col_l)
             qb = it % 2
             mbarrier.wait(q_ready.index(qb), (it // 2) & 1)
-            q_t = q_bufs.index(qb).permute((1, 0))  # [D, BLOCK_Q * H], K-major
+            q_all = q_bufs.index(qb)
+            q_a = q_all.slice(0, NQ, dim=0).permute((1, 0))  # [D, NQ], K-major
+            q_b = q_all.slice(NQ * (SPLIT - 1), NQ, dim=0).permute((1, 0))
             # this warpgroup's tiles of the block: global ring index i + t with (i + t) % 2 == WG
-            for t in range((WG + 2 - i % 2) % 2, nt, 2):
-                g = i + t
+            t0 = (WG + 2 - i % 2) % 2
+            if PIPE:
+                # Rolling pipeline over this warpgroup's tiles: while one half's epilogue runs, the other half's
+                # MMA (this tile's second half, or the next tile's first half) is in flight. Every MMA is issued
+                # unconditionally (a branch around one makes ptxas serialize the wgmma pipeline): after the last
+                # tile (or with no tile) the pair reads a ring slot it does not own, and its result is dropped
+                # (drained after the loop).
+                g = i + t0
                 s = g % STAGES
-                mbarrier.wait(k_ready.index(s), (g // STAGES) & 1)
-                acc = warpgroup_mma(k_bufs.index(s), q_t, zero, use_acc=False, is_async=True)
-                n0 = (t_lo + t) * BLOCK_N
-                keys = n0 + offs_n
-                ksc = gl.load(ksc_ptr + keys, mask=keys < N, other=0.0)
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
-                mbarrier.arrive(k_empty.index(s), count=1)
-                sc = gl.maximum(acc, 0.0) * wts[None, :]
-                logit = gl.sum(gl.reshape(sc, [BLOCK_N, BLOCK_Q, H]), axis=2)  # [BLOCK_N, BLOCK_Q]
-                logit = logit * ksc[:, None]
-                kk = keys[:, None]
-                inside = (kk >= ks[None, :]) & (kk < ke[None, :])
-                if COMPRESSED:
-                    col = kk - ks[None, :]
-                    gl.store(out_rows[None, :] + col, logit.to(out_ptr.dtype.element_ty), mask=inside & (col < W))
-                else:
-                    gl.store(out_rows[None, :] + kk, logit.to(out_ptr.dtype.element_ty), mask=inside)
+                if t0 < nt:
+                    mbarrier.wait(k_ready.index(s), (g // STAGES) & 1)
+                acc_a = warpgroup_mma(k_bufs.index(s), q_a, zero, use_acc=False, is_async=True)
+                acc_b = warpgroup_mma(k_bufs.index(s), q_b, zero, use_acc=False, is_async=True)
+                for t in range(t0, nt, 2):
+                    g = i + t
+                    s = g % STAGES
+                    keys = (t_lo + t) * BLOCK_N + offs_n
+                    ksc = gl.load(ksc_ptr + keys, mask=keys < N, other=0.0)
+                    ra = warpgroup_mma_wait(1, deps=(acc_a, ))
+                    _epilogue(ra, w_a, ksc, keys, ks_a, ke_a, o_a, W, BT, H, COMPRESSED)
+                    gl.thread_barrier()  # keeps ptxas from hoisting the next wait above this epilogue
+                    more = t + 2 < nt
+                    gn = g + 2
+                    sn = gl.where(more, gn % STAGES, s)
+                    if more:
+                        mbarrier.wait(k_ready.index(sn), (gn // STAGES) & 1)
+                    acc_a = warpgroup_mma(k_bufs.index(sn), q_a, zero, use_acc=False, is_async=True)
+                    rb = warpgroup_mma_wait(1, deps=(acc_b, ))
+                    if more:
+                        mbarrier.arrive(k_empty.index(s), count=1)
+                    _epilogue(rb, w_b, ksc, keys, ks_b, ke_b, o_b, W, BT, H, COMPRESSED)
+                    gl.thread_barrier()
+                    acc_b = warpgroup_mma(k_bufs.index(sn), q_b, zero, use_acc=False, is_async=True)
+                acc_a, acc_b = warpgroup_mma_wait(0, deps=(acc_a, acc_b))
+                if t0 < nt:  # the last tile's slot, read by the dropped pair too
+                    g_last = i + t0 + ((nt - 1 - t0) // 2) * 2
+                    mbarrier.arrive(k_empty.index(g_last % STAGES), count=1)
+            else:
+                for t in range(t0, nt, 2):
+                    g = i + t
+                    s = g % STAGES
+                    mbarrier.wait(k_ready.index(s), (g // STAGES) & 1)
+                    k_s = k_bufs.index(s)
+                    acc_a = warpgroup_mma(k_s, q_a, zero, use_acc=False, is_async=True)
+                    if SPLIT == 2:
+                        acc_b = warpgroup_mma(k_s, q_b, zero, use_acc=False, is_async=True)
+                    keys = (t_lo + t) * BLOCK_N + offs_n
+                    ksc = gl.load(ksc_ptr + keys, mask=keys < N, other=0.0)
+                    if SPLIT == 2:
+                        acc_a = warpgroup_mma_wait(1, deps=(acc_a, ))
+                        _epilogue(acc_a, w_a, ksc, keys, ks_a, ke_a, o_a, W, BT, H, COMPRESSED)
+                        gl.thread_barrier()  # keeps ptxas from hoisting the next wait above this epilogue
+                        acc_b = warpgroup_mma_wait(0, deps=(acc_b, ))
+                        mbarrier.arrive(k_empty.index(s), count=1)
+                        _epilogue(acc_b, w_b, ksc, keys, ks_b, ke_b, o_b, W, BT, H, COMPRESSED)
+                    else:
+                        acc_a = warpgroup_mma_wait(0, deps=(acc_a, ))
+                        mbarrier.arrive(k_empty.index(s), count=1)
+                        _epilogue(acc_a, w_a, ksc, keys, ks_a, ke_a, o_a, W, BT, H, COMPRESSED)
             mbarrier.arrive(q_empty.index(qb), count=1)
             i += nt
             it += 1
@@ -189,16 +259,16 @@ if gluon is not None:
     @gluon.jit
     def _math_default(out_ptr, k_bufs, q_bufs, k_ready, k_empty, q_ready, q_empty, ksc_ptr, w_ptr, ks_ptr, ke_ptr, M,
                       N, W, stride_out, stride_w, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
-                      COMPRESSED: gl.constexpr):
+                      COMPRESSED: gl.constexpr, SPLIT: gl.constexpr, PIPE: gl.constexpr):
         _math(0, out_ptr, k_bufs, q_bufs, k_ready, k_empty, q_ready, q_empty, ksc_ptr, w_ptr, ks_ptr, ke_ptr, M, N, W,
-              stride_out, stride_w, BLOCK_Q, STAGES, COMPRESSED)
+              stride_out, stride_w, BLOCK_Q, STAGES, COMPRESSED, SPLIT, PIPE)
 
     @gluon.jit
     def _math_worker(out_ptr, k_bufs, q_bufs, k_ready, k_empty, q_ready, q_empty, ksc_ptr, w_ptr, ks_ptr, ke_ptr, M,
                      N, W, stride_out, stride_w, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
-                     COMPRESSED: gl.constexpr):
+                     COMPRESSED: gl.constexpr, SPLIT: gl.constexpr, PIPE: gl.constexpr):
         _math(1, out_ptr, k_bufs, q_bufs, k_ready, k_empty, q_ready, q_empty, ksc_ptr, w_ptr, ks_ptr, ke_ptr, M, N, W,
-              stride_out, stride_w, BLOCK_Q, STAGES, COMPRESSED)
+              stride_out, stride_w, BLOCK_Q, STAGES, COMPRESSED, SPLIT, PIPE)
 
     @gluon.jit
     def _fill(out_ptr, ks_ptr, ke_ptr, M, N, W, stride_out, BLOCK_Q: gl.constexpr, FILL_N: gl.constexpr,
@@ -242,7 +312,8 @@ if gluon is not None:
     def _mqa_logits_kernel(out_ptr, q_desc, k_desc, ksc_ptr, w_ptr, ks_ptr, ke_ptr, M, N, W, stride_out, stride_w,
                            BLOCK_Q: gl.constexpr, STAGES: gl.constexpr, CLEAN: gl.constexpr,
                            COMPRESSED: gl.constexpr, FILL_N: gl.constexpr, MATH_REGS: gl.constexpr,
-                           LOAD_REGS: gl.constexpr, num_warps: gl.constexpr):
+                           LOAD_REGS: gl.constexpr, SPLIT: gl.constexpr, PIPE: gl.constexpr,
+                           num_warps: gl.constexpr):
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -257,9 +328,11 @@ if gluon is not None:
             mbarrier.init(q_empty.index(s), count=2)  # both math warpgroups
         gl.warp_specialize([
             (_math_default, (out_ptr, k_bufs, q_bufs, k_ready, k_empty, q_ready, q_empty, ksc_ptr, w_ptr, ks_ptr,
-                             ke_ptr, M, N, W, stride_out, stride_w, BLOCK_Q, STAGES, COMPRESSED)),
+                             ke_ptr, M, N, W, stride_out, stride_w, BLOCK_Q, STAGES, COMPRESSED, SPLIT,
+                             PIPE)),
             (_math_worker, (out_ptr, k_bufs, q_bufs, k_ready, k_empty, q_ready, q_empty, ksc_ptr, w_ptr, ks_ptr,
-                            ke_ptr, M, N, W, stride_out, stride_w, BLOCK_Q, STAGES, COMPRESSED)),
+                            ke_ptr, M, N, W, stride_out, stride_w, BLOCK_Q, STAGES, COMPRESSED, SPLIT,
+                             PIPE)),
             (_loader, (k_desc, q_desc, k_bufs, q_bufs, k_ready, k_empty, q_ready, q_empty, ks_ptr, ke_ptr, M, N,
                        BLOCK_Q, STAGES)),
         ], [4, 1], [MATH_REGS, LOAD_REGS])
@@ -285,7 +358,9 @@ class _Plan:
         self.q_layout = gl.NVMMASharedLayout.get_default_for([block_q * HEADS, HEAD_DIM], gl.float8e4nv)
         self.cfg = _LAUNCH.config(BLOCK_Q=block_q, STAGES=config["STAGES"], CLEAN=bool(clean),
                                   COMPRESSED=bool(compressed), FILL_N=config["FILL_N"],
-                                  MATH_REGS=config["MATH_REGS"], LOAD_REGS=config["LOAD_REGS"], num_warps=4,
+                                  MATH_REGS=config["MATH_REGS"], LOAD_REGS=config["LOAD_REGS"],
+                                  SPLIT=2 if block_q > 1 and config["SPLIT"] else 1,
+                                  PIPE=bool(block_q > 1 and config["SPLIT"] and config["PIPE"]), num_warps=4,
                                   maxnreg=config["MAXNREG"])
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
 
