@@ -15,7 +15,8 @@ __all__ = ["DecodeCase", "build", "specs"]
 def specs(smoke: bool = False) -> list[CaseSpec]:
     """Decode logits: ``(B, next_n, L)`` with a 64-token block size, ``clean=False`` as the step runs it."""
     shapes = ([(2, 1, 256), (2, 2, 256)] if smoke else
-              [(64, 1, 65536), (64, 2, 65536), (128, 1, 32768), (256, 1, 16384), (32, 1, 131072)])
+              [(64, 1, 65536), (64, 2, 65536), (128, 1, 32768), (256, 1, 16384), (32, 1, 131072), (64, 3, 65536),
+               (64, 4, 65536)])
     out = [CaseSpec("decode", f"decode-{b}x{n}x{k_str(seq)}", f"decode B={b} next_n={n} L={seq}",
                     dict(B=b, next_n=n, L=seq)) for b, n, seq in shapes]
     # bfloat16 logits (issue #17): half the logits bytes written

@@ -1,0 +1,507 @@
+"""Gluon ``fp8_paged_mqa_logits`` for Hopper (sm_90): decode indexer scores streamed by TMA (issue #16).
+
+One persistent launch, split like the Triton kernel (``triton.py``): the key tiles of all requests
+(``cdiv(min(max_limit[b], CAP), 64)`` tiles of 64 positions for request ``b``) form one global range cut into
+``P`` equal contiguous pieces, one per CTA, so ragged lengths stay balanced; a piece may span several requests.
+
+Each CTA is warp-specialized (``gl.warp_specialize``):
+
+- a 1-warp *producer* walks its piece: it reads the block-table entries a chunk of ``CHUNK`` tiles at a time
+  (one vector load, the next chunk's load issued before the current chunk is used), and per 64-key tile issues
+  two TMA copies into a ``STAGES``-deep shared-memory ring guarded by ``ready``/``empty`` mbarriers: the tile's
+  ``[64, 128]`` fp8 values (a 2-D descriptor over the cache read as rows of 128 bytes: block ``blk`` is rows
+  ``blk * R .. blk * R + 63`` with ``R = block_stride / 128``) and its 64 float32 scales (a ``[num_blocks,
+  block_stride / 4]`` float32 descriptor, columns ``BS * D / 4 ..``). Per request it also copies the
+  ``next_n`` query tiles ``[64 heads, 128]`` into a double buffer (``q_ready``/``q_empty``);
+- one 4-warp *consumer* warpgroup (the default partition) runs, per tile and query token ``j``,
+  ``warpgroup_mma(K [64 keys, 128], Q_j^T [128, 64 heads])`` (keys as M, heads as N: the head-sum is a
+  reduction along N within a thread and its quad), then ``relu``, times the head weights, sum over heads, times
+  the key scale, and a masked store of the 64 logits of each row (``pos < limit``); it releases the stage as
+  soon as the MMAs and the scale read are done, so the producer refills it while the epilogue runs.
+
+With ``clean=True`` all warps then fill the columns at or past each row's limit with ``-inf`` (chunks of
+``FILL_N`` columns shared round-robin, the Triton kernel's pass), disjoint from the cells the tile loop writes.
+
+No host synchronisation and no allocation per call: the TMA descriptors are host ``TensorDescriptor`` objects
+(kernel parameters: CUDA-graph capturable) built from pointers, shapes and strides; the launch plan is cached per
+specialization. Cases the kernel does not take raise ``NotImplementedError`` before anything is written (see
+:func:`fp8_paged_mqa_logits`), so ``auto`` runs the Triton backend for them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:  # Gluon (Triton >= 3.6); the module is imported only where the backend is available (backends.py)
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    _GLUON = True
+except ImportError:  # pragma: no cover - CPU CI with an older Triton: nothing below is used there
+    _GLUON = False
+
+__all__ = ["fp8_paged_mqa_logits"]
+
+# Tuned on an H200 (docs/benchmarks.md, "Gluon decode logits"); overridable per call with ``config=``.
+# Shared memory per CTA: STAGES * 8448 B (values + scales) + 2 * next_n * 8 KB of queries; two CTAs per SM fit in
+# 227 KB with the stages below. maxnreg=128: 8 warps (the 4-warp consumer, the 1-warp producer, padding to two
+# warpgroups) x 128 registers = two CTAs per SM.
+CONFIG = {"STAGES": 8, "CHUNK": 32, "ctas_per_sm": 2, "FILL_N": 1024, "maxnreg": 128, "NCONS": 1, "QBUF": 2,
+          "CONS_REGS": 152, "PAIR": False}
+CONFIG_BY_NEXT_N: dict = {3: {"STAGES": 6}, 4: {"STAGES": 5}}
+
+_H, _D, _BS, _BLOCK_N = 64, 128, 64, 64  # the shapes the kernel is written for (DeepSeek-V3.2's indexer)
+
+
+class _Ptr:
+    """What a host ``TensorDescriptor`` reads of its base tensor (a data pointer and a dtype), without keeping the
+    tensor (a multi-GB cache) alive in the plan cache."""
+
+    __slots__ = ("_ptr", "dtype")
+
+    def __init__(self, ptr: int, dtype: torch.dtype):
+        self._ptr = ptr
+        self.dtype = dtype
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
+if _GLUON:
+
+    @gluon.jit
+    def _add(a, b):
+        return a + b
+
+    @gluon.jit
+    def _req_tiles(cl_ptr, b, stride_clb, stride_cln, CAP, NEXT_N: gl.constexpr, CL_2D: gl.constexpr):
+        """Key tiles of request ``b``: ``cdiv(min(max_limit, CAP), 64)`` (the largest row limit: the last token's
+        for 1-D lengths)."""
+        m = gl.load(cl_ptr + b * stride_clb).to(gl.int32)
+        if CL_2D:
+            for j in gl.static_range(1, NEXT_N):
+                m = gl.maximum(m, gl.load(cl_ptr + b * stride_clb + j * stride_cln).to(gl.int32))
+        m = gl.minimum(gl.maximum(m, 0), CAP)
+        return (m + 63) // 64
+
+    @gluon.jit
+    def _row_limit(cl_ptr, b, j: gl.constexpr, stride_clb, stride_cln, CAP, NEXT_N: gl.constexpr,
+                   CL_2D: gl.constexpr):
+        """``limit[b * next_n + j]`` (docs/spec.md §5) clamped to ``[0, CAP]``; 0 for ``j >= next_n``."""
+        if j < NEXT_N:
+            if CL_2D:
+                lim = gl.load(cl_ptr + b * stride_clb + j * stride_cln).to(gl.int32)
+            else:
+                lim = gl.load(cl_ptr + b * stride_clb).to(gl.int32) - NEXT_N + j + 1
+            lim = gl.minimum(gl.maximum(lim, 0), CAP)
+        else:
+            lim = 0
+        return lim
+
+    @gluon.jit
+    def _producer(kv_desc, sc_desc, q_desc, bt_ptr, idx_ptr, cl_ptr, k_ring, s_ring, q_buf, ready, empty,
+                  q_ready, q_empty, start, end, b0, b_start0, stride_bt, stride_clb, stride_cln, CAP, R,
+                  NEXT_N: gl.constexpr, CL_2D: gl.constexpr, HAS_IDX: gl.constexpr, STAGES: gl.constexpr,
+                  CHUNK: gl.constexpr, QBUF: gl.constexpr):
+        """1 warp: block-table entries by the chunk, TMA copies of the values, scales and queries."""
+        SC_COL: gl.constexpr = 64 * 128 // 4  # float32 column of a block's first scale
+        chunk_l: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        offs = gl.arange(0, CHUNK, layout=chunk_l)
+        sc_smem_l: gl.constexpr = sc_desc.layout
+        TILE_BYTES: gl.constexpr = 64 * 128 + 64 * 4
+        Q_BYTES: gl.constexpr = NEXT_N * 64 * 128
+        t = start
+        b = b0
+        b_start = b_start0
+        it = 0
+        k = 0
+        while t < end:
+            b_end = b_start + _req_tiles(cl_ptr, b, stride_clb, stride_cln, CAP, NEXT_N, CL_2D)
+            if b_end > t:
+                qs = k % QBUF
+                mbarrier.wait(q_empty.index(qs), ((k // QBUF) & 1) ^ 1)
+                mbarrier.expect(q_ready.index(qs), Q_BYTES)
+                for j in gl.static_range(NEXT_N):
+                    tma.async_copy_global_to_shared(q_desc, [(b * NEXT_N + j) * 64, 0], q_ready.index(qs),
+                                                    q_buf.index(qs * NEXT_N + j))
+                k += 1
+                if HAS_IDX:
+                    row = gl.load(idx_ptr + b).to(gl.int64)
+                else:
+                    row = b.to(gl.int64)
+                bt_row = bt_ptr + row * stride_bt
+                t_lo = t - b_start
+                t_hi = gl.minimum(end, b_end) - b_start
+                nxt = gl.load(bt_row + t_lo + offs, mask=t_lo + offs < t_hi, other=0)
+                for c0 in range(t_lo, t_hi, CHUNK):
+                    cur = nxt
+                    nxt = gl.load(bt_row + c0 + CHUNK + offs, mask=c0 + CHUNK + offs < t_hi, other=0)
+                    n = gl.minimum(t_hi - c0, CHUNK)
+                    for i in range(n):
+                        blk = gl.sum(gl.where(offs == i, cur, 0), axis=0)
+                        s = it % STAGES
+                        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                        bar = ready.index(s)
+                        mbarrier.expect(bar, TILE_BYTES)
+                        tma.async_copy_global_to_shared(kv_desc, [blk * R, 0], bar, k_ring.index(s))
+                        tma.async_copy_global_to_shared(
+                            sc_desc, [blk, SC_COL], bar, s_ring.index(s)._reinterpret(gl.float32, [1, 64], sc_smem_l))
+                        it += 1
+                t = gl.minimum(end, b_end)
+            b += 1
+            b_start = b_end
+
+    @gluon.jit
+    def _token_epilogue(acc, w, ksc, out_row, pos, lim):
+        """Row ``out_row``'s 64 logits of one tile: ``sum_h relu(acc) * w[h]`` times the key scales, stored where
+        ``pos < lim``."""
+        logit = gl.sum(gl.maximum(acc, 0.0) * w[None, :], axis=1) * ksc
+        gl.store(out_row + pos, logit.to(out_row.dtype.element_ty), mask=pos < lim)
+
+    @gluon.jit
+    def _mma_issue(kt, q_buf, qb, zero, NEXT_N: gl.constexpr):
+        """The ``next_n`` wgmmas ``K [64, 128] x Q_j^T [128, 64]`` of one tile, issued asynchronously (the unused
+        slots of the 4-tuple repeat the first)."""
+        a0 = warpgroup_mma(kt, q_buf.index(qb).permute((1, 0)), zero, use_acc=False, is_async=True)
+        a1 = a0
+        a2 = a0
+        a3 = a0
+        if NEXT_N > 1:
+            a1 = warpgroup_mma(kt, q_buf.index(qb + 1).permute((1, 0)), zero, use_acc=False, is_async=True)
+        if NEXT_N > 2:
+            a2 = warpgroup_mma(kt, q_buf.index(qb + 2).permute((1, 0)), zero, use_acc=False, is_async=True)
+        if NEXT_N > 3:
+            a3 = warpgroup_mma(kt, q_buf.index(qb + 3).permute((1, 0)), zero, use_acc=False, is_async=True)
+        return a0, a1, a2, a3
+
+    @gluon.jit
+    def _mma_wait(a0, a1, a2, a3, NEXT_N: gl.constexpr):
+        """Wait for :func:`_mma_issue`'s wgmmas; their accumulators (unused slots repeat the first)."""
+        if NEXT_N == 1:
+            r0 = warpgroup_mma_wait(0, deps=[a0])
+            r1 = r0
+            r2 = r0
+            r3 = r0
+        elif NEXT_N == 2:
+            r0, r1 = warpgroup_mma_wait(0, deps=[a0, a1])
+            r2 = r0
+            r3 = r0
+        elif NEXT_N == 3:
+            r0, r1, r2 = warpgroup_mma_wait(0, deps=[a0, a1, a2])
+            r3 = r0
+        else:
+            r0, r1, r2, r3 = warpgroup_mma_wait(0, deps=[a0, a1, a2, a3])
+        return r0, r1, r2, r3
+
+    @gluon.jit
+    def _epilogue(c0, c1, c2, c3, w0, w1, w2, w3, lim0, lim1, lim2, lim3, ksc, out_row0, stride_out, pos,
+                  NEXT_N: gl.constexpr):
+        _token_epilogue(c0, w0, ksc, out_row0, pos, lim0)
+        if NEXT_N > 1:
+            _token_epilogue(c1, w1, ksc, out_row0 + stride_out, pos, lim1)
+        if NEXT_N > 2:
+            _token_epilogue(c2, w2, ksc, out_row0 + 2 * stride_out, pos, lim2)
+        if NEXT_N > 3:
+            _token_epilogue(c3, w3, ksc, out_row0 + 3 * stride_out, pos, lim3)
+
+    @gluon.jit
+    def _consumer(out_ptr, w_ptr, cl_ptr, k_ring, s_ring, q_buf, ready, empty, q_ready, q_empty, start, end, b0,
+                  b_start0, stride_out, stride_w, stride_clb, stride_cln, CAP, X: gl.constexpr, NCONS: gl.constexpr,
+                  NEXT_N: gl.constexpr, CL_2D: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr,
+                  DIAG: gl.constexpr, PAIR: gl.constexpr):
+        """Math warpgroup ``X`` of ``NCONS``: it takes the CTA's tiles ``X, X + NCONS, ...``; per tile the
+        ``next_n`` wgmmas (issued together, one wait), the relu/weight/head-sum epilogue and a masked store.
+        ``PAIR``: tiles two at a time, the second tile's wgmmas running during the first tile's epilogue."""
+        mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, 64, 32])
+        row_l: gl.constexpr = gl.SliceLayout(1, mma_l)  # along the keys (M)
+        col_l: gl.constexpr = gl.SliceLayout(0, mma_l)  # along the heads (N)
+        offs_n = gl.arange(0, 64, layout=row_l)
+        offs_h = gl.arange(0, 64, layout=col_l)
+        zero = gl.zeros([64, 64], gl.float32, mma_l)
+        t = start
+        b = b0
+        b_start = b_start0
+        it = 0  # the CTA's tiles before the current request
+        k = 0
+        while t < end:
+            b_end = b_start + _req_tiles(cl_ptr, b, stride_clb, stride_cln, CAP, NEXT_N, CL_2D)
+            if b_end > t:
+                r0 = b.to(gl.int64) * NEXT_N
+                w0 = gl.load(w_ptr + r0 * stride_w + offs_h)
+                w1 = w0
+                w2 = w0
+                w3 = w0
+                if NEXT_N > 1:
+                    w1 = gl.load(w_ptr + (r0 + 1) * stride_w + offs_h)
+                if NEXT_N > 2:
+                    w2 = gl.load(w_ptr + (r0 + 2) * stride_w + offs_h)
+                if NEXT_N > 3:
+                    w3 = gl.load(w_ptr + (r0 + 3) * stride_w + offs_h)
+                lim0 = _row_limit(cl_ptr, b, 0, stride_clb, stride_cln, CAP, NEXT_N, CL_2D)
+                lim1 = _row_limit(cl_ptr, b, 1, stride_clb, stride_cln, CAP, NEXT_N, CL_2D)
+                lim2 = _row_limit(cl_ptr, b, 2, stride_clb, stride_cln, CAP, NEXT_N, CL_2D)
+                lim3 = _row_limit(cl_ptr, b, 3, stride_clb, stride_cln, CAP, NEXT_N, CL_2D)
+                out_row0 = out_ptr + r0 * stride_out
+                qs = k % QBUF
+                mbarrier.wait(q_ready.index(qs), (k // QBUF) & 1)
+                qb = qs * NEXT_N
+                t_lo = t - b_start
+                n_t = gl.minimum(end, b_end) - t
+                first = (X + NCONS - it % NCONS) % NCONS
+                if DIAG:  # measuring the stream alone: every stage released unread
+                    for i in range(first, n_t, NCONS):
+                        g = it + i
+                        mbarrier.wait(ready.index(g % STAGES), (g // STAGES) & 1)
+                        mbarrier.arrive(empty.index(g % STAGES), count=1)
+                elif PAIR:
+                    for i in range(first, n_t, 2 * NCONS):
+                        g = it + i
+                        s = g % STAGES
+                        mbarrier.wait(ready.index(s), (g // STAGES) & 1)
+                        a0, a1, a2, a3 = _mma_issue(k_ring.index(s), q_buf, qb, zero, NEXT_N)
+                        ksc = s_ring.index(s).load(row_l)
+                        c0, c1, c2, c3 = _mma_wait(a0, a1, a2, a3, NEXT_N)
+                        mbarrier.arrive(empty.index(s), count=1)
+                        pos = (t_lo + i) * 64 + offs_n
+                        if i + NCONS < n_t:
+                            g2 = g + NCONS
+                            s2 = g2 % STAGES
+                            mbarrier.wait(ready.index(s2), (g2 // STAGES) & 1)
+                            d0, d1, d2, d3 = _mma_issue(k_ring.index(s2), q_buf, qb, zero, NEXT_N)
+                            _epilogue(c0, c1, c2, c3, w0, w1, w2, w3, lim0, lim1, lim2, lim3, ksc, out_row0,
+                                      stride_out, pos, NEXT_N)
+                            ksc2 = s_ring.index(s2).load(row_l)
+                            e0, e1, e2, e3 = _mma_wait(d0, d1, d2, d3, NEXT_N)
+                            mbarrier.arrive(empty.index(s2), count=1)
+                            _epilogue(e0, e1, e2, e3, w0, w1, w2, w3, lim0, lim1, lim2, lim3, ksc2, out_row0,
+                                      stride_out, pos + NCONS * 64, NEXT_N)
+                        else:
+                            _epilogue(c0, c1, c2, c3, w0, w1, w2, w3, lim0, lim1, lim2, lim3, ksc, out_row0,
+                                      stride_out, pos, NEXT_N)
+                else:
+                    for i in range(first, n_t, NCONS):
+                        g = it + i
+                        s = g % STAGES
+                        mbarrier.wait(ready.index(s), (g // STAGES) & 1)
+                        a0, a1, a2, a3 = _mma_issue(k_ring.index(s), q_buf, qb, zero, NEXT_N)
+                        ksc = s_ring.index(s).load(row_l)
+                        c0, c1, c2, c3 = _mma_wait(a0, a1, a2, a3, NEXT_N)
+                        mbarrier.arrive(empty.index(s), count=1)
+                        _epilogue(c0, c1, c2, c3, w0, w1, w2, w3, lim0, lim1, lim2, lim3, ksc, out_row0, stride_out,
+                                  (t_lo + i) * 64 + offs_n, NEXT_N)
+                mbarrier.arrive(q_empty.index(qs), count=1)
+                it += n_t
+                k += 1
+                t = gl.minimum(end, b_end)
+            b += 1
+            b_start = b_end
+
+    @gluon.jit(do_not_specialize=["NUM_PROGRAMS"])
+    def _paged_logits_kernel(
+        out_ptr,  # [B * next_n, W] float32 or bfloat16, row stride stride_out
+        kv_desc,  # TMA: the cache's bytes as fp8 rows of 128, [num_blocks * R, 128], box [64, 128]
+        sc_desc,  # TMA: the cache as float32 [num_blocks, block_stride / 4], box [1, 64]
+        q_desc,  # TMA: q as [B * next_n * 64, 128] fp8, box [64, 128]
+        w_ptr,  # [B * next_n, 64] float32, row stride stride_w
+        cl_ptr,  # [B] or [B, next_n] int32/int64
+        bt_ptr,  # [B, max_blocks] int32/int64 (HAS_IDX: [num_requests, max_blocks])
+        idx_ptr,  # [B] block-table row of each entry (read only when HAS_IDX)
+        B, W, CAP, R,  # CAP = min(W, max_blocks * 64); R = block_stride / 128
+        stride_out, stride_w, stride_clb, stride_cln, stride_bt,
+        NUM_PROGRAMS,
+        NEXT_N: gl.constexpr, CL_2D: gl.constexpr, CLEAN: gl.constexpr, HAS_IDX: gl.constexpr,
+        BLOCK_B: gl.constexpr, STAGES: gl.constexpr, CHUNK: gl.constexpr, FILL_N: gl.constexpr,
+        NCONS: gl.constexpr, QBUF: gl.constexpr, CONS_REGS: gl.constexpr, DIAG: gl.constexpr, PAIR: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        pid = gl.program_id(0)
+        # This CTA's piece [start, end) of the global tile range, its first request b0 and where b0's tiles start.
+        b_l: gl.constexpr = gl.BlockedLayout([max(1, BLOCK_B // (32 * num_warps))], [32], [num_warps], [0])
+        offs_b = gl.arange(0, BLOCK_B, layout=b_l)
+        bmask = offs_b < B
+        maxlim = gl.load(cl_ptr + offs_b * stride_clb, mask=bmask, other=0).to(gl.int32)
+        if CL_2D:
+            for j in gl.static_range(1, NEXT_N):
+                c = gl.load(cl_ptr + offs_b * stride_clb + j * stride_cln, mask=bmask, other=0).to(gl.int32)
+                maxlim = gl.maximum(maxlim, c)
+        maxlim = gl.minimum(gl.maximum(maxlim, 0), CAP)
+        tiles = (maxlim + 63) // 64
+        cum_end = gl.associative_scan(tiles, 0, _add)
+        total = gl.sum(tiles, axis=0)
+        start = (pid.to(gl.int64) * total // NUM_PROGRAMS).to(gl.int32)
+        end = ((pid + 1).to(gl.int64) * total // NUM_PROGRAMS).to(gl.int32)
+        b0 = gl.sum((cum_end <= start).to(gl.int32), axis=0)
+        b_start0 = gl.sum(gl.where(offs_b == b0, cum_end - tiles, 0), axis=0)
+
+        k_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], kv_desc.layout)
+        s_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        q_buf = gl.allocate_shared_memory(gl.float8e4nv, [QBUF * NEXT_N, 64, 128], q_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        for i in gl.static_range(QBUF):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=NCONS)  # every math warpgroup releases the queries
+
+        if NCONS == 1:
+            gl.warp_specialize([
+                (_consumer, (out_ptr, w_ptr, cl_ptr, k_ring, s_ring, q_buf, ready, empty, q_ready, q_empty, start,
+                             end, b0, b_start0, stride_out, stride_w, stride_clb, stride_cln, CAP, 0, 1, NEXT_N,
+                             CL_2D, STAGES, QBUF, DIAG, PAIR)),
+                (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, idx_ptr, cl_ptr, k_ring, s_ring, q_buf, ready, empty,
+                             q_ready, q_empty, start, end, b0, b_start0, stride_bt, stride_clb, stride_cln, CAP, R,
+                             NEXT_N, CL_2D, HAS_IDX, STAGES, CHUNK, QBUF)),
+            ], [1], [40])
+        else:
+            gl.warp_specialize([
+                (_consumer, (out_ptr, w_ptr, cl_ptr, k_ring, s_ring, q_buf, ready, empty, q_ready, q_empty, start,
+                             end, b0, b_start0, stride_out, stride_w, stride_clb, stride_cln, CAP, 0, 2, NEXT_N,
+                             CL_2D, STAGES, QBUF, DIAG, PAIR)),
+                (_consumer, (out_ptr, w_ptr, cl_ptr, k_ring, s_ring, q_buf, ready, empty, q_ready, q_empty, start,
+                             end, b0, b_start0, stride_out, stride_w, stride_clb, stride_cln, CAP, 1, 2, NEXT_N,
+                             CL_2D, STAGES, QBUF, DIAG, PAIR)),
+                (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, idx_ptr, cl_ptr, k_ring, s_ring, q_buf, ready, empty,
+                             q_ready, q_empty, start, end, b0, b_start0, stride_bt, stride_clb, stride_cln, CAP, R,
+                             NEXT_N, CL_2D, HAS_IDX, STAGES, CHUNK, QBUF)),
+            ], [4, 1], [CONS_REGS, 40])
+
+        if CLEAN:
+            # Cells at or past each row's limit: -inf, chunks of FILL_N columns shared round-robin.
+            fill_l: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
+            offs_f = gl.arange(0, FILL_N, layout=fill_l)
+            ninf = gl.full([FILL_N], float("-inf"), gl.float32, fill_l).to(out_ptr.dtype.element_ty)
+            chunks = gl.cdiv(W, FILL_N)
+            for c in range(pid, B * NEXT_N * chunks, NUM_PROGRAMS):
+                r = c // chunks
+                col0 = (c % chunks) * FILL_N
+                fb = r // NEXT_N
+                fj = r % NEXT_N
+                if CL_2D:
+                    flim = gl.load(cl_ptr + fb * stride_clb + fj * stride_cln).to(gl.int32)
+                else:
+                    flim = gl.load(cl_ptr + fb * stride_clb).to(gl.int32) - NEXT_N + fj + 1
+                flim = gl.minimum(gl.maximum(flim, 0), CAP)
+                if col0 + FILL_N > flim:
+                    cols = col0 + offs_f
+                    gl.store(out_ptr + r.to(gl.int64) * stride_out + cols, ninf, mask=(cols >= flim) & (cols < W))
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+_FP8 = (torch.float8_e4m3fn,)
+_PLANS: dict = {}  # specialization -> (constexpr/launch kwargs, CTAs)
+_DESCS: dict = {}  # (pointers, shapes, strides) -> TensorDescriptor (no tensor kept: _Ptr)
+_DESC_MAX = 64
+
+
+def _layouts():
+    return (gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2),
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+
+
+def _descriptor(ptr: int, dtype: torch.dtype, shape: tuple, strides: tuple, block: tuple, layout):
+    key = (ptr, dtype, shape, strides, block)
+    d = _DESCS.get(key)
+    if d is None:
+        if len(_DESCS) >= _DESC_MAX:
+            _DESCS.clear()
+        d = _DESCS[key] = TensorDescriptor(_Ptr(ptr, dtype), list(shape), list(strides), list(block), layout)
+    return d
+
+
+def unsupported_reason(q, kv_cache, weights, context_lens, block_table, out, indices=None) -> str | None:
+    """Why the Gluon kernel cannot take this (checked) call, or ``None``."""
+    if not _GLUON:
+        return "triton.experimental.gluon (Triton >= 3.6) is not importable"
+    b, next_n, h, d = q.shape
+    nb, bs, width = kv_cache.shape
+    if q.device.type != "cuda" or torch.version.hip is not None:
+        return f"gluon fp8_paged_mqa_logits runs on NVIDIA Hopper GPUs, not {q.device}"
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "gluon fp8_paged_mqa_logits needs sm_90 (wgmma, TMA)"
+    if (h, d, bs) != (_H, _D, _BS):
+        return f"gluon fp8_paged_mqa_logits handles H=64, D=128, block_size=64, got H={h}, D={d}, {bs=}"
+    if not 1 <= next_n <= 4:
+        return f"gluon fp8_paged_mqa_logits handles next_n in 1..4, got {next_n=}"
+    if q.dtype not in _FP8:
+        return f"gluon fp8_paged_mqa_logits handles float8_e4m3fn queries, got {q.dtype}"
+    if out.dtype not in (torch.float32, torch.bfloat16):
+        return f"gluon fp8_paged_mqa_logits writes float32 or bfloat16, got {out.dtype}"
+    stride0 = kv_cache.stride(0) if nb > 1 else bs * width
+    if kv_cache.data_ptr() % 16 or stride0 % 128:
+        return ("gluon fp8_paged_mqa_logits needs a 16-byte aligned cache with a block stride that is a multiple of "
+                f"128 bytes (TMA rows), got data_ptr % 16 = {kv_cache.data_ptr() % 16}, block stride {stride0}")
+    if q.stride(3) != 1 or q.stride(2) != d or q.stride(1) != h * d or (b > 1 and q.stride(0) != next_n * h * d) \
+            or q.data_ptr() % 16:
+        return f"gluon fp8_paged_mqa_logits needs a contiguous, 16-byte aligned q, got strides {q.stride()}"
+    if nb * (stride0 // 128) >= 2**31 or b * next_n * h >= 2**31:
+        return "gluon fp8_paged_mqa_logits: TMA coordinates are int32"
+    return None
+
+
+def _plan(q, out, context_lens, block_table, next_n: int, b: int, cl_2d: bool, clean: bool, has_idx: bool, config):
+    cfg = {**CONFIG, **CONFIG_BY_NEXT_N.get(next_n, {}), **(config or {})}
+    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    kwargs = dict(NEXT_N=next_n, CL_2D=cl_2d, CLEAN=bool(clean), HAS_IDX=has_idx,
+                  BLOCK_B=max(32, triton.next_power_of_2(b)), STAGES=int(cfg["STAGES"]), CHUNK=int(cfg["CHUNK"]),
+                  FILL_N=int(cfg["FILL_N"]), NCONS=int(cfg["NCONS"]), QBUF=int(cfg["QBUF"]),
+                  CONS_REGS=int(cfg["CONS_REGS"]), DIAG=bool(cfg.get("DIAG", False)),
+                  PAIR=bool(cfg.get("PAIR", False)), num_warps=4)
+    if cfg.get("maxnreg"):
+        kwargs["maxnreg"] = int(cfg["maxnreg"])
+    return kwargs, _num_sms(dev) * int(cfg["ctas_per_sm"])
+
+
+def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean, indices=None,
+                         config=None) -> None:
+    """See :func:`sparse_indexer.fp8_paged_mqa_logits`; ``kv_cache`` is the 3-D view, arguments are checked.
+
+    Handles ``H = 64``, ``D = 128``, ``block_size = 64``, ``next_n`` 1..4, float8_e4m3fn ``q`` (contiguous), a
+    16-byte aligned cache whose block stride is a multiple of 128 bytes, float32 or bfloat16 ``out``, 1-D or 2-D
+    ``context_lens``, ``indices``; anything else raises ``NotImplementedError`` before writing. ``config``
+    overrides :data:`CONFIG` (``STAGES``, ``CHUNK``, ``ctas_per_sm``, ``FILL_N``, ``maxnreg``)."""
+    why = unsupported_reason(q, kv_cache, weights, context_lens, block_table, out, indices)
+    if why is not None:
+        raise NotImplementedError(why)
+    b, next_n, h, d = q.shape
+    nb, bs, width = kv_cache.shape
+    w = out.shape[1]
+    if b == 0 or w == 0:
+        return
+    stride0 = kv_cache.stride(0) if nb > 1 else bs * width
+    rows_per_block = stride0 // 128
+    l8, l32 = _layouts()
+    base = kv_cache.data_ptr()
+    kv_desc = _descriptor(base, q.dtype, (nb * rows_per_block, 128), (128, 1), (64, 128), l8)
+    sc_desc = _descriptor(base, torch.float32, (nb, stride0 // 4), (stride0 // 4, 1), (1, 64), l32)
+    q_desc = _descriptor(q.data_ptr(), q.dtype, (b * next_n * h, d), (d, 1), (64, 128), l8)
+    max_blocks = block_table.shape[1]
+    cl_2d = context_lens.dim() == 2
+    has_idx = indices is not None
+    key = (q.device, out.dtype, context_lens.dtype, block_table.dtype, next_n, (b - 1).bit_length(), cl_2d,
+           bool(clean), has_idx)
+    plan = _PLANS.get(key) if config is None else None
+    if plan is None:
+        plan = _plan(q, out, context_lens, block_table, next_n, b, cl_2d, clean, has_idx, config)
+        if config is None:
+            _PLANS[key] = plan
+    kwargs, programs = plan
+    cls = context_lens.stride()
+    _paged_logits_kernel[(programs,)](
+        out, kv_desc, sc_desc, q_desc, weights, context_lens, block_table,
+        indices if has_idx else context_lens, b, w, min(w, max_blocks * bs), rows_per_block,
+        out.stride(0), weights.stride(0), cls[0], cls[1] if cl_2d else 0, block_table.stride(0), programs,
+        **kwargs)
