@@ -108,13 +108,9 @@ def test_arbitrary_windows(m, n, dtype, clean):
 
 
 @needs_gluon
-def test_int64_windows_and_all_empty():
+def test_all_windows_empty():
     m, n = 77, 300
     q, k, ksc, w = _inputs(m, n)
-    ks, ke = _random_windows(m, n)
-    ref = _run("reference", q, k, ksc, w, ks, ke, clean=True)
-    got = _run("gluon", q, k, ksc, w, ks.long(), ke.long(), clean=True)
-    _compare(got, ref, ks, ke, clean=True)
     z = torch.zeros(m, dtype=torch.int32, device="cuda")
     got = _run("gluon", q, k, ksc, w, z + 5, z + 5, clean=True)
     assert bool((got == float("-inf")).all())
