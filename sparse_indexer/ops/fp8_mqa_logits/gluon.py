@@ -7,11 +7,19 @@ dealt to the CTAs in a snake order so every CTA gets a similar amount of keys). 
 - a 1-warp TMA producer: the block's ``[BLOCK_Q * 64, 128]`` fp8 queries into one of two shared-memory
   buffers (the next block's queries load while the current block runs), then the 64-key tiles ``[64, 128]`` of
   the union of the block's windows into a ``STAGES``-deep ring guarded by mbarriers;
-- two math warpgroups (ping-pong): tile ``i`` of the ring goes to warpgroup ``i % 2``, which runs one
-  ``warpgroup_mma(K [64, 128] (M = keys), Q^T [128, BLOCK_Q * 64])`` (fp8, float32 accumulation), frees the
-  ring slot, and then does the epilogue (``relu``, times the head weights held in registers, sum over each
-  token's 64 heads: a reduction inside a thread plus two shuffles in its quad, times the key scale, masked
-  store of ``[64 keys, BLOCK_Q tokens]``) while the other warpgroup's MMA runs on the tensor cores.
+- two math warpgroups (ping-pong): tile ``i`` of the ring goes to warpgroup ``i % 2``, which runs
+  ``warpgroup_mma(K [64, 128] (M = keys), Q^T [128, BLOCK_Q / 2 * 64])`` twice (fp8, float32 accumulation; the
+  two halves of the block's tokens), then the epilogue of the first half while the second half's MMA runs,
+  frees the ring slot and does the second half's epilogue (``relu``, times the head weights held in registers,
+  sum over each token's 64 heads: a reduction inside a thread plus two shuffles in its quad, times the key
+  scale, masked store of ``[64 keys, BLOCK_Q / 2 tokens]``); the other warpgroup's MMAs keep the tensor cores
+  busy meanwhile. ``config={"PIPE": True}`` rolls the halves across tiles (the next tile's first half in
+  flight during this tile's second epilogue); ptxas serializes that wgmma pipeline (C7514) and it measured
+  slower, so it is off.
+
+H200 (docs/benchmarks.md, "Gluon prefill logits"): 8K x 64K causal 8.52 ms (968 TFLOP/s; Triton 8.80), 8K x 8K
+causal 0.543 ms (Triton 0.561): ahead of Triton, short of issue #16's 7.5 / 0.45 ms targets (the epilogue is
+issue-bound: ~400 instructions per warp per 64-key tile against 512 tensor-core cycles of MMA).
 
 With ``clean=True`` the cells outside each row's window are filled with ``-inf`` after the hot loop (by the
 default warps, after the partitions join). ``compressed=True`` stores key ``n`` of row ``m`` at column
