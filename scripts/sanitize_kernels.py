@@ -28,6 +28,11 @@ def main() -> int:
         torch.cuda.synchronize()
         print("ALL OK" if ok else "MISMATCH")
         return 0 if ok else 1
+    if "--gluon-prefill-only" in sys.argv:
+        ok = _gluon_prefill(dev)
+        torch.cuda.synchronize()
+        print("ALL OK" if ok else "MISMATCH")
+        return 0 if ok else 1
     h, d, bs, nn = 64, 128, 64, 2
     lens = [300, 1, 0, 2100]
     b = len(lens)
@@ -96,6 +101,7 @@ def main() -> int:
     t_ok &= _cuda_topk(dev)
     ok &= t_ok
     ok &= _gluon_paged(dev)
+    ok &= _gluon_prefill(dev)
     torch.cuda.synchronize()
     print("ALL OK" if ok else "MISMATCH")
     return 0 if ok else 1
@@ -164,6 +170,45 @@ def _gluon_paged(dev) -> bool:
             ok &= mask_bad == 0 and err <= 2e-4 and untouched
             print(f"gluon paged logits next_n={nn} clean={clean}: rel L2 {err:.2e}, -inf cells that differ "
                   f"{mask_bad}, outside untouched {untouched}")
+    return ok
+
+
+def _gluon_prefill(dev) -> bool:
+    """The Gluon ragged-logits kernel (sparse_indexer/ops/fp8_mqa_logits/gluon.py, issue #16): windows of every
+    kind (empty, ke < ks, full, a partial last tile, M not a multiple of the block), full and compressed rows,
+    float32 and bfloat16 out, clean on and off, against the reference backend."""
+    from sparse_indexer import backends
+
+    why = backends.get("gluon").unavailable_reason(torch.device(dev))
+    if why:
+        print("gluon prefill logits: not available:", why)
+        return True
+    g = torch.Generator(device=dev).manual_seed(11)
+    m, n, h, d = 131, 1000, 64, 128
+    q = (torch.randn(m, h, d, device=dev, generator=g) * 2).to(torch.float8_e4m3fn)
+    k = (torch.randn(n, d, device=dev, generator=g) * 2).to(torch.float8_e4m3fn)
+    ksc = torch.rand(n, device=dev, generator=g) * 0.01
+    w = torch.randn(m, h, device=dev, generator=g)
+    j = torch.arange(m, device=dev)
+    ks = (j * 3).int()
+    ke = (j * 7 + 5).clamp(max=n).int()
+    ke[::9] = ks[::9]
+    ke[4::13] = ks[4::13] - 1
+    ok = True
+    for width in (None, 700):
+        lr = torch.empty(m, width or n, device=dev)
+        si.fp8_mqa_logits(q, k, ksc, w, ks, ke, out=lr, backend="reference", max_seqlen_k=width)
+        for dt in (torch.float32, torch.bfloat16):
+            for clean in (True, False):
+                lg = torch.full_like(lr, 7777.0, dtype=dt)
+                si.fp8_mqa_logits(q, k, ksc, w, ks, ke, out=lg, clean=clean, backend="gluon", max_seqlen_k=width)
+                err, mask_bad = logits_error(lg.float(), lr, clean=clean)
+                inside = lr != float("-inf")
+                sentinel = float(torch.tensor(7777.0, dtype=dt))
+                untouched = clean or bool((lg.float()[~inside] == sentinel).all())
+                ok &= mask_bad == 0 and err <= (2e-4 if dt == torch.float32 else 4e-3) and untouched
+                print(f"gluon prefill logits width={width} {dt} clean={clean}: rel L2 {err:.2e}, -inf cells that "
+                      f"differ {mask_bad}, outside untouched {untouched}")
     return ok
 
 
