@@ -422,8 +422,9 @@ def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, ou
     else:
         plan = _Plan(clean, compressed, dict(CONFIG, **config), dev)
     bq = plan.block_q
-    q2 = q.view(m * HEADS, HEAD_DIM) if q.is_contiguous() else q.as_strided((m * HEADS, HEAD_DIM), (HEAD_DIM, 1))
-    q_desc = TensorDescriptor(q2, [m * HEADS, HEAD_DIM], [HEAD_DIM, 1], [bq * HEADS, HEAD_DIM], plan.q_layout)
+    # q is [M, H, D] with strides (H * D, D, 1) (checked above): TMA reads it as [M * H, D] rows from its data
+    # pointer (the descriptor takes only the base's pointer and dtype: no view per call)
+    q_desc = TensorDescriptor(q, [m * HEADS, HEAD_DIM], [HEAD_DIM, 1], [bq * HEADS, HEAD_DIM], plan.q_layout)
     k_desc = TensorDescriptor(k_fp8, [n, HEAD_DIM], [k_fp8.stride(0), 1], [64, HEAD_DIM], plan.k_layout)
     nblocks = (m + bq - 1) // bq
     grid = (min(nblocks, plan.sms), )
