@@ -152,9 +152,10 @@ def test_gluon_paged_logits_cuda_graph():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         si.fp8_paged_mqa_logits(q, kv, wts, cl, bt, out=out, clean=True, backend="gluon", check_values=False)
-    # new values in the same buffers, then replay
+    # new values in the same buffers, then replay (lengths within the blocks each request has: the block-table
+    # entries past them are ids the cache does not have)
     q.copy_(_fp8(*q.shape))
-    cl.copy_(torch.tensor([2999, 0, 1, 1234], device="cuda", dtype=cl.dtype))
+    cl.copy_(torch.tensor([0, 1400, 40, 2999], device="cuda", dtype=cl.dtype))
     out.fill_(SENTINEL)
     g.replay()
     torch.cuda.synchronize()

@@ -12,12 +12,16 @@ Each CTA is warp-specialized (``gl.warp_specialize``):
   ``[64, 128]`` fp8 values (a 2-D descriptor over the cache read as rows of 128 bytes: block ``blk`` is rows
   ``blk * R .. blk * R + 63`` with ``R = block_stride / 128``) and its 64 float32 scales (a ``[num_blocks,
   block_stride / 4]`` float32 descriptor, columns ``BS * D / 4 ..``). Per request it also copies the
-  ``next_n`` query tiles ``[64 heads, 128]`` into a double buffer (``q_ready``/``q_empty``);
-- one 4-warp *consumer* warpgroup (the default partition) runs, per tile and query token ``j``,
-  ``warpgroup_mma(K [64 keys, 128], Q_j^T [128, 64 heads])`` (keys as M, heads as N: the head-sum is a
-  reduction along N within a thread and its quad), then ``relu``, times the head weights, sum over heads, times
-  the key scale, and a masked store of the 64 logits of each row (``pos < limit``); it releases the stage as
-  soon as the MMAs and the scale read are done, so the producer refills it while the epilogue runs.
+  ``next_n`` query tiles ``[64 heads, 128]`` into a ``QBUF``-deep buffer (``q_ready``/``q_empty``);
+- ``NCONS`` (1 or 2) 4-warp *math* warpgroups take the CTA's tiles in turn. Per tile: ``next_n`` asynchronous
+  ``warpgroup_mma(K [64 keys, 128], Q_j^T [128, 64 heads])`` (keys as M, heads as N: the head-sum is a reduction
+  along N within a thread and its quad) and one wait, the stage released, then ``relu``, times the head weights,
+  sum over heads, times the key scale, and a masked store of the 64 logits of each row (``pos < limit``).
+  With ``PAIR`` a warpgroup takes its tiles two at a time and the second tile's wgmmas run during the first
+  tile's epilogue.
+
+``config={"DIAG": True}`` is a measurement mode, not a result: the math warpgroups release every stage unread, so
+the time is the TMA stream's alone (docs/benchmarks.md).
 
 With ``clean=True`` all warps then fill the columns at or past each row's limit with ``-inf`` (chunks of
 ``FILL_N`` columns shared round-robin, the Triton kernel's pass), disjoint from the cells the tile loop writes.
@@ -47,13 +51,20 @@ except ImportError:  # pragma: no cover - CPU CI with an older Triton: nothing b
 
 __all__ = ["fp8_paged_mqa_logits"]
 
-# Tuned on an H200 (docs/benchmarks.md, "Gluon decode logits"); overridable per call with ``config=``.
-# Shared memory per CTA: STAGES * 8448 B (values + scales) + 2 * next_n * 8 KB of queries; two CTAs per SM fit in
-# 227 KB with the stages below. maxnreg=128: 8 warps (the 4-warp consumer, the 1-warp producer, padding to two
-# warpgroups) x 128 registers = two CTAs per SM.
+# Launch configuration, overridable per call with ``config=``. Shared memory per CTA: STAGES * 8448 B (values +
+# scales) + QBUF * next_n * 8 KB of queries; registers: the warp-specialized CTA has 8 warps (12 with NCONS=2) of
+# at most maxnreg registers. Chosen on an H200 by a sweep at B=64, L=64K (docs/benchmarks.md, "Gluon decode
+# logits"): next_n=1 four CTAs per SM of one math warpgroup and 4 stages (147.3 us; 2 CTAs x 8 stages 150.2, two
+# math warpgroups per CTA 147.8-151.4); next_n=2 tiles in pairs (168.7 us; 174.6 without); next_n=3 two CTAs x 6
+# stages (221.7 us); next_n=4 one CTA of two math warpgroups (297.7 us; two CTAs of one: 298.2).
 CONFIG = {"STAGES": 8, "CHUNK": 32, "ctas_per_sm": 2, "FILL_N": 1024, "maxnreg": 128, "NCONS": 1, "QBUF": 2,
           "CONS_REGS": 152, "PAIR": False}
-CONFIG_BY_NEXT_N: dict = {3: {"STAGES": 6}, 4: {"STAGES": 5}}
+CONFIG_BY_NEXT_N: dict = {
+    1: {"ctas_per_sm": 4, "STAGES": 4, "maxnreg": 64},
+    2: {"PAIR": True},
+    3: {"STAGES": 6},
+    4: {"STAGES": 12, "NCONS": 2, "ctas_per_sm": 1, "maxnreg": 168, "CONS_REGS": 216},
+}
 
 _H, _D, _BS, _BLOCK_N = 64, 128, 64, 64  # the shapes the kernel is written for (DeepSeek-V3.2's indexer)
 
@@ -401,6 +412,11 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 _FP8 = (torch.float8_e4m3fn,)
 _PLANS: dict = {}  # specialization -> (constexpr/launch kwargs, CTAs)
 _DESCS: dict = {}  # (pointers, shapes, strides) -> TensorDescriptor (no tensor kept: _Ptr)
@@ -430,7 +446,7 @@ def unsupported_reason(q, kv_cache, weights, context_lens, block_table, out, ind
     nb, bs, width = kv_cache.shape
     if q.device.type != "cuda" or torch.version.hip is not None:
         return f"gluon fp8_paged_mqa_logits runs on NVIDIA Hopper GPUs, not {q.device}"
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    if _capability(q.device.index if q.device.index is not None else torch.cuda.current_device()) != (9, 0):
         return "gluon fp8_paged_mqa_logits needs sm_90 (wgmma, TMA)"
     if (h, d, bs) != (_H, _D, _BS):
         return f"gluon fp8_paged_mqa_logits handles H=64, D=128, block_size=64, got H={h}, D={d}, {bs=}"
@@ -472,7 +488,8 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
     Handles ``H = 64``, ``D = 128``, ``block_size = 64``, ``next_n`` 1..4, float8_e4m3fn ``q`` (contiguous), a
     16-byte aligned cache whose block stride is a multiple of 128 bytes, float32 or bfloat16 ``out``, 1-D or 2-D
     ``context_lens``, ``indices``; anything else raises ``NotImplementedError`` before writing. ``config``
-    overrides :data:`CONFIG` (``STAGES``, ``CHUNK``, ``ctas_per_sm``, ``FILL_N``, ``maxnreg``)."""
+    overrides :data:`CONFIG` and :data:`CONFIG_BY_NEXT_N` (``STAGES``, ``CHUNK``, ``ctas_per_sm``, ``FILL_N``,
+    ``maxnreg``, ``NCONS``, ``QBUF``, ``CONS_REGS``, ``PAIR``, ``DIAG``); the plan is then not cached."""
     why = unsupported_reason(q, kv_cache, weights, context_lens, block_table, out, indices)
     if why is not None:
         raise NotImplementedError(why)
