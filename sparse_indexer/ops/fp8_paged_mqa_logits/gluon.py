@@ -154,7 +154,7 @@ if _GLUON:
                     nxt = gl.load(bt_row + c0 + CHUNK + offs, mask=c0 + CHUNK + offs < t_hi, other=0)
                     n = gl.minimum(t_hi - c0, CHUNK)
                     for i in range(n):
-                        blk = gl.sum(gl.where(offs == i, cur, 0), axis=0)
+                        blk = gl.sum(gl.where(offs == i, cur, 0), axis=0).to(gl.int32)  # TMA coordinates
                         s = it % STAGES
                         mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
                         bar = ready.index(s)
