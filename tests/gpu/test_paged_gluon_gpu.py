@@ -102,18 +102,6 @@ def test_gluon_paged_logits_shapes(b, L):
     _check(out, ref, True)
 
 
-@pytest.mark.parametrize("cl2d", [False, True])
-def test_gluon_paged_logits_int64_tables(cl2d):
-    """int64 lengths and block table (the kernel's TMA coordinates stay int32)."""
-    q, kv, wts, cl, bt = _inputs(5, 1700, 2, cl2d=cl2d, seed=3)
-    cl, bt = cl.long(), bt.long()
-    w = bt.shape[1] * 64
-    ref = _ref(q, kv, wts, cl, bt, w)
-    out = torch.full((10, w), SENTINEL, device="cuda")
-    si.fp8_paged_mqa_logits(q, kv, wts, cl, bt, out=out, clean=True, backend="gluon")
-    _check(out, ref, True)
-
-
 def test_gluon_paged_logits_indices_and_4d_cache():
     q, kv, wts, cl, bt = _inputs(5, 1500, 1, four_d=True, seed=11)
     idx = torch.tensor([4, 0, 4, 2, 1, 3, 3], device="cuda", dtype=torch.int32)
