@@ -91,6 +91,26 @@ def test_gluon_paged_logits(next_n, cl2d, clean, dtype):
     assert bool((out.as_strided((out.shape[0], 24), (out.stride(0), 1), w) == SENTINEL).all())
 
 
+WIDE = {2: {"WIDE": True}, 4: {"WIDE": True, "ctas_per_sm": 1, "maxnreg": 168, "STAGES": 12, "NCONS": 1}}
+
+
+@pytest.mark.parametrize("next_n", [2, 4])
+@pytest.mark.parametrize("cl2d", [False, True])
+@pytest.mark.parametrize("clean", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gluon_paged_logits_wide(next_n, cl2d, clean, dtype):
+    """``config={"WIDE": True}``: one wgmma per tile with N = next_n * 64 (not the default yet)."""
+    from sparse_indexer.kcache import as_3d
+    from sparse_indexer.ops.fp8_paged_mqa_logits import gluon as G
+
+    q, kv, wts, cl, bt = _inputs(7, 1900, next_n, cl2d=cl2d, seed=20 + next_n)
+    w = bt.shape[1] * 64
+    ref = _ref(q, kv, wts, cl, bt, w)
+    out = torch.full((q.shape[0] * next_n, w), SENTINEL, device="cuda", dtype=dtype)
+    G.fp8_paged_mqa_logits(q, as_3d(kv), wts, cl, bt, out=out, clean=clean, config=WIDE[next_n])
+    _check(out, ref, clean, None if clean else SENTINEL, 2e-4 if dtype == torch.float32 else 4e-3)
+
+
 @pytest.mark.parametrize("b,L", [(1, 64), (3, 1), (300, 700), (2, 70000)])
 def test_gluon_paged_logits_shapes(b, L):
     """Few and many requests (the prologue's request vector), a single tile, more tiles than CTAs per request."""

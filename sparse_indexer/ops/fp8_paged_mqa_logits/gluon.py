@@ -18,7 +18,9 @@ Each CTA is warp-specialized (``gl.warp_specialize``):
   along N within a thread and its quad) and one wait, the stage released, then ``relu``, times the head weights,
   sum over heads, times the key scale, and a masked store of the 64 logits of each row (``pos < limit``).
   With ``PAIR`` a warpgroup takes its tiles two at a time and the second tile's wgmmas run during the first
-  tile's epilogue.
+  tile's epilogue. With ``WIDE`` (next_n 2 or 4; not a default yet: unmeasured) one wgmma per tile takes the
+  stacked queries of all tokens as N = next_n * 64, so the key tile is read from shared memory once per k-step
+  instead of once per token, and the epilogue sums each token's 64 columns after a reshape.
 
 ``config={"DIAG": True}`` is a measurement mode, not a result: the math warpgroups release every stage unread, so
 the time is the TMA stream's alone (docs/benchmarks.md).
@@ -118,7 +120,7 @@ if _GLUON:
     def _producer(kv_desc, sc_desc, q_desc, bt_ptr, idx_ptr, cl_ptr, k_ring, s_ring, q_buf, ready, empty,
                   q_ready, q_empty, start, end, b0, b_start0, stride_bt, stride_clb, stride_cln, CAP, R,
                   NEXT_N: gl.constexpr, CL_2D: gl.constexpr, HAS_IDX: gl.constexpr, STAGES: gl.constexpr,
-                  CHUNK: gl.constexpr, QBUF: gl.constexpr):
+                  CHUNK: gl.constexpr, QBUF: gl.constexpr, WIDE: gl.constexpr):
         """1 warp: block-table entries by the chunk, TMA copies of the values, scales and queries."""
         SC_COL: gl.constexpr = 64 * 128 // 4  # float32 column of a block's first scale
         chunk_l: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
@@ -138,8 +140,12 @@ if _GLUON:
                 mbarrier.wait(q_empty.index(qs), ((k // QBUF) & 1) ^ 1)
                 mbarrier.expect(q_ready.index(qs), Q_BYTES)
                 for j in gl.static_range(NEXT_N):
-                    tma.async_copy_global_to_shared(q_desc, [(b * NEXT_N + j) * 64, 0], q_ready.index(qs),
-                                                    q_buf.index(qs * NEXT_N + j))
+                    if WIDE:  # the tokens' tiles stacked: one [next_n * 64, 128] operand
+                        tma.async_copy_global_to_shared(q_desc, [(b * NEXT_N + j) * 64, 0], q_ready.index(qs),
+                                                        q_buf.index(qs).slice(j * 64, 64))
+                    else:
+                        tma.async_copy_global_to_shared(q_desc, [(b * NEXT_N + j) * 64, 0], q_ready.index(qs),
+                                                        q_buf.index(qs * NEXT_N + j))
                 k += 1
                 if HAS_IDX:
                     row = gl.load(idx_ptr + b).to(gl.int64)
@@ -224,7 +230,7 @@ if _GLUON:
     def _consumer(out_ptr, w_ptr, cl_ptr, k_ring, s_ring, q_buf, ready, empty, q_ready, q_empty, start, end, b0,
                   b_start0, stride_out, stride_w, stride_clb, stride_cln, CAP, X: gl.constexpr, NCONS: gl.constexpr,
                   NEXT_N: gl.constexpr, CL_2D: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr,
-                  DIAG: gl.constexpr, PAIR: gl.constexpr):
+                  DIAG: gl.constexpr, PAIR: gl.constexpr, WIDE: gl.constexpr):
         """Math warpgroup ``X`` of ``NCONS``: it takes the CTA's tiles ``X, X + NCONS, ...``; per tile the
         ``next_n`` wgmmas (issued together, one wait), the relu/weight/head-sum epilogue and a masked store.
         ``PAIR``: tiles two at a time, the second tile's wgmmas running during the first tile's epilogue."""
@@ -270,6 +276,33 @@ if _GLUON:
                         g = it + i
                         mbarrier.wait(ready.index(g % STAGES), (g // STAGES) & 1)
                         mbarrier.arrive(empty.index(g % STAGES), count=1)
+                elif WIDE:
+                    # one wgmma per tile with the next_n tokens' heads as N (next_n * 64): the key tile is read
+                    # from shared memory once per k-step instead of once per token
+                    mma_w: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                    instr_shape=[16, NEXT_N * 64, 32])
+                    out_l: gl.constexpr = gl.BlockedLayout([1, NEXT_N], [32, 1], [4, 1], [1, 0])
+                    cols = gl.arange(0, NEXT_N * 64, layout=gl.SliceLayout(0, mma_w))
+                    w_all = gl.load(w_ptr + (r0 + cols // 64) * stride_w + cols % 64)
+                    zero_w = gl.zeros([64, NEXT_N * 64], gl.float32, mma_w)
+                    ro = gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
+                    jo = gl.arange(0, NEXT_N, layout=gl.SliceLayout(0, out_l))
+                    lims = gl.where(jo == 0, lim0, gl.where(jo == 1, lim1, gl.where(jo == 2, lim2, lim3)))
+                    rows = out_row0 + jo.to(gl.int64) * stride_out
+                    qv = q_buf.index(qs).permute((1, 0))
+                    for i in range(first, n_t, NCONS):
+                        g = it + i
+                        s = g % STAGES
+                        mbarrier.wait(ready.index(s), (g // STAGES) & 1)
+                        acc = warpgroup_mma(k_ring.index(s), qv, zero_w, use_acc=False, is_async=True)
+                        ksc = s_ring.index(s).load(gl.SliceLayout(1, out_l))
+                        acc = warpgroup_mma_wait(0, deps=[acc])
+                        mbarrier.arrive(empty.index(s), count=1)
+                        x = gl.reshape(gl.maximum(acc, 0.0) * w_all[None, :], [64, NEXT_N, 64])
+                        lg = gl.convert_layout(gl.sum(x, axis=2), out_l) * ksc[:, None]
+                        pos = (t_lo + i) * 64 + ro
+                        gl.store(rows[None, :] + pos[:, None], lg.to(out_ptr.dtype.element_ty),
+                                 mask=pos[:, None] < lims[None, :])
                 elif PAIR:
                     for i in range(first, n_t, 2 * NCONS):
                         g = it + i
@@ -329,7 +362,7 @@ if _GLUON:
         NEXT_N: gl.constexpr, CL_2D: gl.constexpr, CLEAN: gl.constexpr, HAS_IDX: gl.constexpr,
         BLOCK_B: gl.constexpr, STAGES: gl.constexpr, CHUNK: gl.constexpr, FILL_N: gl.constexpr,
         NCONS: gl.constexpr, QBUF: gl.constexpr, CONS_REGS: gl.constexpr, DIAG: gl.constexpr, PAIR: gl.constexpr,
-        num_warps: gl.constexpr,
+        WIDE: gl.constexpr, num_warps: gl.constexpr,
     ):
         pid = gl.program_id(0)
         # This CTA's piece [start, end) of the global tile range, its first request b0 and where b0's tiles start.
@@ -352,7 +385,10 @@ if _GLUON:
 
         k_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], kv_desc.layout)
         s_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        q_buf = gl.allocate_shared_memory(gl.float8e4nv, [QBUF * NEXT_N, 64, 128], q_desc.layout)
+        if WIDE:
+            q_buf = gl.allocate_shared_memory(gl.float8e4nv, [QBUF, NEXT_N * 64, 128], q_desc.layout)
+        else:
+            q_buf = gl.allocate_shared_memory(gl.float8e4nv, [QBUF * NEXT_N, 64, 128], q_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
@@ -368,22 +404,22 @@ if _GLUON:
             gl.warp_specialize([
                 (_consumer, (out_ptr, w_ptr, cl_ptr, k_ring, s_ring, q_buf, ready, empty, q_ready, q_empty, start,
                              end, b0, b_start0, stride_out, stride_w, stride_clb, stride_cln, CAP, 0, 1, NEXT_N,
-                             CL_2D, STAGES, QBUF, DIAG, PAIR)),
+                             CL_2D, STAGES, QBUF, DIAG, PAIR, WIDE)),
                 (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, idx_ptr, cl_ptr, k_ring, s_ring, q_buf, ready, empty,
                              q_ready, q_empty, start, end, b0, b_start0, stride_bt, stride_clb, stride_cln, CAP, R,
-                             NEXT_N, CL_2D, HAS_IDX, STAGES, CHUNK, QBUF)),
+                             NEXT_N, CL_2D, HAS_IDX, STAGES, CHUNK, QBUF, WIDE)),
             ], [1], [40])
         else:
             gl.warp_specialize([
                 (_consumer, (out_ptr, w_ptr, cl_ptr, k_ring, s_ring, q_buf, ready, empty, q_ready, q_empty, start,
                              end, b0, b_start0, stride_out, stride_w, stride_clb, stride_cln, CAP, 0, 2, NEXT_N,
-                             CL_2D, STAGES, QBUF, DIAG, PAIR)),
+                             CL_2D, STAGES, QBUF, DIAG, PAIR, WIDE)),
                 (_consumer, (out_ptr, w_ptr, cl_ptr, k_ring, s_ring, q_buf, ready, empty, q_ready, q_empty, start,
                              end, b0, b_start0, stride_out, stride_w, stride_clb, stride_cln, CAP, 1, 2, NEXT_N,
-                             CL_2D, STAGES, QBUF, DIAG, PAIR)),
+                             CL_2D, STAGES, QBUF, DIAG, PAIR, WIDE)),
                 (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, idx_ptr, cl_ptr, k_ring, s_ring, q_buf, ready, empty,
                              q_ready, q_empty, start, end, b0, b_start0, stride_bt, stride_clb, stride_cln, CAP, R,
-                             NEXT_N, CL_2D, HAS_IDX, STAGES, CHUNK, QBUF)),
+                             NEXT_N, CL_2D, HAS_IDX, STAGES, CHUNK, QBUF, WIDE)),
             ], [4, 1], [CONS_REGS, 40])
 
         if CLEAN:
@@ -468,6 +504,14 @@ def unsupported_reason(q, kv_cache, weights, context_lens, block_table, out, ind
     return None
 
 
+def _wide(cfg: dict, next_n: int) -> bool:
+    """``WIDE`` where it compiles: N = next_n * 64 must be a power of two, and next_n = 4's [64, 256] accumulator
+    needs a single math warpgroup with >= 168 registers."""
+    if not cfg.get("WIDE", False) or next_n not in (2, 4):
+        return False
+    return next_n == 2 or (int(cfg.get("NCONS", 1)) == 1 and int(cfg.get("maxnreg") or 255) >= 168)
+
+
 def _plan(q, out, context_lens, block_table, next_n: int, b: int, cl_2d: bool, clean: bool, has_idx: bool, config):
     cfg = {**CONFIG, **CONFIG_BY_NEXT_N.get(next_n, {}), **(config or {})}
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
@@ -475,7 +519,8 @@ def _plan(q, out, context_lens, block_table, next_n: int, b: int, cl_2d: bool, c
                   BLOCK_B=max(32, triton.next_power_of_2(b)), STAGES=int(cfg["STAGES"]), CHUNK=int(cfg["CHUNK"]),
                   FILL_N=int(cfg["FILL_N"]), NCONS=int(cfg["NCONS"]), QBUF=int(cfg["QBUF"]),
                   CONS_REGS=int(cfg["CONS_REGS"]), DIAG=bool(cfg.get("DIAG", False)),
-                  PAIR=bool(cfg.get("PAIR", False)), num_warps=4)
+                  PAIR=bool(cfg.get("PAIR", False)), WIDE=_wide(cfg, next_n),
+                  num_warps=4)
     if cfg.get("maxnreg"):
         kwargs["maxnreg"] = int(cfg["maxnreg"])
     return kwargs, _num_sms(dev) * int(cfg["ctas_per_sm"])
@@ -489,7 +534,7 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
     16-byte aligned cache whose block stride is a multiple of 128 bytes, float32 or bfloat16 ``out``, 1-D or 2-D
     ``context_lens``, ``indices``; anything else raises ``NotImplementedError`` before writing. ``config``
     overrides :data:`CONFIG` and :data:`CONFIG_BY_NEXT_N` (``STAGES``, ``CHUNK``, ``ctas_per_sm``, ``FILL_N``,
-    ``maxnreg``, ``NCONS``, ``QBUF``, ``CONS_REGS``, ``PAIR``, ``DIAG``); the plan is then not cached."""
+    ``maxnreg``, ``NCONS``, ``QBUF``, ``CONS_REGS``, ``PAIR``, ``WIDE``, ``DIAG``); the plan is then not cached."""
     why = unsupported_reason(q, kv_cache, weights, context_lens, block_table, out, indices)
     if why is not None:
         raise NotImplementedError(why)
