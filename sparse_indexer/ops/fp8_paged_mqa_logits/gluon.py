@@ -40,6 +40,8 @@ import functools
 
 import torch
 
+from ..._launch import Launcher
+
 try:  # Gluon (Triton >= 3.6); the module is imported only where the backend is available (backends.py)
     import triton
     from triton.experimental import gluon
@@ -443,6 +445,9 @@ if _GLUON:
                     gl.store(out_ptr + r.to(gl.int64) * stride_out + cols, ninf, mask=(cols >= flim) & (cols < W))
 
 
+_LAUNCH = Launcher(_paged_logits_kernel) if _GLUON else None
+
+
 @functools.cache
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -454,7 +459,7 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 _FP8 = (torch.float8_e4m3fn,)
-_PLANS: dict = {}  # specialization -> (constexpr/launch kwargs, CTAs)
+_PLANS: dict = {}  # specialization -> (LaunchConfig of the constexprs and launch options, CTAs)
 _DESCS: dict = {}  # (pointers, shapes, strides) -> TensorDescriptor (no tensor kept: _Ptr)
 _DESC_MAX = 64
 
@@ -523,7 +528,7 @@ def _plan(q, out, context_lens, block_table, next_n: int, b: int, cl_2d: bool, c
                   num_warps=4)
     if cfg.get("maxnreg"):
         kwargs["maxnreg"] = int(cfg["maxnreg"])
-    return kwargs, _num_sms(dev) * int(cfg["ctas_per_sm"])
+    return _LAUNCH.config(**kwargs), _num_sms(dev) * int(cfg["ctas_per_sm"])
 
 
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean, indices=None,
@@ -560,10 +565,10 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
         plan = _plan(q, out, context_lens, block_table, next_n, b, cl_2d, clean, has_idx, config)
         if config is None:
             _PLANS[key] = plan
-    kwargs, programs = plan
+    cfg, programs = plan
     cls = context_lens.stride()
-    _paged_logits_kernel[(programs,)](
+    # bound launch (sparse_indexer/_launch.py): Triton's own launch path re-specializes every argument per call
+    _LAUNCH.launch_with((programs,), cfg, (
         out, kv_desc, sc_desc, q_desc, weights, context_lens, block_table,
         indices if has_idx else context_lens, b, w, min(w, max_blocks * bs), rows_per_block,
-        out.stride(0), weights.stride(0), cls[0], cls[1] if cl_2d else 0, block_table.stride(0), programs,
-        **kwargs)
+        out.stride(0), weights.stride(0), cls[0], cls[1] if cl_2d else 0, block_table.stride(0), programs))
