@@ -589,6 +589,7 @@ def run(args) -> int:
     print(_row(*(name for name, _ in COLUMNS)))
     print(_row(*("-" * w for _, w in COLUMNS[:-1])))
     results: list[Case] = []
+    errors: list[str] = []  # the full messages of the ERROR rows (the table cuts them)
     t0 = time.perf_counter()
     for b in backends:
         for fp8 in formats(b, device)[0]:
@@ -602,7 +603,11 @@ def run(args) -> int:
                 except NotImplementedError as e:
                     err, tol, status = f"not implemented: {e}"[:44], "", "n/a"
                 except Exception as e:  # noqa: BLE001 - a crash is a failed case; the others still run
-                    err, tol, status = f"{type(e).__name__}: {e}".replace("\n", " ")[:44], "", "ERROR"
+                    full = f"{type(e).__name__}: {e}".replace("\n", " ")
+                    if e.__cause__ is not None:  # e.g. the import error behind a BackendUnavailable
+                        full += f" (caused by {type(e.__cause__).__name__}: {e.__cause__})".replace("\n", " ")
+                    errors.append(f"{op} / {b} / {fp8_name(fp8)} / {name}: {full}")
+                    err, tol, status = full[:44], "", "ERROR"
                 results.append(Case(op, name, err, tol, status))
                 print(_row(op, b, fp8_name(fp8), name, err, tol, status), flush=True)
     bad = [r for r in results if r.status in ("MISMATCH", "ERROR")]
@@ -610,6 +615,10 @@ def run(args) -> int:
     print(f"\n{len(results)} cases in {time.perf_counter() - t0:.1f} s: {len(results) - len(bad) - na} ok, "
           f"{sum(r.status == 'MISMATCH' for r in results)} mismatched, {sum(r.status == 'ERROR' for r in results)} "
           f"failed with an error" + (f", {na} not implemented by the backend" if na else ""))
+    if errors:
+        print("\nErrors in full:")
+        for line in errors:
+            print(f"  {line}")
     if bad:
         print(f"check FAILED (seed {seed}): the rows marked MISMATCH or ERROR above")
         return 1

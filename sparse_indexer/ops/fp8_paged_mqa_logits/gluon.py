@@ -464,6 +464,7 @@ _DESCS: dict = {}  # (pointers, shapes, strides) -> TensorDescriptor (no tensor 
 _DESC_MAX = 64
 
 
+@functools.cache
 def _layouts():
     return (gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2),
             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
