@@ -6,6 +6,12 @@ Every op has the same implementation signature in every backend file
 ``backend=None``/``"auto"`` tries the best available backend for the device, falling back to the next when one
 raises :class:`NotImplementedError` for a case (before writing anything); an explicitly requested backend that
 is not available raises :class:`BackendUnavailable`.
+
+An implementation may carry an ``auto_when`` attribute: a predicate on the call's arguments (the
+implementation's own signature, shapes only: no device read) that says whether ``auto`` should run it for this
+call. ``auto`` passes the call on to the next candidate when it is false (no exception raised: a cheap size test,
+e.g. a kernel whose launch costs more host time than its device time gains on small problems); an explicitly
+requested backend always runs.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 from . import backends as _registry
 from .backends import OPS, _interpret
 
-__all__ = ["BACKENDS", "OPS", "BackendUnavailable", "available", "call", "candidates", "invoke", "routes",
+__all__ = ["BACKENDS", "OPS", "BackendUnavailable", "available", "call", "candidates", "chosen", "invoke", "routes",
            "unavailable_reason"]
 
 BACKENDS = _registry.BUILTIN
@@ -87,12 +93,14 @@ def _params(fn: Callable) -> frozenset[str]:
 
 class _Route(NamedTuple):
     """One candidate of a resolved call: the backend, its implementation (``None`` when it does not import:
-    ``error`` says why) and the optional scratch keywords the implementation does not take."""
+    ``error`` says why), the optional scratch keywords the implementation does not take and its ``auto_when``
+    predicate (``None``: ``auto`` always runs it; see the module doc)."""
 
     name: str
     fn: Callable | None
     error: BaseException | None
     drop: frozenset
+    when: Callable | None = None
 
 
 @functools.cache
@@ -112,7 +120,7 @@ def _routes(op: str, backend: str | None, device_type: str, interpret: bool | No
             routes.append(_Route(name, None, e, frozenset()))
             continue
         drop = frozenset(k for k in OPTIONAL_SCRATCH if k not in _params(fn))
-        routes.append(_Route(name, fn, None, drop))
+        routes.append(_Route(name, fn, None, drop, getattr(fn, "auto_when", None)))
     return tuple(routes)
 
 
@@ -150,6 +158,8 @@ def invoke(found: tuple[_Route, ...], op: str, backend: str | None, args: tuple,
     r = found[0] if found else None
     if r is not None and r.fn is not None:  # the common case: the first candidate runs
         kw = kwargs if not r.drop or r.drop.isdisjoint(kwargs) else {k: v for k, v in kwargs.items() if k not in r.drop}
+        if r.when is not None and (backend is None or backend == "auto") and not r.when(*args, **kw):
+            return _invoke_from(found, 1, op, backend, args, kwargs, None)
         try:
             return r.fn(*args, **kw)
         except NotImplementedError as e:
@@ -170,6 +180,8 @@ def _invoke_from(found: tuple[_Route, ...], start: int, op: str, backend: str | 
             last = r.error
             continue
         kw = {k: v for k, v in kwargs.items() if k not in r.drop} if not r.drop.isdisjoint(kwargs) else kwargs
+        if r.when is not None and not explicit and not r.when(*args, **kw):
+            continue  # auto: a call this backend leaves to the next one (its auto_when)
         try:
             return r.fn(*args, **kw)
         except NotImplementedError as e:
@@ -178,6 +190,19 @@ def _invoke_from(found: tuple[_Route, ...], start: int, op: str, backend: str | 
             last = e
     names = tuple(r.name for r in found)
     raise BackendUnavailable(f"no backend among {names} handles this {op} call: {last}")
+
+
+def chosen(found: tuple[_Route, ...], backend: str | None, args: tuple, kwargs: dict) -> _Route | None:
+    """The route :func:`invoke` tries first for this call (the first that imports and, under ``auto``, whose
+    ``auto_when`` accepts the call); ``None`` when none does. For benchmarks that time an implementation alone."""
+    auto = backend is None or backend == "auto"
+    for r in found:
+        if r.fn is None:
+            continue
+        kw = {k: v for k, v in kwargs.items() if k not in r.drop}
+        if r.when is None or not auto or r.when(*args, **kw):
+            return r
+    return None
 
 
 def call(op: str, backend: str | None, device: torch.device, *args, **kwargs):

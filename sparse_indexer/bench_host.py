@@ -172,14 +172,25 @@ def _cases(x: _Inputs, backend: str | None,
            check_values: bool | None = None) -> list[tuple[str, Callable, Callable | None, Callable | None]]:
     """(name, public call, backend implementation call, custom-op call); ``check_values`` of the public ops."""
     cv = check_values
-    # resolved here (the timed call is the implementation alone): the first candidate that imports, the one the
-    # public call runs (a registered backend without a module for an op is skipped, as dispatch skips it)
-    impls = {name: next(r.fn for r in _dispatch.routes(name, backend, x.device) if r.fn is not None)
-             for name in _dispatch.OPS}
-    impl = impls.__getitem__
     op = library.op
     be = backend or "auto"
     kv3 = as_3d(x.kv)
+
+    def pick(name: str, *args, **kwargs) -> Callable:
+        """The implementation the public call runs for these arguments (the timed call is it alone): the first
+        candidate that imports and, under auto, takes the call (``auto_when``; sparse_indexer/_dispatch.py)."""
+        return _dispatch.chosen(_dispatch.routes(name, backend, x.device), backend, args, kwargs).fn
+
+    impls = {
+        "top_k_per_row": pick("top_k_per_row", x.logits, x.row_starts, x.row_ends, out=x.topk_out),
+        "fp8_paged_mqa_logits": pick("fp8_paged_mqa_logits", x.q4, kv3, x.w, x.ctx_lens, x.bt_dec, out=x.paged_out,
+                                     clean=False),
+        "fp8_mqa_logits": pick("fp8_mqa_logits", x.qm, x.kf, x.ksc, x.wm, x.ks, x.ke, out=x.mqa_out, clean=False),
+        "write_k_cache": pick("write_k_cache", x.k_new, kv3, x.slots_new, scale_fmt="ue8m0",
+                              fp8_dtype=torch.float8_e4m3fn),
+        "gather_k_cache": pick("gather_k_cache", kv3, x.gather_bt, x.gather_cu, out_k=x.out_k, out_scale=x.out_scale),
+    }
+    impl = impls.__getitem__
     return [
         ("top_k_per_row", lambda: top_k_per_row(x.logits, x.row_starts, x.row_ends, out=x.topk_out, backend=backend,
                                                  check_values=cv),

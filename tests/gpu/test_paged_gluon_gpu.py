@@ -180,3 +180,24 @@ def test_gluon_paged_logits_cuda_graph():
     g.replay()
     torch.cuda.synchronize()
     _check(out, _ref(q, kv, wts, cl, bt, w), True)
+
+
+def test_auto_takes_gluon_for_large_calls_only():
+    """``auto`` runs the Gluon kernel where ``B * next_n * max_blocks >= AUTO_MIN_KEY_BLOCKS`` (its ``auto_when``)
+    and the Triton kernel below (cheaper launches); a small call through ``auto`` still equals the reference."""
+    from sparse_indexer import _dispatch
+    from sparse_indexer.kcache import as_3d
+    from sparse_indexer.ops.fp8_paged_mqa_logits import gluon as G
+
+    dev = torch.device("cuda")
+    found = _dispatch.routes("fp8_paged_mqa_logits", None, dev)
+    assert found[0].name == "gluon" and found[0].when is not None
+    kv = new_kv_cache(8, 64, 128, device=dev)
+    for b, nn, blocks, want in ((64, 1, 1024, "gluon"), (32, 2, 512, "gluon"), (4, 1, 64, "triton"),
+                                (64, 1, G.AUTO_MIN_KEY_BLOCKS // 64 - 1, "triton")):
+        q = torch.zeros(b, nn, 64, 128, device=dev, dtype=torch.float8_e4m3fn)
+        bt = torch.zeros(b, blocks, device=dev, dtype=torch.int32)
+        args = (q, as_3d(kv), torch.zeros(b * nn, 64, device=dev), torch.zeros(b, device=dev, dtype=torch.int32), bt)
+        kw = {"out": torch.empty(b * nn, 64, device=dev), "clean": True}
+        assert _dispatch.chosen(found, None, args, kw).name == want, (b, nn, blocks)
+        assert _dispatch.chosen(found, "gluon", args, kw).name == "gluon"

@@ -195,3 +195,23 @@ def test_cuda_graph_capture():
     torch.cuda.synchronize()
     ref = _run("reference", q, k, ksc, w, ks, ke, clean=True)
     _compare(out, ref, ks, ke, clean=True)
+
+
+@needs_gluon
+def test_auto_takes_gluon_for_large_calls_only():
+    """``auto`` runs the Gluon kernel where ``M * N >= AUTO_MIN_CELLS`` (its ``auto_when``), Triton below."""
+    from sparse_indexer import _dispatch
+    from sparse_indexer.ops.fp8_mqa_logits import gluon as G
+
+    dev = torch.device("cuda")
+    found = _dispatch.routes("fp8_mqa_logits", None, dev)
+    assert found[0].name == "gluon" and found[0].when is not None
+    for m, n, want in ((8192, 8192, "gluon"), (256, 4096, "triton"), (4096, 8192, "triton"), (8192, 16384, "gluon")):
+        q = torch.empty(m, 64, 128, device=dev, dtype=torch.float8_e4m3fn)
+        k = torch.empty(n, 128, device=dev, dtype=torch.float8_e4m3fn)
+        args = (q, k, torch.empty(n, device=dev), torch.empty(m, 64, device=dev),
+                torch.zeros(m, device=dev, dtype=torch.int32), torch.zeros(m, device=dev, dtype=torch.int32))
+        kw = {"out": torch.empty(m, 1, device=dev), "clean": True}
+        assert _dispatch.chosen(found, None, args, kw).name == want, (m, n)
+        assert _dispatch.chosen(found, "gluon", args, kw).name == "gluon"
+    assert G.AUTO_MIN_CELLS == 1 << 26

@@ -212,3 +212,42 @@ def test_registry_rejects_bad_entries():
         backends.get("nope")
     assert backends.auto_order("cuda") == ("aiter", "cuda", "gluon", "triton", "reference")
     assert backends.auto_order("cpu") == ("reference",)
+
+
+def test_auto_when_passes_small_calls_on(toy, monkeypatch):
+    """An implementation's ``auto_when`` predicate (sparse_indexer/_dispatch.py): ``auto`` leaves the calls it
+    rejects to the next candidate without running it (no exception involved), the first route for a call says so
+    (``chosen``, what ``bench --host`` times), and an explicitly requested backend always runs."""
+    seen = []
+
+    def when(logits, row_starts, row_ends, *, out, workspace=None):
+        seen.append(logits.shape[1])
+        return logits.shape[1] >= 256
+
+    monkeypatch.setattr(top_k_per_row, "auto_when", when, raising=False)
+    _dispatch._resolved.clear()
+    _dispatch._routes.cache_clear()  # routes are resolved once: read the predicate now
+    logits, s, e, out = _topk_case()
+    want = out.clone()
+    si.top_k_per_row(logits, s, e, out=want, backend="reference")
+    cpu = torch.device("cpu")
+    try:
+        found = _dispatch.routes("top_k_per_row", None, cpu)
+        assert [r.name for r in found] == ["toy", "reference"] and found[0].when is when
+        si.top_k_per_row(logits, s, e, out=out)  # 300 columns: the toy takes it
+        assert CALLS == ["top_k_per_row"] and torch.equal(out, want)
+        narrow = logits[:, :200].contiguous()
+        e2 = e.clamp(max=200)
+        want2 = out.clone()
+        si.top_k_per_row(narrow, s, e2, out=want2, backend="reference")
+        si.top_k_per_row(narrow, s, e2, out=out)  # 200 columns: auto passes it to the reference
+        assert CALLS == ["top_k_per_row"] and torch.equal(out, want2)
+        assert _dispatch.chosen(found, None, (narrow, s, e2), {"out": out}).name == "reference"
+        assert _dispatch.chosen(found, None, (logits, s, e), {"out": out}).name == "toy"
+        si.top_k_per_row(narrow, s, e2, out=out, backend="toy")  # explicit: runs whatever the predicate says
+        assert CALLS == ["top_k_per_row"] * 2 and torch.equal(out, want2)
+        assert _dispatch.chosen(found, "toy", (narrow, s, e2), {"out": out}).name == "toy"
+        assert seen == [300, 200, 200, 300]
+    finally:
+        _dispatch._resolved.clear()
+        _dispatch._routes.cache_clear()

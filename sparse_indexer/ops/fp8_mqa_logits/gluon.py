@@ -430,3 +430,19 @@ def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, ou
     grid = (min(nblocks, plan.sms), )
     _LAUNCH.launch_with(grid, plan.cfg, (out, q_desc, k_desc, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, m, n, w,
                                          out.stride(0), weights.stride(0)))
+
+
+AUTO_MIN_CELLS = 1 << 26
+"""``auto`` runs this kernel when ``M * N`` (queries x keys) is at least this (e.g. 8K x 8K: about 0.5 ms on an H200),
+the Triton kernel below it: its launch costs more host time than Triton's (two TMA descriptors built and encoded
+per call: 54 vs 23 us per call on the H200's host, session 12), which its few % of device time repays only on large
+problems (docs/benchmarks.md, "Gluon prefill logits"). An explicit ``backend="gluon"`` always runs it."""
+
+
+def _auto_when(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, out, clean, compressed=False,
+               config=None) -> bool:
+    """``auto`` takes this backend for this call (sparse_indexer/_dispatch.py): large problems only, shapes only."""
+    return q.shape[0] * k_fp8.shape[0] >= AUTO_MIN_CELLS
+
+
+fp8_mqa_logits.auto_when = _auto_when

@@ -573,3 +573,19 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
         out, kv_desc, sc_desc, q_desc, weights, context_lens, block_table,
         indices if has_idx else context_lens, b, w, min(w, max_blocks * bs), rows_per_block,
         out.stride(0), weights.stride(0), cls[0], cls[1] if cl_2d else 0, block_table.stride(0), programs))
+
+
+AUTO_MIN_KEY_BLOCKS = 32768
+"""``auto`` runs this kernel when ``B * next_n * max_blocks`` (the key blocks the rows can score) is at least this
+(2M keys of block 64: about 65 us of copy floor on an H200), the Triton kernel below it. Its launch costs more
+host time than Triton's (three TMA descriptors encoded by Triton's launcher per call: 57 vs 23 us per call on the
+H200's host, session 12), which its 3% of device time repays only where the GPU, not the host, is the bottleneck
+(docs/benchmarks.md, "Gluon decode logits"). An explicit ``backend="gluon"`` always runs it."""
+
+
+def _auto_when(q, kv_cache, weights, context_lens, block_table, *, out, clean, indices=None, config=None) -> bool:
+    """``auto`` takes this backend for this call (sparse_indexer/_dispatch.py): large problems only, shapes only."""
+    return q.shape[0] * q.shape[1] * block_table.shape[1] >= AUTO_MIN_KEY_BLOCKS
+
+
+fp8_paged_mqa_logits.auto_when = _auto_when
