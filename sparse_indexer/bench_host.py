@@ -357,8 +357,9 @@ def _version(module: str) -> str:
 def format_markdown(r: dict) -> str:
     s = r["shapes"]
     rounds = r.get("rounds", 1)
+    pin = f", pinned to CPU {r['pinned_cpu']}" if r.get("pinned_cpu") is not None else ""
     head = (f"Host time per eager call, the smallest of {rounds} medians of {r['iters'] // rounds} calls "
-            f"(`{r['command']}`): {r['device']}, backend "
+            f"(`{r['command']}`{pin}): {r['device']}, backend "
             f"{r['backend']}, host CPU {r['cpu']}" + (f", GPU {r['gpu']}" if r["gpu"] else "") +
             f"; torch {r['torch']}, triton {r['triton']}. Shapes H={s['h']}, D={s['d']}, block {s['bs']}, "
             f"topk {s['topk']}, B={s['b']}, L={s['ctx']}, prefill {s['new']} new tokens, gather {s['gather']}.")
@@ -382,6 +383,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", action="store_true",
                         help="host time per eager call of every op and step (see sparse_indexer/bench_host.py)")
     parser.add_argument("--host-iters", type=int, default=300, help="timed calls per row of --host (default 300)")
+    parser.add_argument("--host-cpu", type=int, default=None, metavar="N",
+                        help="--host: pin the process to logical CPU N first (Linux; on the H200's virtualised host "
+                             "unpinned runs differed by up to 1.5x between processes, pinned ones by ~5%%)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -399,8 +403,20 @@ def run(args: argparse.Namespace) -> int:
     backend = names.split(",")[0].strip() if names else None
     if device.type == "cpu":
         torch.set_num_threads(1)  # tiny ops: no thread pool wake-ups in the measured time
+    cpu = getattr(args, "host_cpu", None)
+    if cpu is not None:
+        if not hasattr(os, "sched_setaffinity"):
+            print("bench --host: --host-cpu needs os.sched_setaffinity (Linux)", file=sys.stderr)
+            return 2
+        try:
+            os.sched_setaffinity(0, {cpu})
+        except (OSError, ValueError) as e:
+            print(f"bench --host: cannot pin to CPU {cpu}: {e}", file=sys.stderr)
+            return 2
     try:
         r = measure(device, backend, iters=getattr(args, "host_iters", 300))
+        if cpu is not None:
+            r["pinned_cpu"] = cpu
     except (_dispatch.BackendUnavailable, ValueError) as e:
         print(f"bench --host: {e}", file=sys.stderr)
         return 2

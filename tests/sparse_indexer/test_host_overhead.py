@@ -100,6 +100,30 @@ def test_bench_host_runs_and_self_checks_on_the_cpu():
     assert all(n in md for n in names) and "floor: empty op" in md and "torch.topk" in md
 
 
+def test_bench_host_pins_or_says_why(tmp_path, capsys):
+    """``--host-cpu N`` pins the process before timing (the table says so); a CPU that does not exist is an error
+    naming it, with nothing measured."""
+    import argparse
+    import os
+
+    from sparse_indexer import bench_host
+
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("needs os.sched_setaffinity (Linux)")
+    was = os.sched_getaffinity(0)
+    try:
+        args = argparse.Namespace(device="cpu", backends=None, host_iters=5, host_cpu=10**6, out=None)
+        assert bench_host.run(args) == 2
+        assert "cannot pin to CPU 1000000" in capsys.readouterr().err
+        cpu = min(was)
+        args = argparse.Namespace(device="cpu", backends=None, host_iters=5, host_cpu=cpu, out=str(tmp_path))
+        assert bench_host.run(args) == 0
+        assert os.sched_getaffinity(0) == {cpu}
+        assert f"pinned to CPU {cpu}" in (tmp_path / "host.md").read_text()
+    finally:
+        os.sched_setaffinity(0, was)
+
+
 # --- the step (issue #11): what depends on (metadata, buffers) is proven once per step, the layers' own tensors
 # every layer; in plain eager the ops' implementations run directly
 
