@@ -442,7 +442,7 @@ problems (docs/benchmarks.md, "Gluon prefill logits"). An explicit ``backend="gl
 def _auto_when(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, out, clean, compressed=False,
                config=None) -> bool:
     """``auto`` takes this backend for this call (sparse_indexer/_dispatch.py): large problems only, shapes only."""
-    return q.shape[0] * k_fp8.shape[0] >= AUTO_MIN_CELLS
+    return (q.numel() >> 13) * k_fp8.shape[0] >= AUTO_MIN_CELLS  # M * N at the H = 64, D = 128 it runs
 
 
 fp8_mqa_logits.auto_when = _auto_when

@@ -584,8 +584,9 @@ H200's host, session 12), which its 3% of device time repays only where the GPU,
 
 
 def _auto_when(q, kv_cache, weights, context_lens, block_table, *, out, clean, indices=None, config=None) -> bool:
-    """``auto`` takes this backend for this call (sparse_indexer/_dispatch.py): large problems only, shapes only."""
-    return q.shape[0] * q.shape[1] * block_table.shape[1] >= AUTO_MIN_KEY_BLOCKS
+    """``auto`` takes this backend for this call (sparse_indexer/_dispatch.py): large problems only, shapes only
+    (``q.numel() >> 13`` is ``B * next_n`` at the H = 64, D = 128 this kernel runs; other shapes it refuses)."""
+    return (q.numel() >> 13) * block_table.shape[1] >= AUTO_MIN_KEY_BLOCKS
 
 
 fp8_paged_mqa_logits.auto_when = _auto_when
