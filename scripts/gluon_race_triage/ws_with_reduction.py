@@ -7,25 +7,12 @@ import sys
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from ws_only import _default, _worker  # the same two partitions (this folder is on sys.path when run)
 
 
 @gluon.jit
 def _add(a, b):
     return a + b
-
-
-@gluon.jit
-def _default(x_ptr, N: gl.constexpr):
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    offs = gl.arange(0, N, layout=layout)
-    gl.store(x_ptr + offs, gl.load(x_ptr + offs) + 1.0)
-
-
-@gluon.jit
-def _worker(y_ptr, N: gl.constexpr):
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    offs = gl.arange(0, N, layout=layout)
-    gl.store(y_ptr + offs, gl.load(y_ptr + offs) + 2.0)
 
 
 @gluon.jit

@@ -46,6 +46,7 @@ except ImportError:  # pragma: no cover - CPU-only / older Triton: the registry 
     gluon = None
 
 from ..._launch import Launcher
+from . import no_kernel_needed
 
 __all__ = ["CONFIG", "fp8_mqa_logits"]
 
@@ -265,20 +266,6 @@ if gluon is not None:
             it += 1
 
     @gluon.jit
-    def _math_default(out_ptr, k_bufs, q_bufs, k_ready, k_empty, q_ready, q_empty, ksc_ptr, w_ptr, ks_ptr, ke_ptr, M,
-                      N, W, stride_out, stride_w, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
-                      COMPRESSED: gl.constexpr, SPLIT: gl.constexpr, PIPE: gl.constexpr):
-        _math(0, out_ptr, k_bufs, q_bufs, k_ready, k_empty, q_ready, q_empty, ksc_ptr, w_ptr, ks_ptr, ke_ptr, M, N, W,
-              stride_out, stride_w, BLOCK_Q, STAGES, COMPRESSED, SPLIT, PIPE)
-
-    @gluon.jit
-    def _math_worker(out_ptr, k_bufs, q_bufs, k_ready, k_empty, q_ready, q_empty, ksc_ptr, w_ptr, ks_ptr, ke_ptr, M,
-                     N, W, stride_out, stride_w, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
-                     COMPRESSED: gl.constexpr, SPLIT: gl.constexpr, PIPE: gl.constexpr):
-        _math(1, out_ptr, k_bufs, q_bufs, k_ready, k_empty, q_ready, q_empty, ksc_ptr, w_ptr, ks_ptr, ke_ptr, M, N, W,
-              stride_out, stride_w, BLOCK_Q, STAGES, COMPRESSED, SPLIT, PIPE)
-
-    @gluon.jit
     def _fill(out_ptr, ks_ptr, ke_ptr, M, N, W, stride_out, BLOCK_Q: gl.constexpr, FILL_N: gl.constexpr,
               COMPRESSED: gl.constexpr, num_warps: gl.constexpr):
         """``-inf`` in the cells outside each row's window of every block this CTA handled."""
@@ -335,12 +322,10 @@ if gluon is not None:
             mbarrier.init(q_ready.index(s), count=1)
             mbarrier.init(q_empty.index(s), count=2)  # both math warpgroups
         gl.warp_specialize([
-            (_math_default, (out_ptr, k_bufs, q_bufs, k_ready, k_empty, q_ready, q_empty, ksc_ptr, w_ptr, ks_ptr,
-                             ke_ptr, M, N, W, stride_out, stride_w, BLOCK_Q, STAGES, COMPRESSED, SPLIT,
-                             PIPE)),
-            (_math_worker, (out_ptr, k_bufs, q_bufs, k_ready, k_empty, q_ready, q_empty, ksc_ptr, w_ptr, ks_ptr,
-                            ke_ptr, M, N, W, stride_out, stride_w, BLOCK_Q, STAGES, COMPRESSED, SPLIT,
-                             PIPE)),
+            (_math, (0, out_ptr, k_bufs, q_bufs, k_ready, k_empty, q_ready, q_empty, ksc_ptr, w_ptr, ks_ptr, ke_ptr,
+                     M, N, W, stride_out, stride_w, BLOCK_Q, STAGES, COMPRESSED, SPLIT, PIPE)),
+            (_math, (1, out_ptr, k_bufs, q_bufs, k_ready, k_empty, q_ready, q_empty, ksc_ptr, w_ptr, ks_ptr, ke_ptr,
+                     M, N, W, stride_out, stride_w, BLOCK_Q, STAGES, COMPRESSED, SPLIT, PIPE)),
             (_loader, (k_desc, q_desc, k_bufs, q_bufs, k_ready, k_empty, q_ready, q_empty, ks_ptr, ke_ptr, M, N,
                        BLOCK_Q, STAGES)),
         ], [4, 1], [MATH_REGS, LOAD_REGS])
@@ -407,11 +392,7 @@ def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, ou
     m = q.shape[0]
     n = k_fp8.shape[0]
     w = out.shape[1]
-    if m == 0 or w == 0:
-        return
-    if n == 0:  # (compressed only: a full out has no column then) every window is empty
-        if clean:
-            out.fill_(float("-inf"))
+    if no_kernel_needed(m, n, w, out, clean):
         return
     dev = q.device
     if config is None:

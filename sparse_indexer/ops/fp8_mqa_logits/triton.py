@@ -21,6 +21,7 @@ import triton.language as tl
 
 from ..._launch import Launcher
 from ..._triton_compat import fix_interpreter
+from . import no_kernel_needed
 
 fix_interpreter()  # Triton 3.6's interpreter under NumPy >= 2.4 (sparse_indexer/_triton_compat.py)
 
@@ -164,11 +165,7 @@ def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, ou
     m, h, d = q.shape
     n = k_fp8.shape[0]
     w = out.shape[1]
-    if m == 0 or w == 0:
-        return
-    if n == 0:  # (compressed only: a full out has no column then) every window is empty
-        if clean:
-            out.fill_(float("-inf"))
+    if no_kernel_needed(m, n, w, out, clean):
         return
     if config is None:
         key = (h, d, clean, compressed)

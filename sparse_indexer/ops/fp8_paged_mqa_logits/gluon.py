@@ -218,6 +218,19 @@ if _GLUON:
         return r0, r1, r2, r3
 
     @gluon.jit
+    def _take(k_ring, s_ring, ready, empty, q_buf, qb, zero, g, STAGES: gl.constexpr, NEXT_N: gl.constexpr,
+              row_l: gl.constexpr):
+        """Consume ring slot ``g % STAGES``: wait for its tile, run the wgmmas, read the key scales, release the
+        slot. Returns the accumulators (:func:`_mma_wait`) and the scales."""
+        s = g % STAGES
+        mbarrier.wait(ready.index(s), (g // STAGES) & 1)
+        a0, a1, a2, a3 = _mma_issue(k_ring.index(s), q_buf, qb, zero, NEXT_N)
+        ksc = s_ring.index(s).load(row_l)
+        c0, c1, c2, c3 = _mma_wait(a0, a1, a2, a3, NEXT_N)
+        mbarrier.arrive(empty.index(s), count=1)
+        return c0, c1, c2, c3, ksc
+
+    @gluon.jit
     def _epilogue(c0, c1, c2, c3, w0, w1, w2, w3, lim0, lim1, lim2, lim3, ksc, out_row0, stride_out, pos,
                   NEXT_N: gl.constexpr):
         _token_epilogue(c0, w0, ksc, out_row0, pos, lim0)
@@ -308,12 +321,8 @@ if _GLUON:
                 elif PAIR:
                     for i in range(first, n_t, 2 * NCONS):
                         g = it + i
-                        s = g % STAGES
-                        mbarrier.wait(ready.index(s), (g // STAGES) & 1)
-                        a0, a1, a2, a3 = _mma_issue(k_ring.index(s), q_buf, qb, zero, NEXT_N)
-                        ksc = s_ring.index(s).load(row_l)
-                        c0, c1, c2, c3 = _mma_wait(a0, a1, a2, a3, NEXT_N)
-                        mbarrier.arrive(empty.index(s), count=1)
+                        c0, c1, c2, c3, ksc = _take(k_ring, s_ring, ready, empty, q_buf, qb, zero, g, STAGES,
+                                                    NEXT_N, row_l)
                         pos = (t_lo + i) * 64 + offs_n
                         if i + NCONS < n_t:
                             g2 = g + NCONS
@@ -332,13 +341,8 @@ if _GLUON:
                                       stride_out, pos, NEXT_N)
                 else:
                     for i in range(first, n_t, NCONS):
-                        g = it + i
-                        s = g % STAGES
-                        mbarrier.wait(ready.index(s), (g // STAGES) & 1)
-                        a0, a1, a2, a3 = _mma_issue(k_ring.index(s), q_buf, qb, zero, NEXT_N)
-                        ksc = s_ring.index(s).load(row_l)
-                        c0, c1, c2, c3 = _mma_wait(a0, a1, a2, a3, NEXT_N)
-                        mbarrier.arrive(empty.index(s), count=1)
+                        c0, c1, c2, c3, ksc = _take(k_ring, s_ring, ready, empty, q_buf, qb, zero, it + i, STAGES,
+                                                    NEXT_N, row_l)
                         _epilogue(c0, c1, c2, c3, w0, w1, w2, w3, lim0, lim1, lim2, lim3, ksc, out_row0, stride_out,
                                   (t_lo + i) * 64 + offs_n, NEXT_N)
                 mbarrier.arrive(q_empty.index(qs), count=1)
