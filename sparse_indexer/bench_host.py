@@ -384,8 +384,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="host time per eager call of every op and step (see sparse_indexer/bench_host.py)")
     parser.add_argument("--host-iters", type=int, default=300, help="timed calls per row of --host (default 300)")
     parser.add_argument("--host-cpu", type=int, default=None, metavar="N",
-                        help="--host: pin the process to logical CPU N first (Linux; on the H200's virtualised host "
-                             "unpinned runs differed by up to 1.5x between processes, pinned ones by ~5%%)")
+                        help="--host: pin the process to logical CPU N first (Linux; default: not pinned). On the "
+                             "H200's virtualised host unpinned runs differed by up to 1.5x between processes, pinned "
+                             "ones by ~5%%")
 
 
 def run(args: argparse.Namespace) -> int:
