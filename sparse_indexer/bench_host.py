@@ -384,9 +384,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="host time per eager call of every op and step (see sparse_indexer/bench_host.py)")
     parser.add_argument("--host-iters", type=int, default=300, help="timed calls per row of --host (default 300)")
     parser.add_argument("--host-cpu", type=int, default=None, metavar="N",
-                        help="--host: pin the process to logical CPU N first (Linux; default: not pinned). On the "
-                             "H200's virtualised host unpinned runs differed by up to 1.5x between processes, pinned "
-                             "ones by ~5%%")
+                        help="--host: pin the process (every thread) to logical CPU N first (Linux; default: not "
+                             "pinned). On the H200's virtualised host unpinned runs differed by up to 1.5x between "
+                             "processes, pinned ones by ~5%%")
+
+
+def _pin_process(cpu: int) -> None:
+    """Pin every thread of this process to logical CPU ``cpu`` (``sched_setaffinity`` of one id pins that thread
+    only; the CUDA driver's and torch's threads started before this call are pinned too, as ``taskset`` does), the
+    calling thread first, so a bad CPU raises before anything changed."""
+    os.sched_setaffinity(0, {cpu})
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # no /proc: the calling thread only
+        return
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, {cpu})
+        except OSError:  # a thread that ended meanwhile
+            pass
 
 
 def run(args: argparse.Namespace) -> int:
@@ -410,7 +426,7 @@ def run(args: argparse.Namespace) -> int:
             print("bench --host: --host-cpu needs os.sched_setaffinity (Linux)", file=sys.stderr)
             return 2
         try:
-            os.sched_setaffinity(0, {cpu})
+            _pin_process(cpu)
         except (OSError, ValueError) as e:
             print(f"bench --host: cannot pin to CPU {cpu}: {e}", file=sys.stderr)
             return 2
