@@ -29,7 +29,8 @@ Handles H = 64, D = 128, e4m3fn ``q``/``k_fp8`` whose rows TMA can read (16-byte
 stride a multiple of 16 bytes, ``q`` contiguous in its last two dims), float32/bfloat16 ``out``; everything else
 raises ``NotImplementedError`` before anything is written (``auto`` then runs the Triton backend). No host
 synchronisation and no allocation per call: the TMA descriptors are host objects passed as kernel arguments
-(Triton builds the ``CUtensorMap`` at launch), the grid is ``min(#blocks, #SMs)``.
+(Triton builds the ``CUtensorMap`` at launch), the grid is ``min(#blocks, #SMs)``. ``auto`` leaves small calls to
+Triton (:data:`AUTO_MIN_CELLS`, the ``auto_when`` predicate: this launch costs more host time).
 """
 
 from __future__ import annotations

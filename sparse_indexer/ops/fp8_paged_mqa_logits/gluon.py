@@ -18,9 +18,9 @@ Each CTA is warp-specialized (``gl.warp_specialize``):
   along N within a thread and its quad) and one wait, the stage released, then ``relu``, times the head weights,
   sum over heads, times the key scale, and a masked store of the 64 logits of each row (``pos < limit``).
   With ``PAIR`` a warpgroup takes its tiles two at a time and the second tile's wgmmas run during the first
-  tile's epilogue. With ``WIDE`` (next_n 2 or 4; not a default yet: unmeasured) one wgmma per tile takes the
-  stacked queries of all tokens as N = next_n * 64, so the key tile is read from shared memory once per k-step
-  instead of once per token, and the epilogue sums each token's 64 columns after a reshape.
+  tile's epilogue. With ``WIDE`` (next_n 2 or 4; opt-in: measured slower, 176 vs 171 us at next_n=2) one wgmma
+  per tile takes the stacked queries of all tokens as N = next_n * 64, so the key tile is read from shared memory
+  once per k-step instead of once per token, and the epilogue sums each token's 64 columns after a reshape.
 
 ``config={"DIAG": True}`` is a measurement mode, not a result: the math warpgroups release every stage unread, so
 the time is the TMA stream's alone (docs/benchmarks.md).
@@ -31,7 +31,8 @@ With ``clean=True`` all warps then fill the columns at or past each row's limit 
 No host synchronisation and no allocation per call: the TMA descriptors are host ``TensorDescriptor`` objects
 (kernel parameters: CUDA-graph capturable) built from pointers, shapes and strides; the launch plan is cached per
 specialization. Cases the kernel does not take raise ``NotImplementedError`` before anything is written (see
-:func:`fp8_paged_mqa_logits`), so ``auto`` runs the Triton backend for them.
+:func:`fp8_paged_mqa_logits`), so ``auto`` runs the Triton backend for them; ``auto`` also leaves small calls to
+Triton (:data:`AUTO_MIN_KEY_BLOCKS`, the ``auto_when`` predicate: this launch costs more host time).
 """
 
 from __future__ import annotations
