@@ -159,13 +159,7 @@ def invoke(found: tuple[_Route, ...], op: str, backend: str | None, args: tuple,
     if r is not None and r.fn is not None:  # the common case: the first candidate runs
         kw = kwargs if not r.drop or r.drop.isdisjoint(kwargs) else {k: v for k, v in kwargs.items() if k not in r.drop}
         if r.when is not None and (backend is None or backend == "auto") and not r.when(*args, **kw):
-            n = found[1] if len(found) > 1 else None  # auto passes the call on: the next candidate, inline
-            if n is not None and n.fn is not None and n.when is None and (not n.drop or n.drop.isdisjoint(kwargs)):
-                try:
-                    return n.fn(*args, **kwargs)
-                except NotImplementedError as e:
-                    return _invoke_from(found, 2, op, backend, args, kwargs, e)
-            return _invoke_from(found, 1, op, backend, args, kwargs, None)
+            return _invoke_from(found, 1, op, backend, args, kwargs, None)  # auto passes the call on
         try:
             return r.fn(*args, **kw)
         except NotImplementedError as e:
