@@ -267,7 +267,7 @@ def run(env) -> tuple[list[tuple[str, str, str, str]], dict]:
         if not SMOKE:
             d["triton"] = bench(lambda: top_k_per_row(x, s, e, out=out, backend="triton", check_values=False))
             add(case, "triton (no workspace)", d["triton"])
-            if triton_ws and tkt.use_split(r, x.device):
+            if triton_ws and tkt.use_split(r, x.device, w):
                 ws = torch.empty(r, 32 + 2 * 4096, dtype=torch.int32, device=dev)
                 d["triton_ws"] = bench(lambda: top_k_per_row(x, s, e, out=out, backend="triton", workspace=ws,
                                                                 check_values=False))

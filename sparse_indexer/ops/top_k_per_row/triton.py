@@ -497,11 +497,11 @@ def _launch_split(logits, row_starts, row_ends, out, workspace, *, block=SPLIT_B
     _FINISH.launch_with((r,), c_finish, args + (cap,), 5)
 
 
-def use_split(rows: int, device: torch.device, width: int | None = None) -> bool:
+def use_split(rows: int, device: torch.device, width: int) -> bool:
     """Whether a call of ``rows`` rows of ``width`` logits columns with a workspace takes the split path (shapes
     only, no host sync): few rows (``< 2 x SMs``) and rows wide enough (``>= SPLIT_MIN_WIDTH``) that spreading
-    one row over several programs pays for the split path's two extra launches (``width=None``: any width)."""
-    return 0 < rows < 2 * _sm_count(torch.device(device)) and (width is None or width >= SPLIT_MIN_WIDTH)
+    one row over several programs pays for the split path's two extra launches."""
+    return 0 < rows < 2 * _sm_count(torch.device(device)) and width >= SPLIT_MIN_WIDTH
 
 
 def top_k_per_row(logits, row_starts, row_ends, *, out, workspace=None) -> None:

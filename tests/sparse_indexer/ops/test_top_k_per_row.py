@@ -185,7 +185,8 @@ def test_split_min_width(backend):
     from sparse_indexer.ops.top_k_per_row import triton as tkt
 
     cpu = torch.device("cpu")
-    assert tkt.use_split(4, cpu) and not tkt.use_split(0, cpu) and not tkt.use_split(2 * 64, cpu)
+    wide = 1 << 20  # wider than any SPLIT_MIN_WIDTH: the rows decide
+    assert tkt.use_split(4, cpu, wide) and not tkt.use_split(0, cpu, wide) and not tkt.use_split(2 * 64, cpu, wide)
     g = gen(12)
     x = torch.randn(3, 700, generator=g)
     starts, ends = [0, 5, 0], [700, 650, 100]
