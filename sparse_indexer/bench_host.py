@@ -179,43 +179,35 @@ def _cases(x: _Inputs, backend: str | None,
     be = backend or "auto"
     kv3 = as_3d(x.kv)
 
-    def pick(name: str, *args, **kwargs) -> Callable:
-        """The implementation the public call runs for these arguments (the timed call is it alone): the first
-        candidate that imports and, under auto, takes the call (``auto_when``; sparse_indexer/_dispatch.py)."""
-        return _dispatch.chosen(_dispatch.routes(name, backend, x.device), backend, args, kwargs).fn
+    def impl(name: str, *args, **kwargs) -> Callable[[], None]:
+        """A call of the implementation the public call runs for these arguments (the timed call is it alone),
+        resolved here: the first candidate that imports and, under auto, takes the call (``auto_when``;
+        sparse_indexer/_dispatch.py)."""
+        fn = _dispatch.chosen(_dispatch.routes(name, backend, x.device), backend, args, kwargs).fn
+        return lambda: fn(*args, **kwargs)
 
-    impls = {
-        "top_k_per_row": pick("top_k_per_row", x.logits, x.row_starts, x.row_ends, out=x.topk_out),
-        "fp8_paged_mqa_logits": pick("fp8_paged_mqa_logits", x.q4, kv3, x.w, x.ctx_lens, x.bt_dec, out=x.paged_out,
-                                     clean=False),
-        "fp8_mqa_logits": pick("fp8_mqa_logits", x.qm, x.kf, x.ksc, x.wm, x.ks, x.ke, out=x.mqa_out, clean=False),
-        "write_k_cache": pick("write_k_cache", x.k_new, kv3, x.slots_new, scale_fmt="ue8m0",
-                              fp8_dtype=torch.float8_e4m3fn),
-        "gather_k_cache": pick("gather_k_cache", kv3, x.gather_bt, x.gather_cu, out_k=x.out_k, out_scale=x.out_scale),
-    }
-    impl = impls.__getitem__
     return [
         ("top_k_per_row", lambda: top_k_per_row(x.logits, x.row_starts, x.row_ends, out=x.topk_out, backend=backend,
                                                  check_values=cv),
-         lambda: impl("top_k_per_row")(x.logits, x.row_starts, x.row_ends, out=x.topk_out),
+         impl("top_k_per_row", x.logits, x.row_starts, x.row_ends, out=x.topk_out),
          lambda: op("top_k_per_row")(x.logits, x.row_starts, x.row_ends, x.topk_out, backend=be)),
         ("fp8_paged_mqa_logits",
          lambda: fp8_paged_mqa_logits(x.q4, x.kv, x.w, x.ctx_lens, x.bt_dec, out=x.paged_out, clean=False,
                                       backend=backend, check_values=cv),
-         lambda: impl("fp8_paged_mqa_logits")(x.q4, kv3, x.w, x.ctx_lens, x.bt_dec, out=x.paged_out, clean=False),
+         impl("fp8_paged_mqa_logits", x.q4, kv3, x.w, x.ctx_lens, x.bt_dec, out=x.paged_out, clean=False),
          lambda: op("fp8_paged_mqa_logits")(x.q4, kv3, x.w, x.ctx_lens, x.bt_dec, x.paged_out, False, backend=be)),
         ("fp8_mqa_logits",
          lambda: fp8_mqa_logits(x.qm, x.kf, x.ksc, x.wm, x.ks, x.ke, out=x.mqa_out, clean=False, backend=backend,
                                 check_values=cv),
-         lambda: impl("fp8_mqa_logits")(x.qm, x.kf, x.ksc, x.wm, x.ks, x.ke, out=x.mqa_out, clean=False),
+         impl("fp8_mqa_logits", x.qm, x.kf, x.ksc, x.wm, x.ks, x.ke, out=x.mqa_out, clean=False),
          lambda: op("fp8_mqa_logits")(x.qm, x.kf, x.ksc, x.wm, x.ks, x.ke, x.mqa_out, False, backend=be)),
         ("write_k_cache", lambda: write_k_cache(x.k_new, x.kv, x.slots_new, backend=backend, check_values=cv),
-         lambda: impl("write_k_cache")(x.k_new, kv3, x.slots_new, scale_fmt="ue8m0", fp8_dtype=torch.float8_e4m3fn),
+         impl("write_k_cache", x.k_new, kv3, x.slots_new, scale_fmt="ue8m0", fp8_dtype=torch.float8_e4m3fn),
          lambda: op("write_k_cache")(x.k_new, kv3, x.slots_new, "ue8m0", torch.float8_e4m3fn, backend=be)),
         ("gather_k_cache",
          lambda: gather_k_cache(x.kv, x.gather_bt, x.gather_cu, out_k=x.out_k, out_scale=x.out_scale,
                                 backend=backend, check_values=cv),
-         lambda: impl("gather_k_cache")(kv3, x.gather_bt, x.gather_cu, out_k=x.out_k, out_scale=x.out_scale),
+         impl("gather_k_cache", kv3, x.gather_bt, x.gather_cu, out_k=x.out_k, out_scale=x.out_scale),
          lambda: op("gather_k_cache")(kv3, x.gather_bt, x.gather_cu, x.out_k, x.out_scale, backend=be)),
         ("decode step (write + logits + top-k)",
          lambda: sparse_attn_indexer(x.q_dec, x.k_new, x.w_dec, x.kv, x.md_dec, x.bufs, x.topk_dec, backend=backend),
