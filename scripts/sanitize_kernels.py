@@ -1,7 +1,8 @@
 """Run every Triton kernel once on small DeepSeek-like shapes (for compute-sanitizer memcheck/racecheck).
 
 Usage on a GPU machine: ``compute-sanitizer --tool memcheck python3 scripts/sanitize_kernels.py``
-(``--cuda-topk-only``: only the CUDA top-k kernel, every path and cluster size).
+(``--cuda-topk-only``: only the CUDA top-k kernel, every path and cluster size; ``--gluon-paged-only``,
+``--gluon-prefill-only``: only that Gluon logits kernel).
 Checks each result against the reference backend and exits 1 on a mismatch.
 """
 
@@ -18,21 +19,10 @@ from sparse_indexer.testing import logits_error, topk_errors
 def main() -> int:
     torch.manual_seed(0)
     dev = "cuda"
-    if "--cuda-topk-only" in sys.argv:
-        ok = _cuda_topk(dev)
-        torch.cuda.synchronize()
-        print("ALL OK" if ok else "MISMATCH")
-        return 0 if ok else 1
-    if "--gluon-paged-only" in sys.argv:
-        ok = _gluon_paged(dev)
-        torch.cuda.synchronize()
-        print("ALL OK" if ok else "MISMATCH")
-        return 0 if ok else 1
-    if "--gluon-prefill-only" in sys.argv:
-        ok = _gluon_prefill(dev)
-        torch.cuda.synchronize()
-        print("ALL OK" if ok else "MISMATCH")
-        return 0 if ok else 1
+    for flag, only in (("--cuda-topk-only", _cuda_topk), ("--gluon-paged-only", _gluon_paged),
+                       ("--gluon-prefill-only", _gluon_prefill)):
+        if flag in sys.argv:
+            return _finish(only(dev))
     h, d, bs, nn = 64, 128, 64, 2
     lens = [300, 1, 0, 2100]
     b = len(lens)
@@ -102,6 +92,11 @@ def main() -> int:
     ok &= t_ok
     ok &= _gluon_paged(dev)
     ok &= _gluon_prefill(dev)
+    return _finish(ok)
+
+
+def _finish(ok: bool) -> int:
+    """Wait for the kernels, print the verdict, and return the exit status."""
     torch.cuda.synchronize()
     print("ALL OK" if ok else "MISMATCH")
     return 0 if ok else 1
@@ -135,14 +130,33 @@ def _cuda_topk(dev) -> bool:
     return ok
 
 
-def _gluon_paged(dev) -> bool:
-    """The Gluon paged-logits kernel (sparse_indexer/ops/fp8_paged_mqa_logits/gluon.py, issue #16): next_n 1..4,
-    ragged lengths (0, 1, non-multiples of 64), clean on and off, against the reference backend."""
+def _gluon_unavailable(dev, what: str) -> bool:
+    """Whether the Gluon backend cannot run here (then said, and the kernel's check counts as passed)."""
     from sparse_indexer import backends
 
     why = backends.get("gluon").unavailable_reason(torch.device(dev))
     if why:
-        print("gluon paged logits: not available:", why)
+        print(f"gluon {what}: not available:", why)
+    return bool(why)
+
+
+def _gluon_verdict(what: str, got: torch.Tensor, ref: torch.Tensor, clean: bool, tol: float) -> bool:
+    """``got`` (filled with 7777 before the call) against the float32 reference ``ref`` (``-inf`` outside the
+    windows): relative L2 within ``tol``, the same ``-inf`` cells, and with ``clean=False`` the cells outside the
+    windows untouched (7777 in ``got``'s dtype). Prints one line."""
+    err, mask_bad = logits_error(got.float(), ref, clean=clean)
+    inside = ref != float("-inf")
+    sentinel = float(torch.tensor(7777.0, dtype=got.dtype))
+    untouched = clean or bool((got.float()[~inside] == sentinel).all())
+    print(f"gluon {what} clean={clean}: rel L2 {err:.2e}, -inf cells that differ {mask_bad}, outside untouched "
+          f"{untouched}")
+    return mask_bad == 0 and err <= tol and untouched
+
+
+def _gluon_paged(dev) -> bool:
+    """The Gluon paged-logits kernel (sparse_indexer/ops/fp8_paged_mqa_logits/gluon.py, issue #16): next_n 1..4,
+    ragged lengths (0, 1, non-multiples of 64), clean on and off, against the reference backend."""
+    if _gluon_unavailable(dev, "paged logits"):
         return True
     g = torch.Generator(device=dev).manual_seed(7)
     h, d, bs = 64, 128, 64
@@ -164,12 +178,7 @@ def _gluon_paged(dev) -> bool:
         for clean in (True, False):
             lg = torch.full_like(lr, 7777.0)
             si.fp8_paged_mqa_logits(q, kv, w, cl, bt, out=lg, clean=clean, backend="gluon")
-            err, mask_bad = logits_error(lg, lr, clean=clean)
-            inside = lr != float("-inf")
-            untouched = clean or bool((lg[~inside] == 7777.0).all())
-            ok &= mask_bad == 0 and err <= 2e-4 and untouched
-            print(f"gluon paged logits next_n={nn} clean={clean}: rel L2 {err:.2e}, -inf cells that differ "
-                  f"{mask_bad}, outside untouched {untouched}")
+            ok &= _gluon_verdict(f"paged logits next_n={nn}", lg, lr, clean, 2e-4)
     return ok
 
 
@@ -177,11 +186,7 @@ def _gluon_prefill(dev) -> bool:
     """The Gluon ragged-logits kernel (sparse_indexer/ops/fp8_mqa_logits/gluon.py, issue #16): windows of every
     kind (empty, ke < ks, full, a partial last tile, M not a multiple of the block), full and compressed rows,
     float32 and bfloat16 out, clean on and off, against the reference backend."""
-    from sparse_indexer import backends
-
-    why = backends.get("gluon").unavailable_reason(torch.device(dev))
-    if why:
-        print("gluon prefill logits: not available:", why)
+    if _gluon_unavailable(dev, "prefill logits"):
         return True
     g = torch.Generator(device=dev).manual_seed(11)
     m, n, h, d = 131, 1000, 64, 128
@@ -202,13 +207,8 @@ def _gluon_prefill(dev) -> bool:
             for clean in (True, False):
                 lg = torch.full_like(lr, 7777.0, dtype=dt)
                 si.fp8_mqa_logits(q, k, ksc, w, ks, ke, out=lg, clean=clean, backend="gluon", max_seqlen_k=width)
-                err, mask_bad = logits_error(lg.float(), lr, clean=clean)
-                inside = lr != float("-inf")
-                sentinel = float(torch.tensor(7777.0, dtype=dt))
-                untouched = clean or bool((lg.float()[~inside] == sentinel).all())
-                ok &= mask_bad == 0 and err <= (2e-4 if dt == torch.float32 else 4e-3) and untouched
-                print(f"gluon prefill logits width={width} {dt} clean={clean}: rel L2 {err:.2e}, -inf cells that "
-                      f"differ {mask_bad}, outside untouched {untouched}")
+                ok &= _gluon_verdict(f"prefill logits width={width} {dt}", lg, lr, clean,
+                                     2e-4 if dt == torch.float32 else 4e-3)
     return ok
 
 
