@@ -16,6 +16,7 @@ from .fp8 import FP8_DTYPES
 INDEX_DTYPES = (torch.int32,)
 
 _Tensor = torch.Tensor
+_grad_on = torch.is_grad_enabled
 _Device = torch.device
 _is_compiling = torch.compiler.is_compiling
 _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
@@ -248,50 +249,57 @@ class Layouts:
     def remember(self, tensors: tuple, n_out: int, key=None, extra=None) -> None:
         """Keep the layout of ``tensors`` (the outputs first: ``n_out`` of them, each disjoint from every other
         argument) after every check of the call passed on plain tensors."""
-        layout = []
-        for t in tensors:
+        outs, ins, nones = [], [], []
+        for i, t in enumerate(tensors):
             if t is None:
-                layout.append(None)
+                nones.append(i)
                 continue
             if type(t) is not _Tensor or is_traced(t):
                 return
-            n = t.numel()
-            layout.append((t.dtype, t.shape, t.stride(), t.device, (_span(t)[1] - t.data_ptr()) if n else 0))
-        self._last = (key, tuple(layout), n_out, extra)
+            ext = (_span(t)[1] - t.data_ptr()) if t.numel() else 0
+            (outs if i < n_out else ins).append((i, t.dtype, t.shape, t.stride(), t.device, ext))
+        self._last = (key, tuple(outs), tuple(ins), tuple(nones), len(tensors), extra)
 
     def match(self, tensors: tuple, key=None):
         """``(True, extra)`` when ``tensors`` (plain tensors or ``None`` as remembered; ``key`` equal) have the
         remembered layout and no output overlaps another argument's bytes, else ``(False, None)``: the caller
-        then runs the full checks. The caller has checked :func:`~sparse_indexer.library.plain_eager`."""
+        then runs the full checks. The caller has checked :func:`~sparse_indexer.library.plain_eager`.
+
+        A tensor that requires grad misses only while grad mode is on (where the op would be recorded: the
+        full path then takes the custom op), as in :func:`sparse_indexer.library.runs_directly`."""
         last = self._last
-        if last is None or last[0] != key:
+        if last is None or last[0] != key or len(tensors) != last[4]:
             return _MISS
-        n_out = last[2]
-        outs = []  # the outputs' byte ranges so far: every later argument is compared with them
-        i = 0
+        grad = _grad_on()
         try:
-            for t, want in zip(tensors, last[1]):
-                i += 1
-                if t is None:
-                    if want is not None:
-                        return _MISS
-                    continue
-                if want is None or type(t) is not _Tensor or t.requires_grad:
-                    return _MISS
-                dt, shape, stride, dev, ext = want
-                if t.dtype is not dt or t.shape != shape or t.stride() != stride or t.device != dev:
+            spans = []  # the outputs' byte ranges: every later argument is compared with them
+            for i, dt, shape, stride, dev, ext in last[1]:
+                t = tensors[i]
+                if (type(t) is not _Tensor or t.dtype is not dt or t.shape != shape or t.stride() != stride
+                        or t.device != dev or (grad and t.requires_grad)):
                     return _MISS
                 if ext:
                     lo = t.data_ptr()
-                    hi = lo + ext
-                    for a, b in outs:
-                        if lo < b and a < hi:
+                    for a, b in spans:
+                        if lo < b and a < lo + ext:
                             return _MISS  # maybe overlapping: the full checks name the tensors
-                    if i <= n_out:
-                        outs.append((lo, hi))
+                    spans.append((lo, lo + ext))
+            for i, dt, shape, stride, dev, ext in last[2]:
+                t = tensors[i]
+                if (type(t) is not _Tensor or t.dtype is not dt or t.shape != shape or t.stride() != stride
+                        or t.device != dev or (grad and t.requires_grad)):
+                    return _MISS
+                if ext and spans:
+                    lo = t.data_ptr()
+                    for a, b in spans:
+                        if lo < b and a < lo + ext:
+                            return _MISS
         except RuntimeError:  # a tensor without storage (a functional wrapper outside its transform)
             return _MISS
-        return True, last[3]
+        for i in last[3]:
+            if tensors[i] is not None:
+                return _MISS
+        return True, last[5]
 
 
 _MISS = (False, None)

@@ -11,7 +11,9 @@ An implementation may carry an ``auto_when`` attribute: a predicate on the call'
 implementation's own signature, shapes only: no device read) that says whether ``auto`` should run it for this
 call. ``auto`` passes the call on to the next candidate when it is false (no exception raised: a cheap size test,
 e.g. a kernel whose launch costs more host time than its device time gains on small problems); an explicitly
-requested backend always runs.
+requested backend always runs. Its answer is remembered for later calls of a layout the public function has
+proven (:func:`sparse_indexer.library.run_direct`'s ``memo``), so it may read nothing but the tensors' dtypes,
+shapes and strides.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ import torch
 from . import backends as _registry
 from .backends import OPS, _interpret
 
-__all__ = ["BACKENDS", "OPS", "BackendUnavailable", "available", "call", "candidates", "chosen", "invoke", "routes",
-           "unavailable_reason"]
+__all__ = ["BACKENDS", "OPS", "BackendUnavailable", "available", "call", "candidates", "chosen", "first", "invoke",
+           "invoke_at", "routes", "unavailable_reason"]
 
 BACKENDS = _registry.BUILTIN
 """The built-in backends (``sparse_indexer.BACKENDS``); :func:`sparse_indexer.backends.names` adds registered ones."""
@@ -192,17 +194,39 @@ def _invoke_from(found: tuple[_Route, ...], start: int, op: str, backend: str | 
     raise BackendUnavailable(f"no backend among {names} handles this {op} call: {last}")
 
 
-def chosen(found: tuple[_Route, ...], backend: str | None, args: tuple, kwargs: dict) -> _Route | None:
-    """The route :func:`invoke` tries first for this call (the first that imports and, under ``auto``, whose
-    ``auto_when`` accepts the call); ``None`` when none does. For benchmarks that time an implementation alone."""
+def first(found: tuple[_Route, ...], backend: str | None, args: tuple, kwargs: dict) -> int | None:
+    """The index in ``found`` of the route :func:`invoke` tries first for this call (the first that imports and,
+    under ``auto``, whose ``auto_when`` accepts the call); ``None`` when none does."""
     auto = backend is None or backend == "auto"
-    for r in found:
+    for i, r in enumerate(found):
         if r.fn is None:
             continue
-        kw = {k: v for k, v in kwargs.items() if k not in r.drop}
-        if r.when is None or not auto or r.when(*args, **kw):
-            return r
+        if r.when is None or not auto:
+            return i
+        if r.when(*args, **{k: v for k, v in kwargs.items() if k not in r.drop}):
+            return i
     return None
+
+
+def chosen(found: tuple[_Route, ...], backend: str | None, args: tuple, kwargs: dict) -> _Route | None:
+    """The route :func:`invoke` tries first for this call (:func:`first`); ``None`` when none does. For benchmarks
+    that time an implementation alone."""
+    i = first(found, backend, args, kwargs)
+    return None if i is None else found[i]
+
+
+def invoke_at(found: tuple[_Route, ...], i: int, op: str, backend: str | None, args: tuple, kwargs: dict):
+    """:func:`invoke` when :func:`first` has already named route ``i`` for a call of this layout (its
+    ``auto_when`` is not asked again: predicates read shapes only); ``auto`` still falls back past it on
+    :class:`NotImplementedError`."""
+    r = found[i]
+    kw = kwargs if not r.drop or r.drop.isdisjoint(kwargs) else {k: v for k, v in kwargs.items() if k not in r.drop}
+    try:
+        return r.fn(*args, **kw)
+    except NotImplementedError as e:
+        if not (backend is None or backend == "auto"):
+            raise
+        return _invoke_from(found, i + 1, op, backend, args, kwargs, e)
 
 
 def call(op: str, backend: str | None, device: torch.device, *args, **kwargs):

@@ -221,23 +221,41 @@ _inference_mode = torch.is_inference_mode_enabled
 _bump = torch._C._increment_version
 _routes = _dispatch.routes
 _invoke = _dispatch.invoke
+_invoke_at = _dispatch.invoke_at
+_first = _dispatch.first
 
 
 def run_direct(name: str, backend: str | None, device: torch.device, args: tuple, kwargs: dict,
-               written=()) -> None:
+               written=(), memo: dict | None = None) -> None:
     """The direct route of :func:`call`: the backend implementation (:func:`_dispatch.invoke` on the resolved
     routes, auto fallback kept), inside a profiler range named ``sparse_indexer::<name>`` while a profiler records,
     then the version counters of ``written`` (a tuple or list of the tensors the call wrote; empty: the caller
     bumps them, :func:`bump_versions`) bumped as the op's ADInplaceOrView kernel would.
 
+    ``memo``: a dict that lives as long as the layout of the call's tensors stays the same (the public functions
+    keep one in their :class:`~sparse_indexer._checks.Layouts` entry): the route ``auto`` picks (its ``auto_when``
+    predicates read layouts only) is found once per backend argument and routes object, then run directly
+    (:func:`_dispatch.invoke_at`).
+
     For a caller that has established :func:`runs_directly` for every tensor of the call: a public function
     after its checks, :func:`sparse_indexer.sparse_attn_indexer` once per layer for all its ops."""
     found = _routes(name, None if backend == "auto" else backend, device)
+    i = None
+    if memo is not None:
+        hit = memo.get(backend)
+        if hit is None or hit[0] is not found:  # a new backend argument, registry or monkeypatch: ask once
+            hit = memo[backend] = (found, _first(found, backend, args, kwargs))
+        i = hit[1]
     if _profiling():
         with torch.autograd.profiler.record_function(_RECORD_NAMES[name]):
-            _invoke(found, name, backend, args, kwargs)
-    else:
+            if i is None:
+                _invoke(found, name, backend, args, kwargs)
+            else:
+                _invoke_at(found, i, name, backend, args, kwargs)
+    elif i is None:
         _invoke(found, name, backend, args, kwargs)
+    else:
+        _invoke_at(found, i, name, backend, args, kwargs)
     if written and not _inference_mode():
         _bump(written)
 

@@ -248,6 +248,44 @@ def test_auto_when_passes_small_calls_on(toy, monkeypatch):
         assert CALLS == ["top_k_per_row"] * 2 and torch.equal(out, want2)
         assert _dispatch.chosen(found, "toy", (narrow, s, e2), {"out": out}).name == "toy"
         assert seen == [300, 200, 200, 300]
+        # a layout the public function has proven (the second 200 above: the auto call after the reference's)
+        # has its route asked for once per backend argument, then run directly
+        for _ in range(3):
+            si.top_k_per_row(narrow, s, e2, out=out)
+        assert seen == [300, 200, 200, 300] and CALLS == ["top_k_per_row"] * 2 and torch.equal(out, want2)
+        si.top_k_per_row(narrow, s, e2, out=out, backend="toy")  # another backend argument: its own entry
+        si.top_k_per_row(narrow, s, e2, out=out)
+        assert seen == [300, 200, 200, 300] and CALLS == ["top_k_per_row"] * 3
+        seen2 = []
+        monkeypatch.setattr(top_k_per_row, "auto_when", lambda *a, **k: seen2.append(1) or True)
+        _dispatch._resolved.clear()
+        _dispatch._routes.cache_clear()  # new routes: the remembered choice is not used with them
+        si.top_k_per_row(narrow, s, e2, out=out)
+        si.top_k_per_row(narrow, s, e2, out=out)
+        assert seen2 == [1] and CALLS == ["top_k_per_row"] * 5
     finally:
         _dispatch._resolved.clear()
         _dispatch._routes.cache_clear()
+
+
+def test_invoke_at_keeps_the_auto_fallback():
+    """``_dispatch.invoke_at`` (the route a proven layout remembered): under ``auto`` a route that raises
+    :class:`NotImplementedError` still passes the call on; an explicitly named backend raises it."""
+    def refuses(x, *, out):
+        raise NotImplementedError("not this case")
+
+    def runs(x, *, out):
+        out.append(x)
+
+    found = (_dispatch._Route("a", refuses, None, frozenset(), lambda *a, **k: False),
+             _dispatch._Route("b", runs, None, frozenset()))
+    out: list = []
+    assert _dispatch.first(found, None, (1,), {"out": out}) == 1  # a's auto_when says no
+    assert _dispatch.first(found, "a", (1,), {"out": out}) == 0
+    _dispatch.invoke_at(found, 0, "top_k_per_row", None, (7,), {"out": out})
+    assert out == [7]
+    with pytest.raises(NotImplementedError, match="not this case"):
+        _dispatch.invoke_at(found, 0, "top_k_per_row", "a", (8,), {"out": out})
+    with pytest.raises(si.BackendUnavailable, match="no backend among"):
+        _dispatch.invoke_at(found[:1], 0, "top_k_per_row", "auto", (9,), {"out": out})
+    assert out == [7]

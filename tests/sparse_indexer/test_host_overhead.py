@@ -563,6 +563,30 @@ def test_op_memo_repeat_call_skips_the_layout_checks_only(case, monkeypatch):
     assert seen["tensor"] > 0, "the full checks ran under the mode"
 
 
+def test_op_memo_takes_an_input_that_requires_grad_only_outside_grad_mode(monkeypatch):
+    """The memo matches as :func:`sparse_indexer.library.runs_directly` decides: under ``torch.no_grad`` an input
+    that requires grad takes the memo (the op would not be recorded), with grad mode on it takes the full path."""
+    from sparse_indexer import _checks
+    from sparse_indexer.ops import top_k_per_row as mod
+
+    logits = torch.randn(2, 16, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
+    rs = torch.zeros(2, dtype=torch.int32)
+    re_ = torch.full((2,), 16, dtype=torch.int32)
+    out = torch.empty(2, 4, dtype=torch.int32)
+    with torch.no_grad():
+        si.top_k_per_row(logits, rs, re_, out=out)
+    assert mod._LAYOUTS._last is not None
+    assert mod._LAYOUTS.match((out, None, logits, rs, re_))[0] is False  # grad mode on: the op would be recorded
+    seen = []
+    real = _checks.tensor
+    monkeypatch.setattr(_checks, "tensor", lambda *a, **k: (seen.append(a[0]), real(*a, **k)))
+    want = out.clone()
+    out.zero_()
+    with torch.no_grad():
+        si.top_k_per_row(logits, rs, re_, out=out)
+    assert seen == [] and torch.equal(out, want)
+
+
 def test_vllm_shim_keeps_its_per_call_records_while_the_workspace_is_locked(monkeypatch):
     """vLLM's op is called once per layer: the drop-in makes its IndexerLimits, plan and Buffers record once
     (the record while the workspace is locked, per slot and workspace tensor) and the metadata once per step,

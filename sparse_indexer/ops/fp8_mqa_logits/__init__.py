@@ -61,12 +61,12 @@ def fp8_mqa_logits(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, 
     if out is not None and (max_seqlen_k is None or type(max_seqlen_k) is int) and _plain_eager():
         proven, facts = _LAYOUTS.match(ts, (max_seqlen_k, logits_dtype))
         if proven:  # the layout of a call that passed every check below: only aliasing (matched) and values
-            dev, n, cpu = facts
+            dev, n, cpu, memo = facts
             if C.values_wanted(check_values, cpu):
                 _check_values(cu_seqlen_ks, cu_seqlen_ke, n, max_seqlen_k)
             _run("fp8_mqa_logits", backend, dev, (q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke),
                  {"out": out, "clean": bool(clean)} if max_seqlen_k is None else
-                 {"out": out, "clean": bool(clean), "compressed": True}, (out,))
+                 {"out": out, "clean": bool(clean), "compressed": True}, (out,), memo)
             return out
     C.fp8("q", q, ndim=3, last_contiguous=True)
     m, h, d = q.shape
@@ -94,7 +94,7 @@ def fp8_mqa_logits(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, 
     if C.want_value_checks(check_values, cu_seqlen_ks, cu_seqlen_ke):
         _check_values(cu_seqlen_ks, cu_seqlen_ke, n, max_seqlen_k)
     if given and library.runs_directly(dev, ts):
-        _LAYOUTS.remember(ts, 1, (max_seqlen_k, logits_dtype), (dev, n, dev.type == "cpu"))
+        _LAYOUTS.remember(ts, 1, (max_seqlen_k, logits_dtype), (dev, n, dev.type == "cpu", {}))
     if max_seqlen_k is None:
         library.call("fp8_mqa_logits", backend, dev, q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke,
                      out=out, clean=bool(clean))

@@ -80,7 +80,7 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
         if proven and not kv_cache.storage_offset() & 3:
             # the layout of a call that passed every check below: only aliasing (matched), the cache's
             # alignment (above) and the values
-            dev, lay, capacity, next_n, cpu = facts
+            dev, lay, capacity, next_n, cpu, memo = facts
             if C.values_wanted(check_values, cpu) and context_lens.numel():
                 _values(context_lens, block_table, indices, next_n, out.shape[1], capacity, lay)
             kw = {"out": out, "clean": bool(clean)}
@@ -90,7 +90,7 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
                 kw["qk"] = qk
             _run("fp8_paged_mqa_logits", backend, dev,
                  (q, view_3d(kv_cache), weights, context_lens, block_table),
-                 kw, (out,) if qk is None else (out, qk))
+                 kw, (out,) if qk is None else (out, qk), memo)
             return out
     C.fp8("q", q, ndim=4, last_contiguous=True)
     b, next_n, h, d = q.shape
@@ -128,7 +128,7 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
                    block_table=block_table, logits_out=out, indices=indices)
         extra["qk"] = qk
     if given and library.runs_directly(dev, ts):
-        _LAYOUTS.remember(ts, 2, logits_dtype, (dev, lay, capacity, next_n, dev.type == "cpu"))
+        _LAYOUTS.remember(ts, 2, logits_dtype, (dev, lay, capacity, next_n, dev.type == "cpu", {}))
     library.call("fp8_paged_mqa_logits", backend, dev, q, kv3, weights, context_lens, block_table,
                  out=out, clean=bool(clean), **extra)
     return out

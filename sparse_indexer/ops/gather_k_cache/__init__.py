@@ -41,12 +41,12 @@ def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_len
         if proven and not kv_cache.storage_offset() & 3:
             # the layout of a call that passed every check below: only aliasing (matched), the cache's
             # alignment (above) and the values
-            dev, lay, cpu = facts
+            dev, lay, cpu, memo = facts
             if C.values_wanted(check_values, cpu):
                 _check_values(block_table, cu_seq_lens, out_k.shape[0], lay)
             _run("gather_k_cache", backend, dev,
                  (view_3d(kv_cache), block_table, cu_seq_lens),
-                 {"out_k": out_k, "out_scale": out_scale}, ts[:2])
+                 {"out_k": out_k, "out_scale": out_scale}, ts[:2], memo)
             return
     kv3 = as_3d(kv_cache)
     lay = cache_layout(kv3)
@@ -62,7 +62,7 @@ def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_len
     if C.want_value_checks(check_values, block_table, cu_seq_lens):
         _check_values(block_table, cu_seq_lens, out_k.shape[0], lay)
     if library.runs_directly(dev, ts):
-        _LAYOUTS.remember(ts, 2, extra=(dev, lay, dev.type == "cpu"))
+        _LAYOUTS.remember(ts, 2, extra=(dev, lay, dev.type == "cpu", {}))
     library.call("gather_k_cache", backend, dev, kv3, block_table, cu_seq_lens, out_k=out_k, out_scale=out_scale)
 
 

@@ -68,12 +68,12 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
     if _plain_eager():
         proven, facts = _LAYOUTS.match(ts)
         if proven:  # the layout of a call that passed every check below: only aliasing (matched) and values
-            dev, w, cpu = facts
+            dev, w, cpu, memo = facts
             if C.values_wanted(check_values, cpu):
                 _check_values(row_starts, row_ends, w)
             _run("top_k_per_row", backend, dev, (logits, row_starts, row_ends),
                  {"out": out} if workspace is None else {"out": out, "workspace": workspace},
-                 (out,) if workspace is None else (out, workspace))
+                 (out,) if workspace is None else (out, workspace), memo)
             return out
     C.tensor("logits", logits, ndim=2, dtypes=LOGITS_DTYPES, last_contiguous=True)
     r, w = logits.shape
@@ -95,7 +95,7 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
                                  f">= {MIN_WORKSPACE_COLS} int32")
         C.no_alias("workspace", workspace, logits=logits, row_starts=row_starts, row_ends=row_ends, topk_out=out)
     if library.runs_directly(dev, ts):
-        _LAYOUTS.remember(ts, 2, extra=(dev, w, dev.type == "cpu"))
+        _LAYOUTS.remember(ts, 2, extra=(dev, w, dev.type == "cpu", {}))
     if workspace is None:
         library.call("top_k_per_row", backend, dev, logits, row_starts, row_ends, out=out)
     else:

@@ -40,12 +40,12 @@ def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.T
         if proven and not kv_cache.storage_offset() & 3:
             # the layout (and scale_fmt, fp8_dtype) of a call that passed every check below: only aliasing
             # (matched), the cache's alignment (above) and the values
-            dev, num_slots, cpu = facts
+            dev, num_slots, cpu, memo = facts
             if C.values_wanted(check_values, cpu):
                 _check_values(slot_mapping, num_slots)
             _run("write_k_cache", backend, dev, (k, view_3d(kv_cache),
                                                  slot_mapping), {"scale_fmt": scale_fmt, "fp8_dtype": fp8_dtype},
-                 ts[:1])
+                 ts[:1], memo)
             return
     C.tensor("k", k, ndim=2, dtypes=(torch.bfloat16, torch.float16, torch.float32), last_contiguous=True)
     dev = k.device
@@ -66,7 +66,7 @@ def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.T
     if C.want_value_checks(check_values, k, slot_mapping):
         _check_values(slot_mapping, lay.num_slots)
     if library.runs_directly(dev, ts):
-        _LAYOUTS.remember(ts, 1, (scale_fmt, fp8_dtype), (dev, lay.num_slots, dev.type == "cpu"))
+        _LAYOUTS.remember(ts, 1, (scale_fmt, fp8_dtype), (dev, lay.num_slots, dev.type == "cpu", {}))
     library.call("write_k_cache", backend, dev, k, kv3, slot_mapping, scale_fmt=scale_fmt, fp8_dtype=fp8_dtype)
 
 
