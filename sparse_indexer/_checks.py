@@ -9,6 +9,8 @@ call whose tensors have the layout of its last fully checked call.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from .fp8 import FP8_DTYPES
@@ -228,18 +230,34 @@ def values_in(name: str, t: torch.Tensor, lo: int | None, hi: int | None, what: 
         raise ValueError(f"{name}[{where}] = {v} {rng}: {what}")
 
 
+def _guard_class():
+    """PyTorch's C++ tensor-layout guard (``torch._C._dynamo.guards.TensorGuards``, what ``torch.compile``'s guards
+    check: exact Python type, dispatch keys, dtype, device, sizes, strides, ``requires_grad``) or ``None`` where
+    this PyTorch lacks it. One check of six tensors costs about 0.4 us against 2.5 us of attribute reads in Python
+    (issue #11); :class:`Layouts` falls back to those reads when it is missing or refuses a layout."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+    except Exception:  # noqa: BLE001 - any failure: the Python reads
+        return None
+    return TensorGuards
+
+
+_TensorGuards = _guard_class()
+
+
 class Layouts:
     """One public op's memo of the layout of its last fully checked call (issue #11): per tensor argument (or
     ``None``) its dtype, shape, strides, device and byte extent, the non-tensor arguments the layout checks read
     (``key``), and values derived from them (``extra``: sizes, the cache layout).
 
-    A later call whose tensors have exactly that layout (read by plain attribute access: :meth:`match`) passes
-    every layout check the full checks would run (they read nothing else), so the op runs only what can change
-    with the same layout: that no output's bytes overlap another argument's (data pointers), and the value
-    checks where they are on. Only in plain eager mode with plain tensors (:func:`sparse_indexer.library.plain_eager`;
-    :meth:`remember` is called only when the call runs directly); anything else, or any miss, runs the full
-    checks, which raise what they always raised. The memo holds no tensor (no reference keeps memory alive);
-    replacing it is one attribute store, so concurrent callers see one whole entry or the other."""
+    A later call whose tensors have exactly that layout (:meth:`match`: one C++ ``TensorGuards`` check where
+    PyTorch has it, else plain attribute reads) passes every layout check the full checks would run (they read
+    nothing else), so the op runs only what can change with the same layout: that no output's bytes overlap
+    another argument's (data pointers), and the value checks where they are on. Only in plain eager mode with
+    plain tensors (:func:`sparse_indexer.library.plain_eager`; :meth:`remember` is called only when the call runs
+    directly); anything else, or any miss, runs the full checks, which raise what they always raised. The memo
+    holds no tensor (no reference keeps memory alive); replacing it is one attribute store, so concurrent callers
+    see one whole entry or the other."""
 
     __slots__ = ("_last",)
 
@@ -249,7 +267,7 @@ class Layouts:
     def remember(self, tensors: tuple, n_out: int, key=None, extra=None) -> None:
         """Keep the layout of ``tensors`` (the outputs first: ``n_out`` of them, each disjoint from every other
         argument) after every check of the call passed on plain tensors."""
-        outs, ins, nones = [], [], []
+        outs, ins, nones, present = [], [], [], []
         for i, t in enumerate(tensors):
             if t is None:
                 nones.append(i)
@@ -258,48 +276,82 @@ class Layouts:
                 return
             ext = (_span(t)[1] - t.data_ptr()) if t.numel() else 0
             (outs if i < n_out else ins).append((i, t.dtype, t.shape, t.stride(), t.device, ext))
-        self._last = (key, tuple(outs), tuple(ins), tuple(nones), len(tensors), extra)
+            present.append(t)
+        guard = None
+        if _TensorGuards is not None and present:
+            try:
+                guard = _TensorGuards(*present, dynamic_dims_sizes=[list(t.shape) for t in present],
+                                      dynamic_dims_strides=[list(t.stride()) for t in present])
+            except Exception:  # noqa: BLE001 - a layout the guard refuses: the Python reads
+                guard = None
+        pick = operator.itemgetter(*[e[0] for e in outs + ins])
+        if len(present) == 1:
+            pick = (lambda f: lambda ts: (f(ts),))(pick)
+        self._last = (key, tuple(outs), tuple(ins), tuple(nones), len(tensors), extra, guard, pick,
+                      any(t.requires_grad for t in present))
 
     def match(self, tensors: tuple, key=None):
         """``(True, extra)`` when ``tensors`` (plain tensors or ``None`` as remembered; ``key`` equal) have the
         remembered layout and no output overlaps another argument's bytes, else ``(False, None)``: the caller
         then runs the full checks. The caller has checked :func:`~sparse_indexer.library.plain_eager`.
 
-        A tensor that requires grad misses only while grad mode is on (where the op would be recorded: the
-        full path then takes the custom op), as in :func:`sparse_indexer.library.runs_directly`."""
+        A tensor that requires grad matches only outside grad mode (where the op would not be recorded), as in
+        :func:`sparse_indexer.library.runs_directly`."""
         last = self._last
         if last is None or last[0] != key or len(tensors) != last[4]:
-            return _MISS
-        grad = _grad_on()
-        try:
-            spans = []  # the outputs' byte ranges: every later argument is compared with them
-            for i, dt, shape, stride, dev, ext in last[1]:
-                t = tensors[i]
-                if (type(t) is not _Tensor or t.dtype is not dt or t.shape != shape or t.stride() != stride
-                        or t.device != dev or (grad and t.requires_grad)):
-                    return _MISS
-                if ext:
-                    lo = t.data_ptr()
-                    for a, b in spans:
-                        if lo < b and a < lo + ext:
-                            return _MISS  # maybe overlapping: the full checks name the tensors
-                    spans.append((lo, lo + ext))
-            for i, dt, shape, stride, dev, ext in last[2]:
-                t = tensors[i]
-                if (type(t) is not _Tensor or t.dtype is not dt or t.shape != shape or t.stride() != stride
-                        or t.device != dev or (grad and t.requires_grad)):
-                    return _MISS
-                if ext and spans:
-                    lo = t.data_ptr()
-                    for a, b in spans:
-                        if lo < b and a < lo + ext:
-                            return _MISS
-        except RuntimeError:  # a tensor without storage (a functional wrapper outside its transform)
             return _MISS
         for i in last[3]:
             if tensors[i] is not None:
                 return _MISS
+        if last[8] and _grad_on():
+            return _MISS
+        guard = last[6]
+        try:
+            if guard is not None:
+                if not guard.check(*last[7](tensors)):
+                    return _MISS
+            elif not (_same_layout(tensors, last[1]) and _same_layout(tensors, last[2])):
+                return _MISS
+            if _overlap(tensors, last[1], last[2]):
+                return _MISS  # maybe overlapping: the full checks name the tensors
+        except RuntimeError:  # a tensor without storage (a functional wrapper outside its transform)
+            return _MISS
         return True, last[5]
+
+
+def _same_layout(tensors: tuple, entries: tuple) -> bool:
+    """:meth:`Layouts.match` without the C++ guard: each remembered ``(i, dtype, shape, stride, device, extent)``
+    read back from ``tensors[i]`` by attribute access (a tensor that requires grad only outside grad mode)."""
+    grad = _grad_on()
+    for i, dt, shape, stride, dev, _ in entries:
+        t = tensors[i]
+        if (type(t) is not _Tensor or t.dtype is not dt or t.shape != shape or t.stride() != stride
+                or t.device != dev or (grad and t.requires_grad)):
+            return False
+    return True
+
+
+def _overlap(tensors: tuple, outs: tuple, ins: tuple) -> bool:
+    """Whether an output's byte range (its remembered extent from its data pointer) may meet another output's or
+    an input's."""
+    spans = []
+    for e in outs:
+        ext = e[5]
+        if ext:
+            lo = tensors[e[0]].data_ptr()
+            for a, b in spans:
+                if lo < b and a < lo + ext:
+                    return True
+            spans.append((lo, lo + ext))
+    if spans:
+        for e in ins:
+            ext = e[5]
+            if ext:
+                lo = tensors[e[0]].data_ptr()
+                for a, b in spans:
+                    if lo < b and a < lo + ext:
+                        return True
+    return False
 
 
 _MISS = (False, None)

@@ -491,12 +491,26 @@ def _raised(fn, a):
     return None
 
 
+@pytest.fixture(params=["guard", "python"])
+def layout_reads(request, monkeypatch):
+    """The memo's two ways to read a layout back: PyTorch's C++ ``TensorGuards`` and plain attribute reads (what
+    a PyTorch without the guard gets)."""
+    from sparse_indexer import _checks
+
+    if request.param == "python":
+        monkeypatch.setattr(_checks, "_TensorGuards", None)
+    elif _checks._TensorGuards is None:
+        pytest.skip("this PyTorch has no torch._C._dynamo.guards.TensorGuards")
+    return request.param
+
+
 @pytest.mark.parametrize("case", _op_cases(), ids=lambda c: c[0])
-def test_op_memo_raises_what_the_full_checks_raise_before_writing(case, monkeypatch):
+def test_op_memo_raises_what_the_full_checks_raise_before_writing(case, monkeypatch, layout_reads):
     """After a valid call (the op's memo holds its layout), every bad variant raises exactly what the full checks
     raise (the memo cleared), before the implementation runs and without writing; a valid call after it still
     runs (and takes the memo)."""
     name, mod, call, make, outputs, bad = case
+    mod._LAYOUTS._last = None  # remembered by this test's way of reading layouts
     reached = []
     real = _dispatch.implementation
 
@@ -526,7 +540,7 @@ def test_op_memo_raises_what_the_full_checks_raise_before_writing(case, monkeypa
 
 
 @pytest.mark.parametrize("case", _op_cases(), ids=lambda c: c[0])
-def test_op_memo_repeat_call_skips_the_layout_checks_only(case, monkeypatch):
+def test_op_memo_repeat_call_skips_the_layout_checks_only(case, monkeypatch, layout_reads):
     """A repeat call with the same layout runs no layout check (``_checks.tensor``) but the same value checks,
     and gives the first call's output; a call under a torch-function mode never uses the memo."""
     from torch.overrides import TorchFunctionMode
@@ -534,6 +548,7 @@ def test_op_memo_repeat_call_skips_the_layout_checks_only(case, monkeypatch):
     from sparse_indexer import _checks
 
     name, mod, call, make, outputs, _ = case
+    mod._LAYOUTS._last = None
     a = make()
     assert _raised(call, a) is None
     first = [a[o].clone() for o in outputs]
@@ -563,7 +578,7 @@ def test_op_memo_repeat_call_skips_the_layout_checks_only(case, monkeypatch):
     assert seen["tensor"] > 0, "the full checks ran under the mode"
 
 
-def test_op_memo_takes_an_input_that_requires_grad_only_outside_grad_mode(monkeypatch):
+def test_op_memo_takes_an_input_that_requires_grad_only_outside_grad_mode(monkeypatch, layout_reads):
     """The memo matches as :func:`sparse_indexer.library.runs_directly` decides: under ``torch.no_grad`` an input
     that requires grad takes the memo (the op would not be recorded), with grad mode on it takes the full path."""
     from sparse_indexer import _checks
@@ -573,6 +588,7 @@ def test_op_memo_takes_an_input_that_requires_grad_only_outside_grad_mode(monkey
     rs = torch.zeros(2, dtype=torch.int32)
     re_ = torch.full((2,), 16, dtype=torch.int32)
     out = torch.empty(2, 4, dtype=torch.int32)
+    mod._LAYOUTS._last = None
     with torch.no_grad():
         si.top_k_per_row(logits, rs, re_, out=out)
     assert mod._LAYOUTS._last is not None
