@@ -216,4 +216,44 @@ class Launcher:
                 if default is k.signature.empty:
                     return _NOT_BINDABLE
                 tail.append(default)
-        return _Bound(compiled.run, compiled.function, compiled.packed_metadata, tuple(tail))
+        return _Bound(_with_encoded_maps(compiled.run), compiled.function, compiled.packed_metadata, tuple(tail))
+
+
+def _with_encoded_maps(run):
+    """``run`` (a compiled kernel's launcher) unchanged, or, for a Triton 3.6 NVIDIA launcher of a kernel that takes
+    host ``TensorDescriptor`` arguments, a function with its signature that calls the C launch directly with
+    each descriptor's encoded ``CUtensorMap`` kept on the descriptor object (encoded on its first launch with
+    Triton's own ``make_tensordesc_arg``; sparse_indexer/_tma.py keeps the objects). Triton's launcher encodes
+    every descriptor on every launch. Anything that does not look exactly like Triton 3.6's launcher (another
+    version, global or profile scratch to allocate, descriptors without lowering metadata) keeps ``run``."""
+    launch = getattr(run, "launch", None)
+    code = getattr(launch, "__code__", None)
+    if code is None or not launch.__closure__ or getattr(run, "global_scratch_size", 1) or \
+            getattr(run, "profile_scratch_size", 1):
+        return run
+    cells = dict(zip(code.co_freevars, launch.__closure__))
+    make = launch.__globals__.get("make_tensordesc_arg")
+    try:
+        raw = cells["launcher"].cell_contents
+        metas = list(cells["tensordesc_meta"].cell_contents)
+        positions = sorted(cells["tensordesc_indices"].cell_contents)
+        coop, pdl = bool(run.launch_cooperative_grid), bool(run.launch_pdl)
+    except (KeyError, ValueError, AttributeError, TypeError):
+        return run
+    if make is None or not positions or len(metas) != len(positions) or any(m is None for m in metas):
+        return run
+    descs = tuple(reversed(list(zip(positions, metas))))  # replaced from the last so positions stay valid
+
+    def run_encoded(gx, gy, gz, stream, function, packed, launch_metadata, enter_hook, exit_hook, *args):
+        args = list(args)
+        for pos, meta in descs:
+            d = args[pos]
+            enc = getattr(d, "_si_encoded", None)
+            if enc is None or enc[0] is not meta:
+                enc = (meta, make(d, meta))
+                d._si_encoded = enc
+            args[pos:pos + 1] = enc[1]
+        raw(gx, gy, gz, stream, function, coop, pdl, None, None, packed, launch_metadata, enter_hook, exit_hook,
+            *args)
+
+    return run_encoded

@@ -162,6 +162,27 @@ def test_gluon_paged_logits_refuses():
     _refused(qs, kv, wts, cl, bt)
 
 
+def test_gluon_paged_logits_repeated_calls_reuse_the_encoded_descriptors():
+    """The bound launch passes each TMA descriptor's encoded map kept on the descriptor (sparse_indexer/_tma.py,
+    ``_launch._with_encoded_maps``): repeated calls on the same buffers stay right, and a query at another address
+    gets its own descriptor."""
+    from sparse_indexer.ops.fp8_paged_mqa_logits import gluon as G
+
+    q, kv, wts, cl, bt = _inputs(4, 3000, 1, seed=7)
+    w = bt.shape[1] * 64
+    out = torch.full((4, w), SENTINEL, device="cuda")
+    for _ in range(3):
+        si.fp8_paged_mqa_logits(q, kv, wts, cl, bt, out=out, clean=True, backend="gluon")
+        _check(out, _ref(q, kv, wts, cl, bt, w), True)
+    bound = [b for cfg, _ in G._PLANS.values() for b in cfg.bound.values()]
+    assert bound and all(b.run.__name__ == "run_encoded" for b in bound), [b.run for b in bound]
+    descs = list(G._DESCS._cache.values())
+    assert descs and all(getattr(d, "_si_encoded", None) is not None for d in descs)
+    q2 = _fp8(*q.shape)
+    si.fp8_paged_mqa_logits(q2, kv, wts, cl, bt, out=out, clean=True, backend="gluon")
+    _check(out, _ref(q2, kv, wts, cl, bt, w), True)
+
+
 def test_gluon_paged_logits_cuda_graph():
     q, kv, wts, cl, bt = _inputs(4, 3000, 2, seed=5)
     w = bt.shape[1] * 64

@@ -176,6 +176,28 @@ def test_refused(case):
 
 
 @needs_gluon
+def test_repeated_calls_reuse_the_encoded_descriptors():
+    """The bound launch passes each TMA descriptor's encoded map kept on the descriptor (sparse_indexer/_tma.py,
+    ``_launch._with_encoded_maps``): repeated calls on the same buffers stay right, and a query at another address
+    gets its own descriptor."""
+    from sparse_indexer.ops.fp8_mqa_logits import gluon as G
+
+    m, n = 200, 2000
+    q, k, ksc, w = _inputs(m, n, seed=3)
+    ks, ke = _causal(m, n)
+    ref = _run("reference", q, k, ksc, w, ks, ke, clean=True)
+    for _ in range(3):
+        _compare(_run("gluon", q, k, ksc, w, ks, ke, clean=True), ref, ks, ke, clean=True)
+    bound = [b for p in G._PLANS.values() for b in p.cfg.bound.values()]
+    assert bound and all(b.run.__name__ == "run_encoded" for b in bound), [b.run for b in bound]
+    descs = list(G._DESCS._cache.values())
+    assert descs and all(getattr(d, "_si_encoded", None) is not None for d in descs)
+    q2 = _inputs(m, n, seed=4)[0]
+    _compare(_run("gluon", q2, k, ksc, w, ks, ke, clean=True), _run("reference", q2, k, ksc, w, ks, ke, clean=True),
+             ks, ke, clean=True)
+
+
+@needs_gluon
 def test_cuda_graph_capture():
     m, n = 300, 3000
     q, k, ksc, w = _inputs(m, n)

@@ -204,3 +204,54 @@ def test_wrappers_pass_every_parameter_in_signature_order(monkeypatch):
         ba.apply_defaults()
         assert list(ba.arguments.values())[len(args):] == list(bound.tail), name
         assert len(args) + len(bound.tail) == len(k.arg_names), name
+
+
+ENCODED: list = []
+
+
+def make_tensordesc_arg(arg, meta):
+    """Stand-in of Triton 3.6's ``make_tensordesc_arg`` (read from the launcher's globals: this module's)."""
+    ENCODED.append((arg.name, meta["swizzle"]))
+    return [f"map:{arg.name}", *arg.shape, *arg.strides]
+
+
+class _Desc:
+    def __init__(self, name):
+        self.name, self.shape, self.strides = name, [8, 4], [4, 1]
+
+
+def _triton36_launcher(raw, indices, metas, *, scratch=0):
+    """A launcher with the structure of Triton 3.6's ``CudaLauncher``: ``launch`` a closure over the C launch, the
+    descriptor positions and their lowering metadata."""
+    launcher, tensordesc_indices, tensordesc_meta = raw, set(indices), metas
+
+    def inner(*args):  # Triton's expands each descriptor here, on every launch
+        return launcher, tensordesc_indices, tensordesc_meta, args
+
+    return types.SimpleNamespace(launch=inner, global_scratch_size=scratch, profile_scratch_size=0,
+                                 launch_cooperative_grid=False, launch_pdl=True)
+
+
+def test_bound_launch_keeps_each_descriptors_encoded_map():
+    """``_launch._with_encoded_maps``: a kernel taking host TMA descriptors is launched through the C launch with
+    each descriptor replaced by its encoded map, shape and strides, encoded once per descriptor object (Triton 3.6
+    encodes on every launch); a launcher of any other shape, or with scratch to allocate, is kept as it is."""
+    calls = []
+    run = _triton36_launcher(lambda *a: calls.append(a), [1, 3], [{"swizzle": 128}, {"swizzle": 0}])
+    fast = _launch._with_encoded_maps(run)
+    assert fast is not run
+    ENCODED.clear()
+    a, b = _Desc("a"), _Desc("b")
+    for _ in range(3):
+        fast(2, 1, 1, 7, 0xF00, "packed", None, None, None, "out", a, 5, b, 16)
+    assert sorted(ENCODED) == [("a", 128), ("b", 0)]  # once per descriptor
+    assert calls[-1] == (2, 1, 1, 7, 0xF00, False, True, None, None, "packed", None, None, None,
+                         "out", "map:a", 8, 4, 4, 1, 5, "map:b", 8, 4, 4, 1, 16)
+    fast(2, 1, 1, 7, 0xF00, "packed", None, None, None, "out", _Desc("c"), 5, b, 16)
+    assert ENCODED[-1] == ("c", 128) and len(ENCODED) == 3 and calls[-1][14] == "map:c"
+    scratch = _triton36_launcher(None, [1], [{"swizzle": 128}], scratch=64)
+    assert _launch._with_encoded_maps(scratch) is scratch
+    plain = types.SimpleNamespace(launch=lambda *a: None, global_scratch_size=0, profile_scratch_size=0)
+    assert _launch._with_encoded_maps(plain) is plain
+    no_meta = _triton36_launcher(None, [1], [None])
+    assert _launch._with_encoded_maps(no_meta) is no_meta

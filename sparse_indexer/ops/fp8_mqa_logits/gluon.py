@@ -47,6 +47,7 @@ except ImportError:  # pragma: no cover - CPU-only / older Triton: the registry 
     gluon = None
 
 from ..._launch import Launcher
+from ..._tma import Descriptors
 from . import no_kernel_needed
 
 __all__ = ["CONFIG", "fp8_mqa_logits"]
@@ -360,6 +361,7 @@ class _Plan:
 
 
 _PLANS: dict = {}  # (device index, clean, compressed) -> _Plan of the default CONFIG
+_DESCS = Descriptors(TensorDescriptor) if gluon is not None else None  # recent calls' TMA descriptors (_tma.py)
 
 
 def _unsupported(q, k_fp8, out) -> str | None:
@@ -405,9 +407,11 @@ def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, ou
         plan = _Plan(clean, compressed, dict(CONFIG, **config), dev)
     bq = plan.block_q
     # q is [M, H, D] with strides (H * D, D, 1) (checked above): TMA reads it as [M * H, D] rows from its data
-    # pointer (the descriptor takes only the base's pointer and dtype: no view per call)
-    q_desc = TensorDescriptor(q, [m * HEADS, HEAD_DIM], [HEAD_DIM, 1], [bq * HEADS, HEAD_DIM], plan.q_layout)
-    k_desc = TensorDescriptor(k_fp8, [n, HEAD_DIM], [k_fp8.stride(0), 1], [64, HEAD_DIM], plan.k_layout)
+    # pointer (a descriptor takes only its base's pointer and dtype: no view per call, none kept per step)
+    q_desc = _DESCS.get(q.data_ptr(), q.dtype, (m * HEADS, HEAD_DIM), (HEAD_DIM, 1), (bq * HEADS, HEAD_DIM),
+                        plan.q_layout)
+    k_desc = _DESCS.get(k_fp8.data_ptr(), k_fp8.dtype, (n, HEAD_DIM), (k_fp8.stride(0), 1), (64, HEAD_DIM),
+                        plan.k_layout)
     nblocks = (m + bq - 1) // bq
     grid = (min(nblocks, plan.sms), )
     _LAUNCH.launch_with(grid, plan.cfg, (out, q_desc, k_desc, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, m, n, w,

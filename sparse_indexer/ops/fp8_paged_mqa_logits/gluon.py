@@ -29,8 +29,8 @@ With ``clean=True`` all warps then fill the columns at or past each row's limit 
 ``FILL_N`` columns shared round-robin, the Triton kernel's pass), disjoint from the cells the tile loop writes.
 
 No host synchronisation and no allocation per call: the TMA descriptors are host ``TensorDescriptor`` objects
-(kernel parameters: CUDA-graph capturable) built from pointers, shapes and strides; the launch plan is cached per
-specialization. Cases the kernel does not take raise ``NotImplementedError`` before anything is written (see
+(kernel parameters: CUDA-graph capturable) built from pointers, shapes and strides and kept with their encoded
+maps (sparse_indexer/_tma.py); the launch plan is cached per specialization. Cases the kernel does not take raise ``NotImplementedError`` before anything is written (see
 :func:`fp8_paged_mqa_logits`), so ``auto`` runs the Triton backend for them; ``auto`` also leaves small calls to
 Triton (:data:`AUTO_MIN_KEY_BLOCKS`, the ``auto_when`` predicate: this launch costs more host time).
 """
@@ -42,6 +42,7 @@ import functools
 import torch
 
 from ..._launch import Launcher
+from ..._tma import Descriptors
 
 try:  # Gluon (Triton >= 3.6); the module is imported only where the backend is available (backends.py)
     import triton
@@ -72,20 +73,6 @@ CONFIG_BY_NEXT_N: dict = {
 }
 
 _H, _D, _BS, _BLOCK_N = 64, 128, 64, 64  # the shapes the kernel is written for (DeepSeek-V3.2's indexer)
-
-
-class _Ptr:
-    """What a host ``TensorDescriptor`` reads of its base tensor (a data pointer and a dtype), without keeping the
-    tensor (a multi-GB cache) alive in the plan cache."""
-
-    __slots__ = ("_ptr", "dtype")
-
-    def __init__(self, ptr: int, dtype: torch.dtype):
-        self._ptr = ptr
-        self.dtype = dtype
-
-    def data_ptr(self) -> int:
-        return self._ptr
 
 
 if _GLUON:
@@ -465,24 +452,13 @@ def _capability(index: int) -> tuple[int, int]:
 
 _FP8 = (torch.float8_e4m3fn,)
 _PLANS: dict = {}  # specialization -> (LaunchConfig of the constexprs and launch options, CTAs)
-_DESCS: dict = {}  # (pointers, shapes, strides) -> TensorDescriptor (no tensor kept: _Ptr)
-_DESC_MAX = 64
+_DESCS = Descriptors(TensorDescriptor) if _GLUON else None  # the TMA descriptors of recent calls (_tma.py)
 
 
 @functools.cache
 def _layouts():
     return (gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2),
             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
-
-
-def _descriptor(ptr: int, dtype: torch.dtype, shape: tuple, strides: tuple, block: tuple, layout):
-    key = (ptr, dtype, shape, strides, block)
-    d = _DESCS.get(key)
-    if d is None:
-        if len(_DESCS) >= _DESC_MAX:
-            _DESCS.clear()
-        d = _DESCS[key] = TensorDescriptor(_Ptr(ptr, dtype), list(shape), list(strides), list(block), layout)
-    return d
 
 
 def unsupported_reason(q, kv_cache, weights, context_lens, block_table, out, indices=None) -> str | None:
@@ -558,9 +534,9 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
     rows_per_block = stride0 // 128
     l8, l32 = _layouts()
     base = kv_cache.data_ptr()
-    kv_desc = _descriptor(base, q.dtype, (nb * rows_per_block, 128), (128, 1), (64, 128), l8)
-    sc_desc = _descriptor(base, torch.float32, (nb, stride0 // 4), (stride0 // 4, 1), (1, 64), l32)
-    q_desc = _descriptor(q.data_ptr(), q.dtype, (b * next_n * h, d), (d, 1), (64, 128), l8)
+    kv_desc = _DESCS.get(base, q.dtype, (nb * rows_per_block, 128), (128, 1), (64, 128), l8)
+    sc_desc = _DESCS.get(base, torch.float32, (nb, stride0 // 4), (stride0 // 4, 1), (1, 64), l32)
+    q_desc = _DESCS.get(q.data_ptr(), q.dtype, (b * next_n * h, d), (d, 1), (64, 128), l8)
     max_blocks = block_table.shape[1]
     cl_2d = context_lens.dim() == 2
     has_idx = indices is not None
