@@ -165,10 +165,11 @@ def test_gluon_paged_logits_refuses():
 def test_gluon_paged_logits_repeated_calls_reuse_the_encoded_descriptors():
     """The bound launch passes each TMA descriptor's encoded map kept on the descriptor (sparse_indexer/_tma.py,
     ``_launch._with_encoded_maps``): repeated calls on the same buffers stay right, and a query at another address
-    gets its own descriptor."""
+    gets its own descriptor. (A specialization's first launch takes Triton's own path, which encodes per call.)"""
     from sparse_indexer.ops.fp8_paged_mqa_logits import gluon as G
 
     q, kv, wts, cl, bt = _inputs(4, 3000, 1, seed=7)
+    G._DESCS.clear()  # (earlier tests' descriptors: some only ever took Triton's first-launch path)
     w = bt.shape[1] * 64
     out = torch.full((4, w), SENTINEL, device="cuda")
     for _ in range(3):

@@ -179,10 +179,11 @@ def test_refused(case):
 def test_repeated_calls_reuse_the_encoded_descriptors():
     """The bound launch passes each TMA descriptor's encoded map kept on the descriptor (sparse_indexer/_tma.py,
     ``_launch._with_encoded_maps``): repeated calls on the same buffers stay right, and a query at another address
-    gets its own descriptor."""
+    gets its own descriptor. (A specialization's first launch takes Triton's own path, which encodes per call.)"""
     from sparse_indexer.ops.fp8_mqa_logits import gluon as G
 
     m, n = 200, 2000
+    G._DESCS.clear()  # (earlier tests' descriptors: some only ever took Triton's first-launch path)
     q, k, ksc, w = _inputs(m, n, seed=3)
     ks, ke = _causal(m, n)
     ref = _run("reference", q, k, ksc, w, ks, ke, clean=True)

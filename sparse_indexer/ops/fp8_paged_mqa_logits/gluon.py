@@ -559,8 +559,9 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
 AUTO_MIN_KEY_BLOCKS = 32768
 """``auto`` runs this kernel when ``B * next_n * max_blocks`` (the key blocks the rows can score) is at least this
 (2M keys of block 64: about 65 us of copy floor on an H200), the Triton kernel below it. Its launch costs more
-host time than Triton's (three TMA descriptors encoded by Triton's launcher per call: 57 vs 23 us per call on the
-H200's host, session 12), which its 3% of device time repays only where the GPU, not the host, is the bottleneck
+host time than Triton's (46-47 vs 30.5 us per public call on the H200's host in session 13, with the three TMA
+descriptors and their encoded maps kept: sparse_indexer/_tma.py; 57 vs 23 us when Triton's launcher encoded them
+per call), which its 3% of device time repays only where the GPU, not the host, is the bottleneck
 (docs/benchmarks.md, "Gluon decode logits"). An explicit ``backend="gluon"`` always runs it."""
 
 
