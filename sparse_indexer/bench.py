@@ -179,14 +179,38 @@ def build_case(spec: CaseSpec, ctx: Ctx) -> Case:
 SLEEP_CYCLES = 1_000_000  # ~0.5 ms at 1.98 GHz: longer than the host's per-call overhead
 
 
-class Timer:
-    """Median-of-N timing: CUDA events around the op only, L2 flushed before every iteration (GPU);
-    ``time.perf_counter`` without a flush on the CPU."""
+L2_FLUSHES = {
+    "zero": "zero_ of a 256 MiB buffer (as triton's do_bench and DeepGEMM's bench: leaves L2 full of dirty lines, "
+            "which the timed op writes back)",
+    "read": "a read of a 256 MiB buffer (L2 left clean)",
+}
+"""The ``--l2-flush`` methods. ``zero`` is the default (the numbers of the issues were taken with it); on an H200 it
+adds about 7 us (5%) to a 150 us memory-bound kernel and 1% to the 500 us copy that sets the bandwidth floor
+(docs/benchmarks.md, session 13), so ``read`` gives the fairer fraction of the floor."""
 
-    def __init__(self, device: torch.device):
+
+class Timer:
+    """Median-of-N timing: CUDA events around the op only, L2 flushed before every iteration (GPU; ``flush``: a
+    key of :data:`L2_FLUSHES`); ``time.perf_counter`` without a flush on the CPU."""
+
+    def __init__(self, device: torch.device, flush: str = "zero"):
+        if flush not in L2_FLUSHES:
+            raise ValueError(f"flush must be one of {tuple(L2_FLUSHES)}, got {flush!r}")
         self.device = device
         self.gpu = device.type == "cuda"
-        self.flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device) if self.gpu else None
+        self.method = flush
+        self.flush = None
+        if self.gpu:
+            dtype = torch.uint8 if flush == "zero" else torch.float32
+            self.flush = torch.ones(L2_FLUSH_BYTES // dtype.itemsize, dtype=dtype, device=device)
+            self._sink = torch.empty((), dtype=torch.float32, device=device)
+
+    def flush_l2(self) -> None:
+        """Evict what earlier work left in L2 (GPU), by :attr:`method`."""
+        if self.method == "zero":
+            self.flush.zero_()
+        else:
+            torch.sum(self.flush, dim=0, out=self._sink)
 
     def sync(self) -> None:
         if self.gpu:
@@ -210,7 +234,7 @@ class Timer:
             # a GPU-side wait first, so the host enqueues the op before the GPU reaches the start event:
             # the time is the op's device time, not the host's launch overhead (as in triton's do_bench)
             torch.cuda._sleep(SLEEP_CYCLES)
-            self.flush.zero_()
+            self.flush_l2()
             starts[i].record()
             fn()
             ends[i].record()
@@ -284,6 +308,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-reference", action="store_true",
                         help="do not time the reference backend (it still serves the correctness checks)")
     parser.add_argument("--no-check", action="store_true", help="skip the correctness spot checks")
+    parser.add_argument("--l2-flush", choices=tuple(L2_FLUSHES), default="zero",
+                        help="how L2 is flushed before each timed call on a GPU: zero (default: zero_ of 256 MiB, "
+                             "as triton's do_bench; leaves dirty lines the op writes back) or read (a 256 MiB read: "
+                             "L2 left clean)")
     parser.add_argument("--out", default="bench-out", help="output directory (default bench-out/)")
     parser.add_argument("--device", default="cuda", help="device to run on (default cuda)")
     parser.add_argument("--smoke", action="store_true",
@@ -427,14 +455,14 @@ def run(args: argparse.Namespace) -> int:
             reasons["vLLM anchors"] = _err(e)
     torch.manual_seed(int(opt("seed", 0)))
     ctx = Ctx(device=device, fp8=native_fp8(device))
-    timer = Timer(device)
+    timer = Timer(device, opt("l2_flush", "zero"))
 
     meta = dict(device=_device_name(device), device_str=str(device), torch=torch.__version__,
                 triton=_version("triton"), aiter=_version("aiter"), hip=torch.version.hip,
                 cuda=torch.version.cuda,
                 fp8=fp8_name(ctx.fp8), heads=ctx.heads, head_dim=ctx.head_dim, block_size=ctx.block_size,
                 iters=iters, warmup=warmup, ref_iters=ref_iters, smoke=smoke, skip_reference=skip_ref,
-                timing=("CUDA events around the op, L2 flushed (zero_ of a 256 MiB buffer) before each "
+                timing=(f"CUDA events around the op, L2 flushed ({L2_FLUSHES[timer.method]}) before each "
                         "iteration" if timer.gpu else "time.perf_counter around the op, no L2 flush (CPU)"),
                 command=_command_line(), unavailable=reasons,
                 started=time.strftime("%Y-%m-%d %H:%M:%S"))

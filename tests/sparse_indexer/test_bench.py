@@ -106,3 +106,16 @@ def test_checks_against_reference(tmp_path, monkeypatch):
         rows = [r for r in data["rows"] if r["backend"] == backend]
         assert len(rows) == n
         assert all(r["check"] == want for r in rows), [(r["key"], r["check"], r["check_detail"]) for r in rows]
+
+
+def test_l2_flush_methods():
+    """``--l2-flush``: zero (the default) or read; the timer refuses any other; the CPU has nothing to flush."""
+    import pytest
+
+    assert _args().l2_flush == "zero" and _args("--l2-flush", "read").l2_flush == "read"
+    with pytest.raises(SystemExit):
+        _args("--l2-flush", "none")
+    with pytest.raises(ValueError, match="flush must be one of"):
+        bench.Timer(torch.device("cpu"), "none")
+    t = bench.Timer(torch.device("cpu"), "read")
+    assert t.flush is None and t.method == "read" and len(t.times_us(lambda: None, 3, 0)) == 3
