@@ -360,7 +360,10 @@ if _GLUON:
     ):
         pid = gl.program_id(0)
         # This CTA's piece [start, end) of the global tile range, its first request b0 and where b0's tiles start.
-        b_l: gl.constexpr = gl.BlockedLayout([max(1, BLOCK_B // (32 * num_warps))], [32], [num_warps], [0])
+        if BLOCK_B <= 256:  # every warp holds all B (its reductions stay in the warp: shuffles, no bar.sync)
+            b_l: gl.constexpr = gl.BlockedLayout([BLOCK_B // 32], [32], [num_warps], [0])
+        else:  # B spread over the warps (fewer registers per thread)
+            b_l: gl.constexpr = gl.BlockedLayout([max(1, BLOCK_B // (32 * num_warps))], [32], [num_warps], [0])
         offs_b = gl.arange(0, BLOCK_B, layout=b_l)
         bmask = offs_b < B
         maxlim = gl.load(cl_ptr + offs_b * stride_clb, mask=bmask, other=0).to(gl.int32)
