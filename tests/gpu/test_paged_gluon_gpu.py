@@ -111,6 +111,26 @@ def test_gluon_paged_logits_wide(next_n, cl2d, clean, dtype):
     _check(out, ref, clean, None if clean else SENTINEL, 2e-4 if dtype == torch.float32 else 4e-3)
 
 
+@pytest.mark.parametrize("next_n", [1, 2, 3])
+@pytest.mark.parametrize("cfg", [{"PAIR": True}, {"DUO": True, "STAGES": 2}, {"DUO": True, "STAGES": 4},
+                                 {"DUO": False, "PAIR": False}], ids=["pair", "duo2", "duo4", "plain"])
+@pytest.mark.parametrize("cl2d", [False, True])
+def test_gluon_paged_logits_tile_schedules(next_n, cfg, cl2d):
+    """The consumer's tile schedules through ``config``: one tile at a time, tiles in pairs (``PAIR``), two tiles
+    per ring slot (``DUO``, the next_n=2 default), on ragged lengths (odd tile counts, a request split between
+    CTAs, lengths 0 and 1)."""
+    from sparse_indexer.kcache import as_3d
+    from sparse_indexer.ops.fp8_paged_mqa_logits import gluon as G
+
+    q, kv, wts, cl, bt = _inputs(37, 3000, next_n, cl2d=cl2d, seed=40 + next_n)
+    w = bt.shape[1] * 64
+    ref = _ref(q, kv, wts, cl, bt, w)
+    for clean in (True, False):
+        out = torch.full((q.shape[0] * next_n, w), SENTINEL, device="cuda")
+        G.fp8_paged_mqa_logits(q, as_3d(kv), wts, cl, bt, out=out, clean=clean, config=cfg)
+        _check(out, ref, clean, None if clean else SENTINEL)
+
+
 @pytest.mark.parametrize("b,L", [(1, 64), (3, 1), (300, 700), (2, 70000)])
 def test_gluon_paged_logits_shapes(b, L):
     """Few and many requests (the prologue's request vector), a single tile, more tiles than CTAs per request."""

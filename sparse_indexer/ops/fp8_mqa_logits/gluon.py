@@ -422,7 +422,8 @@ AUTO_MIN_CELLS = 1 << 26
 """``auto`` runs this kernel when ``M * N`` (queries x keys) is at least this (e.g. 8K x 8K: about 0.5 ms on an H200),
 the Triton kernel below it: its launch costs more host time than Triton's (37 vs 27 us per public call on the
 H200's host in session 13, with the descriptors and their encoded maps kept: sparse_indexer/_tma.py; 54 vs 23 us
-when both were made per call), which its few % of device time repays only on large problems (docs/benchmarks.md, "Gluon prefill logits"). An explicit ``backend="gluon"`` always runs it."""
+when both were made per call), which its few % of device time repays only on large problems (docs/benchmarks.md,
+"Gluon prefill logits"). An explicit ``backend="gluon"`` always runs it."""
 
 
 def _auto_when(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, out, clean, compressed=False,

@@ -30,9 +30,10 @@ With ``clean=True`` all warps then fill the columns at or past each row's limit 
 
 No host synchronisation and no allocation per call: the TMA descriptors are host ``TensorDescriptor`` objects
 (kernel parameters: CUDA-graph capturable) built from pointers, shapes and strides and kept with their encoded
-maps (sparse_indexer/_tma.py); the launch plan is cached per specialization. Cases the kernel does not take raise ``NotImplementedError`` before anything is written (see
-:func:`fp8_paged_mqa_logits`), so ``auto`` runs the Triton backend for them; ``auto`` also leaves small calls to
-Triton (:data:`AUTO_MIN_KEY_BLOCKS`, the ``auto_when`` predicate: this launch costs more host time).
+maps (sparse_indexer/_tma.py); the launch plan is cached per specialization. Cases the kernel does not take raise
+``NotImplementedError`` before anything is written (see :func:`fp8_paged_mqa_logits`), so ``auto`` runs the Triton
+backend for them; ``auto`` also leaves small calls to Triton (:data:`AUTO_MIN_KEY_BLOCKS`, the ``auto_when``
+predicate: this launch costs more host time).
 """
 
 from __future__ import annotations
@@ -58,16 +59,18 @@ except ImportError:  # pragma: no cover - CPU CI with an older Triton: nothing b
 __all__ = ["fp8_paged_mqa_logits"]
 
 # Launch configuration, overridable per call with ``config=``. Shared memory per CTA: STAGES * 8448 B (values +
-# scales) + QBUF * next_n * 8 KB of queries; registers: the warp-specialized CTA has 8 warps (12 with NCONS=2) of
-# at most maxnreg registers. Chosen on an H200 by a sweep at B=64, L=64K (docs/benchmarks.md, "Gluon decode
-# logits"): next_n=1 four CTAs per SM of one math warpgroup and 4 stages (147.3 us; 2 CTAs x 8 stages 150.2, two
-# math warpgroups per CTA 147.8-151.4); next_n=2 tiles in pairs (168.7 us; 174.6 without); next_n=3 two CTAs x 6
-# stages (221.7 us); next_n=4 one CTA of two math warpgroups (297.7 us; two CTAs of one: 298.2).
+# scales, twice that with DUO) + QBUF * next_n * 8 KB of queries; registers: the warp-specialized CTA has 8 warps
+# (12 with NCONS=2) of at most maxnreg registers. Chosen on an H200 by a sweep at B=64, L=64K (docs/benchmarks.md,
+# "Gluon decode logits"): next_n=1 four CTAs per SM of one math warpgroup and 4 stages (147.3 us; 2 CTAs x 8 stages
+# 150.2, two math warpgroups per CTA 147.8-151.4); next_n=2 tiles in pairs (168.7 us; 174.6 without), since session
+# 13 two tiles per ring slot (DUO, 4 slots: 161.1 against 164.4 us with a clean L2; next_n=1 and 3 gain nothing or
+# lose with it); next_n=3 two CTAs x 6 stages (221.7 us); next_n=4 one CTA of two math warpgroups (297.7 us; two
+# CTAs of one: 298.2).
 CONFIG = {"STAGES": 8, "CHUNK": 32, "ctas_per_sm": 2, "FILL_N": 1024, "maxnreg": 128, "NCONS": 1, "QBUF": 2,
-          "CONS_REGS": 152, "PAIR": False}
+          "CONS_REGS": 152, "PAIR": False, "DUO": False}
 CONFIG_BY_NEXT_N: dict = {
     1: {"ctas_per_sm": 4, "STAGES": 4, "maxnreg": 64},
-    2: {"PAIR": True},
+    2: {"DUO": True, "STAGES": 4},
     3: {"STAGES": 6},
     4: {"STAGES": 12, "NCONS": 2, "ctas_per_sm": 1, "maxnreg": 168, "CONS_REGS": 216},
 }
@@ -107,11 +110,19 @@ if _GLUON:
         return lim
 
     @gluon.jit
+    def _tile_copy(kv_desc, sc_desc, bar, k_ring, s_ring, slot, blk, R, SC_COL: gl.constexpr, sc_smem_l: gl.constexpr):
+        """TMA copies of cache block ``blk``'s values and scales into ring entry ``slot``, counted on ``bar``."""
+        tma.async_copy_global_to_shared(kv_desc, [blk * R, 0], bar, k_ring.index(slot))
+        tma.async_copy_global_to_shared(sc_desc, [blk, SC_COL], bar,
+                                        s_ring.index(slot)._reinterpret(gl.float32, [1, 64], sc_smem_l))
+
+    @gluon.jit
     def _producer(kv_desc, sc_desc, q_desc, bt_ptr, idx_ptr, cl_ptr, k_ring, s_ring, q_buf, ready, empty,
                   q_ready, q_empty, start, end, b0, b_start0, stride_bt, stride_clb, stride_cln, CAP, R,
                   NEXT_N: gl.constexpr, CL_2D: gl.constexpr, HAS_IDX: gl.constexpr, STAGES: gl.constexpr,
-                  CHUNK: gl.constexpr, QBUF: gl.constexpr, WIDE: gl.constexpr):
-        """1 warp: block-table entries by the chunk, TMA copies of the values, scales and queries."""
+                  CHUNK: gl.constexpr, QBUF: gl.constexpr, WIDE: gl.constexpr, DUO: gl.constexpr):
+        """1 warp: block-table entries by the chunk, TMA copies of the values, scales and queries. ``DUO``: two
+        tiles of a request per ring slot (one wait, one expect and one release for both)."""
         SC_COL: gl.constexpr = 64 * 128 // 4  # float32 column of a block's first scale
         chunk_l: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         offs = gl.arange(0, CHUNK, layout=chunk_l)
@@ -149,16 +160,31 @@ if _GLUON:
                     cur = nxt
                     nxt = gl.load(bt_row + c0 + CHUNK + offs, mask=c0 + CHUNK + offs < t_hi, other=0)
                     n = gl.minimum(t_hi - c0, CHUNK)
-                    for i in range(n):
-                        blk = gl.sum(gl.where(offs == i, cur, 0), axis=0).to(gl.int32)  # TMA coordinates
-                        s = it % STAGES
-                        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                        bar = ready.index(s)
-                        mbarrier.expect(bar, TILE_BYTES)
-                        tma.async_copy_global_to_shared(kv_desc, [blk * R, 0], bar, k_ring.index(s))
-                        tma.async_copy_global_to_shared(
-                            sc_desc, [blk, SC_COL], bar, s_ring.index(s)._reinterpret(gl.float32, [1, 64], sc_smem_l))
-                        it += 1
+                    if DUO:  # tiles (c0 + i, c0 + i + 1) of the request in slot s (CHUNK is even: pairs from t_lo)
+                        for i in range(0, n, 2):
+                            blk = gl.sum(gl.where(offs == i, cur, 0), axis=0).to(gl.int32)
+                            s = it % STAGES
+                            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                            bar = ready.index(s)
+                            if i + 1 < n:
+                                blk2 = gl.sum(gl.where(offs == i + 1, cur, 0), axis=0).to(gl.int32)
+                                mbarrier.expect(bar, 2 * TILE_BYTES)
+                                _tile_copy(kv_desc, sc_desc, bar, k_ring, s_ring, 2 * s, blk, R, SC_COL, sc_smem_l)
+                                _tile_copy(kv_desc, sc_desc, bar, k_ring, s_ring, 2 * s + 1, blk2, R, SC_COL,
+                                           sc_smem_l)
+                            else:
+                                mbarrier.expect(bar, TILE_BYTES)
+                                _tile_copy(kv_desc, sc_desc, bar, k_ring, s_ring, 2 * s, blk, R, SC_COL, sc_smem_l)
+                            it += 1
+                    else:
+                        for i in range(n):
+                            blk = gl.sum(gl.where(offs == i, cur, 0), axis=0).to(gl.int32)  # TMA coordinates
+                            s = it % STAGES
+                            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                            bar = ready.index(s)
+                            mbarrier.expect(bar, TILE_BYTES)
+                            _tile_copy(kv_desc, sc_desc, bar, k_ring, s_ring, s, blk, R, SC_COL, sc_smem_l)
+                            it += 1
                 t = gl.minimum(end, b_end)
             b += 1
             b_start = b_end
@@ -233,10 +259,12 @@ if _GLUON:
     def _consumer(out_ptr, w_ptr, cl_ptr, k_ring, s_ring, q_buf, ready, empty, q_ready, q_empty, start, end, b0,
                   b_start0, stride_out, stride_w, stride_clb, stride_cln, CAP, X: gl.constexpr, NCONS: gl.constexpr,
                   NEXT_N: gl.constexpr, CL_2D: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr,
-                  DIAG: gl.constexpr, PAIR: gl.constexpr, WIDE: gl.constexpr):
+                  DIAG: gl.constexpr, PAIR: gl.constexpr, WIDE: gl.constexpr, DUO: gl.constexpr):
         """Math warpgroup ``X`` of ``NCONS``: it takes the CTA's tiles ``X, X + NCONS, ...``; per tile the
         ``next_n`` wgmmas (issued together, one wait), the relu/weight/head-sum epilogue and a masked store.
-        ``PAIR``: tiles two at a time, the second tile's wgmmas running during the first tile's epilogue."""
+        ``PAIR``: tiles two at a time, the second tile's wgmmas running during the first tile's epilogue. ``DUO``
+        (one math warpgroup): the same, with both tiles in one ring slot, so one wait and one release per pair
+        (Triton puts a warpgroup barrier before each mbarrier wait and arrive)."""
         mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, 64, 32])
         row_l: gl.constexpr = gl.SliceLayout(1, mma_l)  # along the keys (M)
@@ -306,6 +334,28 @@ if _GLUON:
                         pos = (t_lo + i) * 64 + ro
                         gl.store(rows[None, :] + pos[:, None], lg.to(out_ptr.dtype.element_ty),
                                  mask=pos[:, None] < lims[None, :])
+                elif DUO:
+                    for i in range(0, n_t, 2):
+                        g = it + i // 2
+                        s = g % STAGES
+                        mbarrier.wait(ready.index(s), (g // STAGES) & 1)
+                        a0, a1, a2, a3 = _mma_issue(k_ring.index(2 * s), q_buf, qb, zero, NEXT_N)
+                        ksc = s_ring.index(2 * s).load(row_l)
+                        c0, c1, c2, c3 = _mma_wait(a0, a1, a2, a3, NEXT_N)
+                        pos = (t_lo + i) * 64 + offs_n
+                        if i + 1 < n_t:
+                            d0, d1, d2, d3 = _mma_issue(k_ring.index(2 * s + 1), q_buf, qb, zero, NEXT_N)
+                            _epilogue(c0, c1, c2, c3, w0, w1, w2, w3, lim0, lim1, lim2, lim3, ksc, out_row0,
+                                      stride_out, pos, NEXT_N)
+                            ksc2 = s_ring.index(2 * s + 1).load(row_l)
+                            e0, e1, e2, e3 = _mma_wait(d0, d1, d2, d3, NEXT_N)
+                            mbarrier.arrive(empty.index(s), count=1)
+                            _epilogue(e0, e1, e2, e3, w0, w1, w2, w3, lim0, lim1, lim2, lim3, ksc2, out_row0,
+                                      stride_out, pos + 64, NEXT_N)
+                        else:
+                            mbarrier.arrive(empty.index(s), count=1)
+                            _epilogue(c0, c1, c2, c3, w0, w1, w2, w3, lim0, lim1, lim2, lim3, ksc, out_row0,
+                                      stride_out, pos, NEXT_N)
                 elif PAIR:
                     for i in range(first, n_t, 2 * NCONS):
                         g = it + i
@@ -334,7 +384,10 @@ if _GLUON:
                         _epilogue(c0, c1, c2, c3, w0, w1, w2, w3, lim0, lim1, lim2, lim3, ksc, out_row0, stride_out,
                                   (t_lo + i) * 64 + offs_n, NEXT_N)
                 mbarrier.arrive(q_empty.index(qs), count=1)
-                it += n_t
+                if DUO:
+                    it += (n_t + 1) // 2  # slots
+                else:
+                    it += n_t
                 k += 1
                 t = gl.minimum(end, b_end)
             b += 1
@@ -356,7 +409,7 @@ if _GLUON:
         NEXT_N: gl.constexpr, CL_2D: gl.constexpr, CLEAN: gl.constexpr, HAS_IDX: gl.constexpr,
         BLOCK_B: gl.constexpr, STAGES: gl.constexpr, CHUNK: gl.constexpr, FILL_N: gl.constexpr,
         NCONS: gl.constexpr, QBUF: gl.constexpr, CONS_REGS: gl.constexpr, DIAG: gl.constexpr, PAIR: gl.constexpr,
-        WIDE: gl.constexpr, num_warps: gl.constexpr,
+        WIDE: gl.constexpr, DUO: gl.constexpr, num_warps: gl.constexpr,
     ):
         pid = gl.program_id(0)
         # This CTA's piece [start, end) of the global tile range, its first request b0 and where b0's tiles start.
@@ -380,8 +433,9 @@ if _GLUON:
         b0 = gl.sum((cum_end <= start).to(gl.int32), axis=0)
         b_start0 = gl.sum(gl.where(offs_b == b0, cum_end - tiles, 0), axis=0)
 
-        k_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], kv_desc.layout)
-        s_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        TILES: gl.constexpr = 2 * STAGES if DUO else STAGES  # ring entries (DUO: two per slot)
+        k_ring = gl.allocate_shared_memory(gl.float8e4nv, [TILES, 64, 128], kv_desc.layout)
+        s_ring = gl.allocate_shared_memory(gl.float32, [TILES, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         if WIDE:
             q_buf = gl.allocate_shared_memory(gl.float8e4nv, [QBUF, NEXT_N * 64, 128], q_desc.layout)
         else:
@@ -401,22 +455,22 @@ if _GLUON:
             gl.warp_specialize([
                 (_consumer, (out_ptr, w_ptr, cl_ptr, k_ring, s_ring, q_buf, ready, empty, q_ready, q_empty, start,
                              end, b0, b_start0, stride_out, stride_w, stride_clb, stride_cln, CAP, 0, 1, NEXT_N,
-                             CL_2D, STAGES, QBUF, DIAG, PAIR, WIDE)),
+                             CL_2D, STAGES, QBUF, DIAG, PAIR, WIDE, DUO)),
                 (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, idx_ptr, cl_ptr, k_ring, s_ring, q_buf, ready, empty,
                              q_ready, q_empty, start, end, b0, b_start0, stride_bt, stride_clb, stride_cln, CAP, R,
-                             NEXT_N, CL_2D, HAS_IDX, STAGES, CHUNK, QBUF, WIDE)),
+                             NEXT_N, CL_2D, HAS_IDX, STAGES, CHUNK, QBUF, WIDE, DUO)),
             ], [1], [40])
         else:
             gl.warp_specialize([
                 (_consumer, (out_ptr, w_ptr, cl_ptr, k_ring, s_ring, q_buf, ready, empty, q_ready, q_empty, start,
                              end, b0, b_start0, stride_out, stride_w, stride_clb, stride_cln, CAP, 0, 2, NEXT_N,
-                             CL_2D, STAGES, QBUF, DIAG, PAIR, WIDE)),
+                             CL_2D, STAGES, QBUF, DIAG, PAIR, WIDE, DUO)),
                 (_consumer, (out_ptr, w_ptr, cl_ptr, k_ring, s_ring, q_buf, ready, empty, q_ready, q_empty, start,
                              end, b0, b_start0, stride_out, stride_w, stride_clb, stride_cln, CAP, 1, 2, NEXT_N,
-                             CL_2D, STAGES, QBUF, DIAG, PAIR, WIDE)),
+                             CL_2D, STAGES, QBUF, DIAG, PAIR, WIDE, DUO)),
                 (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, idx_ptr, cl_ptr, k_ring, s_ring, q_buf, ready, empty,
                              q_ready, q_empty, start, end, b0, b_start0, stride_bt, stride_clb, stride_cln, CAP, R,
-                             NEXT_N, CL_2D, HAS_IDX, STAGES, CHUNK, QBUF, WIDE)),
+                             NEXT_N, CL_2D, HAS_IDX, STAGES, CHUNK, QBUF, WIDE, DUO)),
             ], [4, 1], [CONS_REGS, 40])
 
         if CLEAN:
@@ -511,6 +565,9 @@ def _plan(q, out, context_lens, block_table, next_n: int, b: int, cl_2d: bool, c
                   CONS_REGS=int(cfg["CONS_REGS"]), DIAG=bool(cfg.get("DIAG", False)),
                   PAIR=bool(cfg.get("PAIR", False)), WIDE=_wide(cfg, next_n),
                   num_warps=4)
+    # DUO (two tiles per ring slot) where it is written: one math warpgroup, the per-token wgmmas, an even CHUNK
+    kwargs["DUO"] = (bool(cfg.get("DUO", False)) and kwargs["NCONS"] == 1 and not kwargs["WIDE"]
+                     and not kwargs["DIAG"] and kwargs["CHUNK"] % 2 == 0)
     if cfg.get("maxnreg"):
         kwargs["maxnreg"] = int(cfg["maxnreg"])
     return _LAUNCH.config(**kwargs), _num_sms(dev) * int(cfg["ctas_per_sm"])
@@ -524,7 +581,8 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
     16-byte aligned cache whose block stride is a multiple of 128 bytes, float32 or bfloat16 ``out``, 1-D or 2-D
     ``context_lens``, ``indices``; anything else raises ``NotImplementedError`` before writing. ``config``
     overrides :data:`CONFIG` and :data:`CONFIG_BY_NEXT_N` (``STAGES``, ``CHUNK``, ``ctas_per_sm``, ``FILL_N``,
-    ``maxnreg``, ``NCONS``, ``QBUF``, ``CONS_REGS``, ``PAIR``, ``WIDE``, ``DIAG``); the plan is then not cached."""
+    ``maxnreg``, ``NCONS``, ``QBUF``, ``CONS_REGS``, ``PAIR``, ``DUO``, ``WIDE``, ``DIAG``); the plan is then not
+    cached."""
     why = unsupported_reason(q, kv_cache, weights, context_lens, block_table, out, indices)
     if why is not None:
         raise NotImplementedError(why)
