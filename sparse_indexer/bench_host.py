@@ -350,6 +350,8 @@ def format_markdown(r: dict) -> str:
     s = r["shapes"]
     rounds = r.get("rounds", 1)
     pin = f", pinned to CPU {r['pinned_cpu']}" if r.get("pinned_cpu") is not None else ""
+    if pin and r.get("started_on_pinned_cpu") is False:
+        pin += " after start-up (not started under taskset)"
     head = (f"Host time per eager call, the smallest of {rounds} medians of {r['iters'] // rounds} calls "
             f"(`{r['command']}`{pin}): {r['device']}, backend "
             f"{r['backend']}, host CPU {r['cpu']}" + (f", GPU {r['gpu']}" if r["gpu"] else "") +
@@ -377,8 +379,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-iters", type=int, default=300, help="timed calls per row of --host (default 300)")
     parser.add_argument("--host-cpu", type=int, default=None, metavar="N",
                         help="--host: pin the process (every thread) to logical CPU N first (Linux; default: not "
-                             "pinned). On the H200's virtualised host unpinned runs differed by up to 1.5x between "
-                             "processes, pinned ones by ~5%%")
+                             "pinned). Start the process there too (taskset -c N python -m sparse_indexer bench "
+                             "--host --host-cpu N): a process pinned only here, after torch's import placed its "
+                             "memory, ran 1.5-1.7x slower in about half the runs on the H200's host; unpinned runs "
+                             "differed by up to 1.5x, processes started under taskset by ~5%%")
 
 
 def _pin_process(cpu: int) -> None:
@@ -417,15 +421,21 @@ def run(args: argparse.Namespace) -> int:
         if not hasattr(os, "sched_setaffinity"):
             print("bench --host: --host-cpu needs os.sched_setaffinity (Linux)", file=sys.stderr)
             return 2
+        started_there = os.sched_getaffinity(0) == {cpu}
         try:
             _pin_process(cpu)
         except (OSError, ValueError) as e:
             print(f"bench --host: cannot pin to CPU {cpu}: {e}", file=sys.stderr)
             return 2
+        if not started_there:
+            print(f"bench --host: pinned to CPU {cpu} after start-up; the memory the interpreter and torch placed "
+                  f"before may sit on another NUMA node (about half such runs were 1.5x slower on the H200's "
+                  f"host): start the process with `taskset -c {cpu}` for stable numbers", file=sys.stderr)
     try:
         r = measure(device, backend, iters=getattr(args, "host_iters", 300))
         if cpu is not None:
             r["pinned_cpu"] = cpu
+            r["started_on_pinned_cpu"] = started_there
     except (_dispatch.BackendUnavailable, ValueError) as e:
         print(f"bench --host: {e}", file=sys.stderr)
         return 2

@@ -124,7 +124,15 @@ def test_bench_host_pins_or_says_why(tmp_path, capsys):
                 assert os.sched_getaffinity(int(t)) == {cpu}, f"thread {t} not pinned"
             except OSError:
                 pass
-        assert f"pinned to CPU {cpu}" in (tmp_path / "host.md").read_text()
+        md = (tmp_path / "host.md").read_text()
+        assert f"pinned to CPU {cpu}" in md
+        # started with more CPUs allowed than the one pinned to: the table and stderr say so (when this machine has
+        # more than one CPU; on one, the process started there)
+        err = capsys.readouterr().err
+        assert (("after start-up" in md) and ("taskset -c" in err)) == (was != {cpu})
+        args = argparse.Namespace(device="cpu", backends=None, host_iters=5, host_cpu=cpu, out=str(tmp_path))
+        assert bench_host.run(args) == 0  # now already there: no note
+        assert "after start-up" not in (tmp_path / "host.md").read_text() and "taskset" not in capsys.readouterr().err
     finally:  # every thread back (--host-cpu pins all of them)
         for tid in [0, *(int(t) for t in os.listdir("/proc/self/task"))]:
             try:
