@@ -288,7 +288,7 @@ class Layouts:
         if len(present) == 1:
             pick = (lambda f: lambda ts: (f(ts),))(pick)
         self._last = (key, tuple(outs), tuple(ins), tuple(nones), len(tensors), extra, guard, pick,
-                      any(t.requires_grad for t in present))
+                      any(t.requires_grad for t in present), tuple(outs + ins))
 
     def match(self, tensors: tuple, key=None):
         """``(True, extra)`` when ``tensors`` (plain tensors or ``None`` as remembered; ``key`` equal) have the
@@ -312,7 +312,7 @@ class Layouts:
                     return _MISS
             elif not (_same_layout(tensors, last[1]) and _same_layout(tensors, last[2])):
                 return _MISS
-            if _overlap(tensors, last[1], last[2]):
+            if _overlap(tensors, last[9], len(last[1])):
                 return _MISS  # maybe overlapping: the full checks name the tensors
         except RuntimeError:  # a tensor without storage (a functional wrapper outside its transform)
             return _MISS
@@ -331,26 +331,22 @@ def _same_layout(tensors: tuple, entries: tuple) -> bool:
     return True
 
 
-def _overlap(tensors: tuple, outs: tuple, ins: tuple) -> bool:
+def _overlap(tensors: tuple, entries: tuple, n_out: int) -> bool:
     """Whether an output's byte range (its remembered extent from its data pointer) may meet another output's or
-    an input's."""
+    an input's; ``entries``: the outputs' then the inputs' ``(i, ..., extent)``, the first ``n_out`` outputs."""
     spans = []
-    for e in outs:
+    for k, e in enumerate(entries):
         ext = e[5]
-        if ext:
-            lo = tensors[e[0]].data_ptr()
-            for a, b in spans:
-                if lo < b and a < lo + ext:
-                    return True
+        if not ext:
+            continue
+        if k >= n_out and not spans:
+            return False  # no output bytes to meet
+        lo = tensors[e[0]].data_ptr()
+        for a, b in spans:
+            if lo < b and a < lo + ext:
+                return True
+        if k < n_out:
             spans.append((lo, lo + ext))
-    if spans:
-        for e in ins:
-            ext = e[5]
-            if ext:
-                lo = tensors[e[0]].data_ptr()
-                for a, b in spans:
-                    if lo < b and a < lo + ext:
-                        return True
     return False
 
 
