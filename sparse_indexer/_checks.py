@@ -277,8 +277,10 @@ class Layouts:
             ext = (_span(t)[1] - t.data_ptr()) if t.numel() else 0
             (outs if i < n_out else ins).append((i, t.dtype, t.shape, t.stride(), t.device, ext))
             present.append(t)
+        if not present:
+            return  # nothing to read back
         guard = None
-        if _TensorGuards is not None and present:
+        if _TensorGuards is not None:
             try:
                 guard = _TensorGuards(*present, dynamic_dims_sizes=[list(t.shape) for t in present],
                                       dynamic_dims_strides=[list(t.stride()) for t in present])

@@ -13,7 +13,8 @@ call. ``auto`` passes the call on to the next candidate when it is false (no exc
 e.g. a kernel whose launch costs more host time than its device time gains on small problems); an explicitly
 requested backend always runs. Its answer is remembered for later calls of a layout the public function has
 proven (:func:`sparse_indexer.library.run_direct`'s ``memo``), so it may read nothing but the tensors' dtypes,
-shapes and strides.
+shapes and strides and constants (a threshold changed at run time reaches a proven layout only after the
+routes are resolved again: ``_dispatch._resolved.clear()`` and ``_dispatch._routes.cache_clear()``).
 """
 
 from __future__ import annotations
