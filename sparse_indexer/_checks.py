@@ -286,11 +286,12 @@ class Layouts:
                                       dynamic_dims_strides=[list(t.stride()) for t in present])
             except Exception:  # noqa: BLE001 - a layout the guard refuses: the Python reads
                 guard = None
-        pick = operator.itemgetter(*[e[0] for e in outs + ins])
+        entries = tuple(outs + ins)  # the outputs first (their byte ranges are compared with every later one)
+        pick = operator.itemgetter(*[e[0] for e in entries])
         if len(present) == 1:
             pick = (lambda f: lambda ts: (f(ts),))(pick)
-        self._last = (key, tuple(outs), tuple(ins), tuple(nones), len(tensors), extra, guard, pick,
-                      any(t.requires_grad for t in present), tuple(outs + ins))
+        self._last = (key, entries, len(outs), tuple(nones), len(tensors), extra, guard, pick,
+                      any(t.requires_grad for t in present))
 
     def match(self, tensors: tuple, key=None):
         """``(True, extra)`` when ``tensors`` (plain tensors or ``None`` as remembered; ``key`` equal) have the
@@ -312,9 +313,9 @@ class Layouts:
             if guard is not None:
                 if not guard.check(*last[7](tensors)):
                     return _MISS
-            elif not (_same_layout(tensors, last[1]) and _same_layout(tensors, last[2])):
+            elif not _same_layout(tensors, last[1]):
                 return _MISS
-            if _overlap(tensors, last[9], len(last[1])):
+            if _overlap(tensors, last[1], last[2]):
                 return _MISS  # maybe overlapping: the full checks name the tensors
         except RuntimeError:  # a tensor without storage (a functional wrapper outside its transform)
             return _MISS
