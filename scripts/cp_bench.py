@@ -312,7 +312,7 @@ def run(rank: int, a, dev) -> None:
 def merge_parts(a, rank, W, rows, logits, local_sel, dm, gdm, bufs, work) -> dict:
     """The merge's launches one by one, on the same views ``merge_topk`` uses (GPU path; timed in this order:
     each reads what the one before wrote)."""
-    from sparse_indexer import _parallel_triton as K
+    from sparse_indexer.parallel import triton as K
 
     v = cp._views(bufs, rows, W, a.topk)
     cand = v.cand.view(2, rows, a.topk)

@@ -6,7 +6,7 @@ are given. See ``docs/spec.md`` for the math and layouts.
 
 from buffers import Buffers, BufferTooSmall, IndexerLimits, allocate, plan
 
-from ._dispatch import BACKENDS, BackendUnavailable, available
+from ._runtime.dispatch import BACKENDS, BackendUnavailable, available
 from .fp8 import FP8_MAX, QUANT_MAX, fn_to_fnuz, fp8_max, quant_max, quantize_k, quantize_q
 from .indexer import check_step, indexer_decode, indexer_prefill, sparse_attn_indexer
 from .kcache import cache_layout, cache_views, new_kv_cache, slots_from_block_table

@@ -5,7 +5,7 @@
   hardware); exit status 1 on any mismatch.
 - ``plan``: the buffer plan for engine limits, beside what vLLM's rules reserve for the same limits.
 - ``bench``: the GPU benchmark of every op and backend against the hardware floors; ``bench --host``: host time
-  per eager call of every op and step (``sparse_indexer/bench_host.py``).
+  per eager call of every op and step (``sparse_indexer/commands/bench_host.py``).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import sys
 
 import torch
 
-from ._cli import run_command
-from .plan_report import add_arguments as _plan_args  # the plan subcommand and its printing
-from .plan_report import run as _plan
-from .plan_report import vllm_reservations  # noqa: F401 - re-exported
+from .commands.cli import run_command
+from .commands.plan import add_arguments as _plan_args  # the plan subcommand and its printing
+from .commands.plan import run as _plan
+from .commands.plan import vllm_reservations  # noqa: F401 - re-exported
 
 MiB = 2**20
 
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m sparse_indexer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    from . import check, demo
+    from .commands import check, demo
 
     demo.add_arguments(sub.add_parser("demo", help="simulated serving loop, checked in float64",
                                       description=demo.__doc__,
@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        formatter_class=argparse.RawDescriptionHelpFormatter))
     _plan_args(sub.add_parser("plan", help="buffer plan for engine limits vs vLLM's reservations"))
     try:
-        from . import bench
+        from .commands import bench
     except ImportError as e:  # pragma: no cover - bench is optional at import time
         bench = None
         bench_err = e
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    from . import check, demo
+    from .commands import check, demo
 
     if args.cmd in ("demo", "check"):  # an unavailable device or backend: one line, exit 2, before any work
         return run_command(demo.run if args.cmd == "demo" else check.run, args)
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     if getattr(args, "bench_err", None) is not None:
         print(f"error: bench is unavailable: {args.bench_err}", file=sys.stderr)
         return 2
-    from . import bench
+    from .commands import bench
 
     return bench.run(args)
 

@@ -2,7 +2,7 @@
 
 An entry (:class:`Backend`) holds the backend's name, the ops it implements, where its implementation of an op
 lives (``sparse_indexer/ops/<op>/<name>.py`` by default), whether it can run on a device, and where ``auto``
-tries it. Dispatch (:mod:`sparse_indexer._dispatch`: ``backend=`` of every op, the ``auto`` order), the
+tries it. Dispatch (:mod:`sparse_indexer._runtime.dispatch`: ``backend=`` of every op, the ``auto`` order), the
 benchmark's backend list (``python -m sparse_indexer bench``), the tests' ``backend`` parametrization and skips
 (``tests/conftest.py``), the README's backend table (checked by ``tests/sparse_indexer/test_backends.py``) and
 the size of the top-k workspace in the buffer plan (``Buffers.topk_scratch``: the widest ``topk_workspace`` of
@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from ._runtime.triton_compat import interpreting
 
 __all__ = ["OPS", "Backend", "auto_order", "generation", "get", "names", "register", "topk_workspace_cols",
            "unregister"]
@@ -89,11 +90,6 @@ def _module_ok(name: str) -> str | None:
     return None
 
 
-def _interpret() -> bool:
-    """``TRITON_INTERPRET`` is set (Triton then runs its kernels on the CPU)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _triton_topk_workspace(limits) -> int:
     from .ops.top_k_per_row.workspace import workspace_cols  # imports nothing of the package
 
@@ -108,7 +104,7 @@ def _triton_reason(device: torch.device) -> str | None:
     why = _module_ok("triton")
     if why:
         return why
-    if device.type == "cuda" or (device.type == "cpu" and _interpret()):
+    if device.type == "cuda" or (device.type == "cpu" and interpreting()):
         return None
     return f"the Triton backend runs on CUDA/ROCm devices (or on the CPU with TRITON_INTERPRET=1), not {device}"
 
@@ -131,7 +127,7 @@ def _gluon_reason(device: torch.device) -> str | None:
     if device.type != "cuda" or torch.version.hip is not None:
         return (f"the Gluon backend runs on NVIDIA Hopper GPUs only, not on {device} "
                 f"(torch.version.hip={torch.version.hip})")
-    if _interpret():
+    if interpreting():
         return "the Gluon backend has no interpreter (TRITON_INTERPRET is set)"
     why = _module_ok("triton.experimental.gluon.language.nvidia.hopper")
     if why:

@@ -14,8 +14,8 @@ import torch
 
 from buffers import Buffers, BufferTooSmall
 
-from . import _checks as C
-from . import library
+from ._runtime import checks as C
+from ._runtime import library
 from .fp8 import SCALE_FMTS
 from .kcache import as_3d, cache_layout, view_3d
 from .metadata import IndexerMetadata
@@ -81,7 +81,8 @@ def decode_batch(metadata: IndexerMetadata) -> int:
 def _require_backend(backend: str, ops: tuple[str, ...], device: torch.device) -> None:
     """Raise :class:`~sparse_indexer.BackendUnavailable` unless ``backend`` runs every op of ``ops`` on ``device``
     (an explicitly named backend never falls back, so a step must not start writing with it)."""
-    from . import _dispatch, backends
+    from . import backends
+    from ._runtime import dispatch as _dispatch
 
     for op in dict.fromkeys(ops):
         _dispatch.candidates(op, backend, device)  # unknown or unavailable backend

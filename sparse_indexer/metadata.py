@@ -14,7 +14,7 @@ import torch
 
 from buffers import IndexerLimits
 
-from . import _checks as C
+from ._runtime import checks as C
 
 __all__ = [
     "ChunkPlan", "PrefillChunk", "DecodeMetadata", "IndexerMetadata", "plan_prefill_chunks", "build_metadata",

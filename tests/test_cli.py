@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparse_indexer import _cli
 from sparse_indexer.__main__ import build_parser
+from sparse_indexer.commands import cli as _cli
 
 ROOT = Path(__file__).resolve().parents[1]
 

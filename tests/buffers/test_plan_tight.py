@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 import sparse_indexer as si
 from buffers import IndexerLimits, allocate, plan
 from buffers.plan import prefill_extremes
+from sparse_indexer.commands.profile import plan_capacity, step_needs, worst_case_steps
 from sparse_indexer.indexer import check_step
-from sparse_indexer.profile import plan_capacity, step_needs, worst_case_steps
 
 FAST = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 H, D = 1, 64

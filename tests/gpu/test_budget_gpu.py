@@ -13,8 +13,8 @@ import torch
 import sparse_indexer as si
 from buffers import IndexerLimits, allocate, plan
 from buffers.plan import prefill_extremes
+from sparse_indexer.commands.profile import profile_step
 from sparse_indexer.indexer import decode_batch
-from sparse_indexer.profile import profile_step
 from tests.sparse_indexer.test_decode_budget import same_selection
 
 pytestmark = pytest.mark.gpu

@@ -12,7 +12,7 @@ import torch
 
 import sparse_indexer as si
 from buffers import IndexerLimits, allocate
-from sparse_indexer.profile import profile_step
+from sparse_indexer.commands.profile import profile_step
 from sparse_indexer.testing import capture_cuda_graph
 
 pytestmark = pytest.mark.gpu

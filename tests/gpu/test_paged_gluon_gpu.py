@@ -183,7 +183,7 @@ def test_gluon_paged_logits_refuses():
 
 
 def test_gluon_paged_logits_repeated_calls_reuse_the_encoded_descriptors():
-    """The bound launch passes each TMA descriptor's encoded map kept on the descriptor (sparse_indexer/_tma.py,
+    """The bound launch passes each TMA descriptor's encoded map kept on the descriptor (sparse_indexer/_runtime/tma.py,
     ``_launch._with_encoded_maps``): repeated calls on the same buffers stay right, and a query at another address
     gets its own descriptor. (A specialization's first launch takes Triton's own path, which encodes per call.)"""
     from sparse_indexer.ops.fp8_paged_mqa_logits import gluon as G
@@ -227,7 +227,7 @@ def test_gluon_paged_logits_cuda_graph():
 def test_auto_takes_gluon_for_large_calls_only():
     """``auto`` runs the Gluon kernel where ``B * next_n * max_blocks >= AUTO_MIN_KEY_BLOCKS`` (its ``auto_when``)
     and the Triton kernel below (cheaper launches); a small call through ``auto`` still equals the reference."""
-    from sparse_indexer import _dispatch
+    from sparse_indexer._runtime import dispatch as _dispatch
     from sparse_indexer.kcache import as_3d
     from sparse_indexer.ops.fp8_paged_mqa_logits import gluon as G
 

@@ -177,7 +177,7 @@ def test_refused(case):
 
 @needs_gluon
 def test_repeated_calls_reuse_the_encoded_descriptors():
-    """The bound launch passes each TMA descriptor's encoded map kept on the descriptor (sparse_indexer/_tma.py,
+    """The bound launch passes each TMA descriptor's encoded map kept on the descriptor (sparse_indexer/_runtime/tma.py,
     ``_launch._with_encoded_maps``): repeated calls on the same buffers stay right, and a query at another address
     gets its own descriptor. (A specialization's first launch takes Triton's own path, which encodes per call.)"""
     from sparse_indexer.ops.fp8_mqa_logits import gluon as G
@@ -223,7 +223,7 @@ def test_cuda_graph_capture():
 @needs_gluon
 def test_auto_takes_gluon_for_large_calls_only():
     """``auto`` runs the Gluon kernel where ``M * N >= AUTO_MIN_CELLS`` (its ``auto_when``), Triton below."""
-    from sparse_indexer import _dispatch
+    from sparse_indexer._runtime import dispatch as _dispatch
     from sparse_indexer.ops.fp8_mqa_logits import gluon as G
 
     dev = torch.device("cuda")

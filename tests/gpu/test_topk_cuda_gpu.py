@@ -197,7 +197,7 @@ def test_auto_picks_cuda_on_nvidia():
     _cuda()
     avail = si.available(DEV)
     assert avail[0] in ("cuda", "aiter") and "cuda" in avail[:2] and "triton" in avail  # (gluon: the logits only)
-    from sparse_indexer import _dispatch
+    from sparse_indexer._runtime import dispatch as _dispatch
 
     assert _dispatch.candidates("top_k_per_row", None, torch.device(DEV))[0] == "cuda"
     assert "cuda" not in _dispatch.candidates("fp8_paged_mqa_logits", None, torch.device(DEV))

@@ -17,7 +17,9 @@ import torch
 
 import sparse_indexer as si
 from buffers import IndexerLimits, allocate, plan
-from sparse_indexer import _dispatch, backends, bench
+from sparse_indexer import backends
+from sparse_indexer._runtime import dispatch as _dispatch
+from sparse_indexer.commands import bench
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CALLS: list[str] = []
@@ -215,7 +217,7 @@ def test_registry_rejects_bad_entries():
 
 
 def test_auto_when_passes_small_calls_on(toy, monkeypatch):
-    """An implementation's ``auto_when`` predicate (sparse_indexer/_dispatch.py): ``auto`` leaves the calls it
+    """An implementation's ``auto_when`` predicate (sparse_indexer/_runtime/dispatch.py): ``auto`` leaves the calls it
     rejects to the next candidate without running it (no exception involved), the first route for a call says so
     (``chosen``, what ``bench --host`` times), and an explicitly requested backend always runs."""
     seen = []

@@ -1,4 +1,4 @@
-"""``sparse_indexer.bench`` end to end on the CPU with ``--smoke`` shapes (reference backend)."""
+"""``sparse_indexer.commands.bench`` end to end on the CPU with ``--smoke`` shapes (reference backend)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import json
 
 import torch
 
-from sparse_indexer import _dispatch, bench
+from sparse_indexer._runtime import dispatch as _dispatch
+from sparse_indexer.commands import bench
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from sparse_indexer import bench
+from sparse_indexer.commands import bench
 from sparse_indexer.ops.top_k_per_row import sweep as topk_sweep
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -99,7 +99,8 @@ def test_unavailable_backend_is_one_line_exit_2():
 
 
 def test_backends_on_a_gpu_include_partial_ones_for_their_ops_and_the_auto_step(monkeypatch):
-    from sparse_indexer import _dispatch, check
+    from sparse_indexer._runtime import dispatch as _dispatch
+    from sparse_indexer.commands import check
 
     monkeypatch.setattr(_dispatch, "available", lambda device: ("cuda", "triton", "reference"))
     got = check._backends("all", torch.device("cuda"))

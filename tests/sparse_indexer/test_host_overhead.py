@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import sparse_indexer as si
-from sparse_indexer import _dispatch
+from sparse_indexer._runtime import dispatch as _dispatch
 from sparse_indexer.kcache import new_kv_cache
 
 MAX_RATIO = 3.0
@@ -88,7 +88,7 @@ def test_public_function_costs_at_most_3x_its_implementation(case, capsys):
 def test_bench_host_runs_and_self_checks_on_the_cpu():
     """``python -m sparse_indexer bench --host`` on the CPU (reference backend, tiny shapes): every case timed,
     the self-check (repeated calls, unaligned outputs, reference) passes, the table names every row."""
-    from sparse_indexer import bench_host
+    from sparse_indexer.commands import bench_host
 
     r = bench_host.measure(torch.device("cpu"), None, iters=5, warmup=1)
     assert r["checks"] and all(v == "ok" for v in r["checks"].values()), r["checks"]
@@ -106,7 +106,7 @@ def test_bench_host_pins_or_says_why(tmp_path, capsys):
     import argparse
     import os
 
-    from sparse_indexer import bench_host
+    from sparse_indexer.commands import bench_host
 
     if not hasattr(os, "sched_getaffinity"):
         pytest.skip("needs os.sched_setaffinity (Linux)")
@@ -153,7 +153,7 @@ def test_step_python_costs_at_most_2_5x_one_public_op(monkeypatch, capsys):
     """With every implementation a no-op, a decode step (cache write + paged logits + top-k: three ops) costs at
     most 2.5x one public top-k: the step checks the layer's tensors once and its metadata once per step, not
     per op and layer. Before issue #11's step memo it was about 3.4x (40 us vs 11.6 us on a 2-core CPU)."""
-    from sparse_indexer import bench_host
+    from sparse_indexer.commands import bench_host
 
     x = bench_host._Inputs(torch.device("cpu"), bench_host.SHAPES["cpu"])
     monkeypatch.setattr(_dispatch, "implementation", lambda op, name: _no_op)
@@ -274,7 +274,7 @@ def test_launch_key_of_the_wrappers_layout_separates_what_triton_specializes():
     """``_launch._prepare(args, ntensors)`` (the bound launches' key; plain loops since issue #11): tensors by
     dtype and 16-byte alignment of the data pointer, integers by the value 1, divisibility by 16 and 32/64 bits;
     the launch arguments are the data pointers, then the integers."""
-    from sparse_indexer._launch import _prepare
+    from sparse_indexer._runtime.launch import _prepare
 
     base = torch.zeros(64)
     a, off = base[:8], base[1:9]  # 16-byte aligned, 4 bytes off
@@ -503,7 +503,7 @@ def _raised(fn, a):
 def layout_reads(request, monkeypatch):
     """The memo's two ways to read a layout back: PyTorch's C++ ``TensorGuards`` and plain attribute reads (what
     a PyTorch without the guard gets)."""
-    from sparse_indexer import _checks
+    from sparse_indexer._runtime import checks as _checks
 
     if request.param == "python":
         monkeypatch.setattr(_checks, "_TensorGuards", None)
@@ -553,7 +553,7 @@ def test_op_memo_repeat_call_skips_the_layout_checks_only(case, monkeypatch, lay
     and gives the first call's output; a call under a torch-function mode never uses the memo."""
     from torch.overrides import TorchFunctionMode
 
-    from sparse_indexer import _checks
+    from sparse_indexer._runtime import checks as _checks
 
     name, mod, call, make, outputs, _ = case
     mod._LAYOUTS._last = None
@@ -587,9 +587,9 @@ def test_op_memo_repeat_call_skips_the_layout_checks_only(case, monkeypatch, lay
 
 
 def test_op_memo_takes_an_input_that_requires_grad_only_outside_grad_mode(monkeypatch, layout_reads):
-    """The memo matches as :func:`sparse_indexer.library.runs_directly` decides: under ``torch.no_grad`` an input
+    """The memo matches as ``library.runs_directly`` decides: under ``torch.no_grad`` an input
     that requires grad takes the memo (the op would not be recorded), with grad mode on it takes the full path."""
-    from sparse_indexer import _checks
+    from sparse_indexer._runtime import checks as _checks
     from sparse_indexer.ops import top_k_per_row as mod
 
     logits = torch.randn(2, 16, generator=torch.Generator().manual_seed(0)).requires_grad_(True)

@@ -1,4 +1,4 @@
-"""``sparse_indexer._launch.Launcher``: Triton launches bound once per specialization.
+"""``sparse_indexer._runtime.launch.Launcher``: Triton launches bound once per specialization.
 
 The bound path needs a GPU; here a stand-in kernel (the attributes of a ``JITFunction`` that the launcher reads,
 and a compiled kernel that records its launches) checks the binding rules: the first call of a specialization
@@ -16,8 +16,8 @@ import types
 import pytest
 import torch
 
-from sparse_indexer import _launch
-from sparse_indexer._launch import Launcher, specialization_key
+from sparse_indexer._runtime import launch as _launch
+from sparse_indexer._runtime.launch import Launcher, specialization_key
 from tests.cases import INTERPRET
 
 

@@ -1,4 +1,4 @@
-"""The custom ops of :mod:`sparse_indexer.library`: registration, ``torch.library.opcheck`` on every op
+"""The custom ops of :mod:`sparse_indexer._runtime.library`: registration, ``torch.library.opcheck`` on every op
 (including empty and non-contiguous inputs where the op allows them), and the eager overhead per call."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import sparse_indexer as si
-from sparse_indexer import _dispatch, library
+from sparse_indexer._runtime import dispatch as _dispatch
+from sparse_indexer._runtime import library
 from sparse_indexer.kcache import new_kv_cache
 from sparse_indexer.ops.top_k_per_row import reference as topk_reference
 
@@ -386,7 +387,7 @@ def test_every_public_function_takes_the_direct_route_in_plain_eager(monkeypatch
         monkeypatch.setattr(torch.ops.sparse_indexer, name, Refuse(name))
     for _name, public, _ in _cases():
         public()
-    from sparse_indexer import bench_host
+    from sparse_indexer.commands import bench_host
 
     x = bench_host._Inputs(torch.device("cpu"), bench_host.SHAPES["cpu"])
     steps = [c for c in bench_host._cases(x, None) if "step" in c[0]]

@@ -10,7 +10,7 @@ import pytest
 
 from buffers import IndexerLimits, plan
 from sparse_indexer.__main__ import build_parser, main
-from sparse_indexer.plan_report import report, vllm_reservations
+from sparse_indexer.commands.plan import report, vllm_reservations
 
 MiB = 1 << 20
 

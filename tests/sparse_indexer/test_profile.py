@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from buffers import IndexerLimits, plan
-from sparse_indexer.profile import plan_capacity, profile_step, worst_case_steps
+from sparse_indexer.commands.profile import plan_capacity, profile_step, worst_case_steps
 
 LIM = IndexerLimits(max_model_len=256, max_num_batched_tokens=300, max_num_seqs=4, next_n=2, n_heads=16,
                     head_dim=64, topk=32, block_size=16, prefill_k_tokens=512, max_logits_bytes=4 * 20000)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ... import _checks as C
-from ... import library
+from ..._runtime import checks as C
+from ..._runtime import library
 
-__all__ = ["LOGITS_DTYPES", "fp8_mqa_logits", "no_kernel_needed"]
+__all__ = ["LOGITS_DTYPES", "fp8_mqa_logits"]
 
 LOGITS_DTYPES = (torch.float32, torch.bfloat16)
 """The dtypes both logits ops write (``out``'s dtype; docs/spec.md §5)."""
@@ -119,15 +119,3 @@ def _check_values(cu_seqlen_ks: torch.Tensor, cu_seqlen_ke: torch.Tensor, n: int
         C.values_in("cu_seqlen_ke - cu_seqlen_ks", lens, None, max_seqlen_k + 1,
                     lambda: f"windows must be at most max_seqlen_k = {max_seqlen_k} keys long")
 
-
-def no_kernel_needed(m: int, n: int, w: int, out: torch.Tensor, clean: bool) -> bool:
-    """For the backends' kernel wrappers: ``True`` when a call of ``m`` queries, ``n`` keys and ``w`` logits columns
-    needs no kernel, after doing what it does need: nothing without rows or columns; without keys (``compressed``
-    only: a full ``out`` then has no column) every window is empty, so ``clean`` fills ``out`` with ``-inf``."""
-    if m == 0 or w == 0:
-        return True
-    if n == 0:
-        if clean:
-            out.fill_(float("-inf"))
-        return True
-    return False

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._bench_cases import LOGITS_RTOL, Case, CaseSpec, Ctx, k_str, queries, spread, take
+from ...commands.bench_cases import LOGITS_RTOL, Case, CaseSpec, Ctx, k_str, queries, spread, take
 from ...fp8 import quantize_k
 from ...testing import logits_error
 from . import fp8_mqa_logits

@@ -46,9 +46,8 @@ try:  # Triton >= 3.6's Gluon with Hopper TMA / mbarrier / wgmma (the backend is
 except ImportError:  # pragma: no cover - CPU-only / older Triton: the registry reports the backend unavailable
     gluon = None
 
-from ..._launch import Launcher
-from ..._tma import Descriptors
-from . import no_kernel_needed
+from ..._runtime.launch import Launcher, no_kernel_needed
+from ..._runtime.tma import Descriptors
 
 __all__ = ["CONFIG", "fp8_mqa_logits"]
 
@@ -421,14 +420,14 @@ def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, ou
 AUTO_MIN_CELLS = 1 << 26
 """``auto`` runs this kernel when ``M * N`` (queries x keys) is at least this (e.g. 8K x 8K: about 0.5 ms on an H200),
 the Triton kernel below it: its launch costs more host time than Triton's (37 vs 27 us per public call on the
-H200's host in session 13, with the descriptors and their encoded maps kept: sparse_indexer/_tma.py; 54 vs 23 us
+H200's host in session 13, with the descriptors and their encoded maps kept: sparse_indexer/_runtime/tma.py; 54 vs 23 us
 when both were made per call), which its few % of device time repays only on large problems (docs/benchmarks.md,
 "Gluon prefill logits"). An explicit ``backend="gluon"`` always runs it."""
 
 
 def _auto_when(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, out, clean, compressed=False,
                config=None) -> bool:
-    """``auto`` takes this backend for this call (sparse_indexer/_dispatch.py): large problems only, shapes only."""
+    """``auto`` takes this backend for this call (_runtime/dispatch.py): large problems only, shapes only."""
     return (q.numel() >> 13) * k_fp8.shape[0] >= AUTO_MIN_CELLS  # M * N at the H = 64, D = 128 it runs
 
 

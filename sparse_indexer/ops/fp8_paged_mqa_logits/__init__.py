@@ -4,22 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from ... import _checks as C
-from ... import library
+from ..._runtime import checks as C
+from ..._runtime import library
 from ...kcache import as_3d, cache_layout, view_3d
 from ..fp8_mqa_logits import LOGITS_DTYPES
+from .reference import row_limits
 
 __all__ = ["fp8_paged_mqa_logits", "row_limits"]
 
 
-def row_limits(context_lens: torch.Tensor, next_n: int) -> torch.Tensor:
-    """``limit[b * next_n + j]`` of docs/spec.md §5 (int64, clamped at 0) from ``[B]`` or ``[B, next_n]`` lengths."""
-    if context_lens.dim() == 2:
-        lim = context_lens.long().reshape(-1)
-    else:
-        j = torch.arange(next_n, device=context_lens.device)
-        lim = (context_lens.long()[:, None] - next_n + j[None, :] + 1).reshape(-1)
-    return lim.clamp(min=0)
 
 
 def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,

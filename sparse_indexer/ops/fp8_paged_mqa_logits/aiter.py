@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .._aiter import NATIVE_FP8, aiter_triton_module, gcn_arch, preshuffled
-from . import row_limits
+from .reference import row_limits
 
 __all__ = ["fp8_paged_mqa_logits", "mask_outside", "per_sequence_context_lens"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._bench_cases import LOGITS_RTOL, Case, CaseSpec, Ctx, fill_cache, k_str, queries, spread, take
+from ...commands.bench_cases import LOGITS_RTOL, Case, CaseSpec, Ctx, fill_cache, k_str, queries, spread, take
 from ...kcache import new_kv_cache
 from ...testing import logits_error
 from . import fp8_paged_mqa_logits, row_limits

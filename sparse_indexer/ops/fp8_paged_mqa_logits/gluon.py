@@ -30,7 +30,7 @@ With ``clean=True`` all warps then fill the columns at or past each row's limit 
 
 No host synchronisation and no allocation per call: the TMA descriptors are host ``TensorDescriptor`` objects
 (kernel parameters: CUDA-graph capturable) built from pointers, shapes and strides and kept with their encoded
-maps (sparse_indexer/_tma.py); the launch plan is cached per specialization. Cases the kernel does not take raise
+maps (_runtime/tma.py); the launch plan is cached per specialization. Cases the kernel does not take raise
 ``NotImplementedError`` before anything is written (see :func:`fp8_paged_mqa_logits`), so ``auto`` runs the Triton
 backend for them; ``auto`` also leaves small calls to Triton (:data:`AUTO_MIN_KEY_BLOCKS`, the ``auto_when``
 predicate: this launch costs more host time).
@@ -42,8 +42,8 @@ import functools
 
 import torch
 
-from ..._launch import Launcher
-from ..._tma import Descriptors
+from ..._runtime.launch import Launcher
+from ..._runtime.tma import Descriptors
 
 try:  # Gluon (Triton >= 3.6); the module is imported only where the backend is available (backends.py)
     import triton
@@ -610,7 +610,7 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
             _PLANS[key] = plan
     cfg, programs = plan
     cls = context_lens.stride()
-    # bound launch (sparse_indexer/_launch.py): Triton's own launch path re-specializes every argument per call
+    # bound launch (sparse_indexer/_runtime/launch.py): Triton's own launch path re-specializes every argument per call
     _LAUNCH.launch_with((programs,), cfg, (
         out, kv_desc, sc_desc, q_desc, weights, context_lens, block_table,
         indices if has_idx else context_lens, b, w, min(w, max_blocks * bs), rows_per_block,
@@ -621,13 +621,13 @@ AUTO_MIN_KEY_BLOCKS = 32768
 """``auto`` runs this kernel when ``B * next_n * max_blocks`` (the key blocks the rows can score) is at least this
 (2M keys of block 64: about 65 us of copy floor on an H200), the Triton kernel below it. Its launch costs more
 host time than Triton's (46-47 vs 30.5 us per public call on the H200's host in session 13, with the three TMA
-descriptors and their encoded maps kept: sparse_indexer/_tma.py; 57 vs 23 us when Triton's launcher encoded them
+descriptors and their encoded maps kept: sparse_indexer/_runtime/tma.py; 57 vs 23 us when Triton's launcher encoded them
 per call), which its 3% of device time repays only where the GPU, not the host, is the bottleneck
 (docs/benchmarks.md, "Gluon decode logits"). An explicit ``backend="gluon"`` always runs it."""
 
 
 def _auto_when(q, kv_cache, weights, context_lens, block_table, *, out, clean, indices=None, config=None) -> bool:
-    """``auto`` takes this backend for this call (sparse_indexer/_dispatch.py): large problems only, shapes only
+    """``auto`` takes this backend for this call (sparse_indexer/_runtime/dispatch.py): large problems only, shapes only
     (``q.numel() >> 13`` is ``B * next_n`` at the H = 64, D = 128 this kernel runs; other shapes it refuses)."""
     return (q.numel() >> 13) * block_table.shape[1] >= AUTO_MIN_KEY_BLOCKS
 

@@ -10,7 +10,16 @@ import torch
 
 from ...kcache import cache_views
 from ..fp8_mqa_logits.reference import TILE_ELEMS
-from . import row_limits
+
+
+def row_limits(context_lens: torch.Tensor, next_n: int) -> torch.Tensor:
+    """``limit[b * next_n + j]`` of docs/spec.md §5 (int64, clamped at 0) from ``[B]`` or ``[B, next_n]`` lengths."""
+    if context_lens.dim() == 2:
+        lim = context_lens.long().reshape(-1)
+    else:
+        j = torch.arange(next_n, device=context_lens.device)
+        lim = (context_lens.long()[:, None] - next_n + j[None, :] + 1).reshape(-1)
+    return lim.clamp(min=0)
 
 
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean, indices=None) -> None:

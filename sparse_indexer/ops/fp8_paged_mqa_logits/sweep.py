@@ -19,12 +19,12 @@ import time
 
 import torch
 
-from ...backends import _interpret
+from ..._runtime.triton_compat import interpreting
 from ...kcache import cache_views, new_kv_cache
 from ...testing import logits_error
 from ..fp8_mqa_logits import fp8_mqa_logits as ragged_op
-from ..fp8_paged_mqa_logits import fp8_paged_mqa_logits as paged_op
-from ..fp8_paged_mqa_logits import row_limits
+from . import fp8_paged_mqa_logits as paged_op
+from . import row_limits
 
 __all__ = ["DEFAULT_SECTIONS", "SECTIONS", "run"]
 
@@ -33,9 +33,9 @@ DEFAULT_SECTIONS = ("check", "configs")
 
 
 def run(env) -> tuple[list[tuple[str, str, str, str]], dict]:
-    """Run the sections of ``env`` (a :class:`sparse_indexer._bench_cases.SweepEnv`); returns the rows
+    """Run the sections of ``env`` (a :class:`sparse_indexer.commands.bench_cases.SweepEnv`); returns the rows
     ``(section, line, "", "")`` and the results (median ms by configuration key, ``check_ok`` per section)."""
-    if env.device.type != "cuda" and not _interpret():
+    if env.device.type != "cuda" and not interpreting():
         raise RuntimeError("the logits sweep runs the Triton kernels: on the CPU set TRITON_INTERPRET=1 "
                            "(Triton's interpreter) or pass --device cuda")
     from ..fp8_mqa_logits import triton as ragged_tr

@@ -30,11 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._launch import Launcher
-from ..._triton_compat import fix_interpreter
+from ..._runtime.launch import Launcher
+from ..._runtime.triton_compat import fix_interpreter
 from ..fp8_mqa_logits.triton import to_out
 
-fix_interpreter()  # Triton 3.6's interpreter under NumPy >= 2.4 (sparse_indexer/_triton_compat.py)
+fix_interpreter()  # Triton 3.6's interpreter under NumPy >= 2.4 (sparse_indexer/_runtime/triton_compat.py)
 
 __all__ = ["fp8_paged_mqa_logits"]
 

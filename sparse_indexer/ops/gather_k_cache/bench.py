@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._bench_cases import Case, CaseSpec, Ctx, fill_cache, k_str, same_bytes_copy
+from ...commands.bench_cases import Case, CaseSpec, Ctx, fill_cache, k_str, same_bytes_copy
 from ...kcache import new_kv_cache
 from . import gather_k_cache
 

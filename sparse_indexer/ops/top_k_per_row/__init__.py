@@ -6,8 +6,8 @@ import torch
 
 from buffers import BufferTooSmall
 
-from ... import _checks as C
-from ... import library
+from ..._runtime import checks as C
+from ..._runtime import library
 from .workspace import COUNTERS as TOPK_SCRATCH_COUNTERS
 
 __all__ = ["top_k_per_row"]

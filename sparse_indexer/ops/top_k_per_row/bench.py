@@ -8,7 +8,7 @@ import torch
 
 from buffers import IndexerLimits, plan
 
-from ..._bench_cases import Case, CaseSpec, Ctx, k_str, spread, topk_verdict
+from ...commands.bench_cases import Case, CaseSpec, Ctx, k_str, spread, topk_verdict
 from ...testing import TOPK_DISTRIBUTIONS, topk_values
 from ..fp8_paged_mqa_logits.bench import DecodeCase
 from . import top_k_per_row

@@ -39,7 +39,7 @@ DISTS = TOPK_DISTRIBUTIONS
 
 
 def run(env) -> tuple[list[tuple[str, str, str, str]], dict]:
-    """Run the sections of ``env`` (a :class:`sparse_indexer._bench_cases.SweepEnv`); returns the rows
+    """Run the sections of ``env`` (a :class:`sparse_indexer.commands.bench_cases.SweepEnv`); returns the rows
     ``(case, what, us, note)`` and the results by key (``check_bad_rows``: rows wrong against the spec; a row
     whose ``what`` is ``FAILED``: a section that raised)."""
     SMOKE = env.smoke  # noqa: N806 - the sweep's mode, read by every helper below

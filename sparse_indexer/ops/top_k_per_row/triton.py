@@ -56,13 +56,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._launch import Launcher
-from ..._triton_compat import fix_interpreter
+from ..._runtime.launch import Launcher
+from ..._runtime.triton_compat import fix_interpreter
 from .workspace import COUNTERS as CTR
 from .workspace import SAMPLE as SPLIT_SAMPLE
 from .workspace import SPREAD as SPLIT_SPREAD
 
-fix_interpreter()  # Triton 3.6's interpreter under NumPy >= 2.4 (sparse_indexer/_triton_compat.py)
+fix_interpreter()  # Triton 3.6's interpreter under NumPy >= 2.4 (sparse_indexer/_runtime/triton_compat.py)
 
 __all__ = ["top_k_per_row"]
 
@@ -435,7 +435,7 @@ def _split_finish_kernel(
                       SPREAD, WIN)
 
 
-# Launches bound once per specialization (sparse_indexer/_launch.py): the constexprs and options of each
+# Launches bound once per specialization (sparse_indexer/_runtime/launch.py): the constexprs and options of each
 # configuration are kept in a LaunchConfig made on first use, so a call only prepares its tensors and ints.
 _ROW = Launcher(_top_k_per_row_kernel)
 _SAMPLE = Launcher(_split_sample_kernel)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ... import _checks as C
-from ... import library
+from ..._runtime import checks as C
+from ..._runtime import library
 from ...fp8 import FP8_DTYPES, SCALE_FMTS
 from ...kcache import as_3d, cache_layout, view_3d
 

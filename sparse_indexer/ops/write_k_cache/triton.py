@@ -14,13 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._dispatch import _interpret
-from ..._launch import Launcher
-from ..._triton_compat import fix_interpreter
+from ..._runtime.launch import Launcher
+from ..._runtime.triton_compat import fix_interpreter, interpreting
 from ...fp8 import K_SCALE_FLOOR, QUANT_MAX
 
-fix_interpreter()  # Triton 3.6's interpreter under NumPy >= 2.4 (sparse_indexer/_triton_compat.py)
-_SOFT_FP8 = _interpret()  # Triton decides at import whether kernels are interpreted; so does this flag
+fix_interpreter()  # Triton 3.6's interpreter under NumPy >= 2.4 (sparse_indexer/_runtime/triton_compat.py)
+_SOFT_FP8 = interpreting()  # Triton decides at import whether kernels are interpreted; so does this flag
 
 __all__ = ["write_k_cache"]
 

@@ -370,7 +370,7 @@ def test_cuda_backend_reported_unavailable_off_nvidia():
     """The CUDA backend is never faked: on the CPU it is unavailable (explicitly: an error naming why) and
     ``auto`` never tries it; for ops it does not implement ``auto`` skips it."""
     import sparse_indexer as si
-    from sparse_indexer import _dispatch
+    from sparse_indexer._runtime import dispatch as _dispatch
 
     assert "cuda" in si.BACKENDS
     assert "cuda" not in si.available("cpu")

@@ -23,7 +23,7 @@ op                         schema (after ``sparse_indexer::``)                  
 Arguments are plain tensors and scalars: a :class:`buffers.Buffers` record never crosses the op boundary (the
 callers pass its views). ``kv_cache`` is always the 3-D ``[num_blocks, block_size, D + 4]`` view. ``backend``
 is the name the caller asked for (``"auto"`` for ``None``); the op body resolves it with
-:func:`sparse_indexer._dispatch.call`, which keeps the auto fallback between backends. The fake (meta)
+:func:`sparse_indexer._runtime.dispatch.call`, which keeps the auto fallback between backends. The fake (meta)
 implementation of every op does nothing: an op that returns ``None`` has no output to describe, and it never
 touches real memory.
 
@@ -58,7 +58,7 @@ from typing import Optional
 
 import torch
 
-from . import _dispatch
+from . import dispatch as _dispatch
 
 __all__ = ["NAMESPACE", "OPS", "bump_versions", "call", "functorch_active", "op", "plain_eager", "run_direct",
            "runs_directly"]
@@ -233,7 +233,7 @@ def run_direct(name: str, backend: str | None, device: torch.device, args: tuple
     bumps them, :func:`bump_versions`) bumped as the op's ADInplaceOrView kernel would.
 
     ``memo``: a dict that lives as long as the layout of the call's tensors stays the same (the public functions
-    keep one in their :class:`~sparse_indexer._checks.Layouts` entry): the route ``auto`` picks (its ``auto_when``
+    keep one in their :class:`~.checks.Layouts` entry): the route ``auto`` picks (its ``auto_when``
     predicates read layouts only) is found once per backend argument and routes object, then run directly
     (:func:`_dispatch.invoke_at`).
 

@@ -29,7 +29,7 @@ from buffers import BufferPlan, IndexerLimits, carve, plan
 from buffers.arena import aligned_arena
 from buffers.plan import prefill_extremes
 
-from .kcache import new_kv_cache, slots_from_block_table
+from ..kcache import new_kv_cache, slots_from_block_table
 
 __all__ = ["ProfileReport", "plan_capacity", "profile_step", "step_needs", "worst_case_steps"]
 
@@ -109,7 +109,7 @@ def step_needs(metadata) -> dict[str, int]:
     ``k_scale``, the packs, ``topk_scratch`` and ``cp_scratch`` (context parallel: a decode sub-batch, or a
     piece of a prefill chunk), float32 cells of ``logits`` and cells per head of ``qk``
     (as :func:`sparse_indexer.indexer.check_step` asks for them)."""
-    from .indexer import decode_batch
+    from ..indexer import decode_batch
 
     need = dict.fromkeys(_NEED_FIELDS, 0)
     cp_rows = metadata.limits.decode_batch_rows if metadata.limits.world_size > 1 else 0  # context parallel pieces
@@ -147,8 +147,8 @@ def profile_step(limits: IndexerLimits, device: torch.device | str = "cpu", back
     request, the inputs and ``topk_out``; then measures only :func:`sparse_indexer.sparse_attn_indexer`.
     Large limits need a GPU: the K cache alone is ``max_num_seqs * max_model_len * (D + 4)`` bytes.
     """
-    from .indexer import sparse_attn_indexer
-    from .metadata import build_metadata
+    from ..indexer import sparse_attn_indexer
+    from ..metadata import build_metadata
 
     if torch.compiler.is_compiling():
         raise RuntimeError("profile_step runs real steps; call it eagerly, never under tracing")

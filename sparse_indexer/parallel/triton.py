@@ -13,7 +13,7 @@ around its all-gather and its top-k; both write only views of ``Buffers.cp_scrat
   ``r`` came from rank ``c // topk``, its slot ``c % topk``: no transposed copy of the positions) into ``sel``;
   a row whose global window has ``n <= topk`` keys is written ``0..n-1, -1, ...`` (the single-device order).
 
-Launched through :class:`~sparse_indexer._launch.Launcher` (a few microseconds of host time each), on the
+Launched through :class:`~sparse_indexer._runtime.launch.Launcher` (a few microseconds of host time each), on the
 current stream, no host read of device values: CUDA-graph capturable. Under ``TRITON_INTERPRET=1`` they run on
 CPU tensors (the CPU tests).
 """
@@ -24,10 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import Launcher
-from ._triton_compat import fix_interpreter
+from .._runtime.launch import Launcher
+from .._runtime.triton_compat import fix_interpreter
 
-fix_interpreter()  # Triton 3.6's interpreter under NumPy >= 2.4 (sparse_indexer/_triton_compat.py)
+fix_interpreter()  # Triton 3.6's interpreter under NumPy >= 2.4 (sparse_indexer/_runtime/triton_compat.py)
 
 __all__ = ["pack", "unpack"]
 

@@ -16,7 +16,7 @@ One run measures the Triton backend, the reference backend on the same device an
 * ``write_k_cache`` and ``gather_k_cache`` of 64K tokens.
 
 The cases of each op live beside it (``sparse_indexer/ops/<op>/bench.py``: ``specs(smoke)``, ``build(spec, ctx)``,
-on the shared case interface of ``sparse_indexer/_bench_cases.py``); this module holds the decode step's cases,
+on the shared case interface of ``sparse_indexer/commands/bench_cases.py``); this module holds the decode step's cases,
 the timer, the floors, the CLI and the reports. The backends are the registry's (``sparse_indexer.backends``).
 
 ``--anchors DIR`` times vLLM's CUDA top-k kernels (a measuring instrument loaded from ``DIR/vllm_topk.py``,
@@ -54,19 +54,19 @@ from dataclasses import dataclass
 
 import torch
 
-from . import backends as _registry
-from ._bench_cases import LOGITS_RTOL, Case, CaseSpec, Ctx, SweepEnv, k_str, spread, topk_verdict
-from ._dispatch import BackendUnavailable, unavailable_reason
-from .fp8 import fp8_name
-from .ops._aiter import native_fp8
-from .ops.fp8_mqa_logits import bench as prefill_cases
-from .ops.fp8_paged_mqa_logits import bench as decode_cases
-from .ops.fp8_paged_mqa_logits import sweep as logits_sweep
-from .ops.gather_k_cache import bench as gather_cases
-from .ops.top_k_per_row import bench as topk_cases
-from .ops.top_k_per_row import sweep as topk_sweep
-from .ops.write_k_cache import bench as write_cases
-from .testing import capture_cuda_graph
+from .. import backends as _registry
+from .._runtime.dispatch import BackendUnavailable, unavailable_reason
+from ..fp8 import fp8_name
+from ..ops._aiter import native_fp8
+from ..ops.fp8_mqa_logits import bench as prefill_cases
+from ..ops.fp8_paged_mqa_logits import bench as decode_cases
+from ..ops.fp8_paged_mqa_logits import sweep as logits_sweep
+from ..ops.gather_k_cache import bench as gather_cases
+from ..ops.top_k_per_row import bench as topk_cases
+from ..ops.top_k_per_row import sweep as topk_sweep
+from ..ops.write_k_cache import bench as write_cases
+from ..testing import capture_cuda_graph
+from .bench_cases import LOGITS_RTOL, Case, CaseSpec, Ctx, SweepEnv, k_str, spread, topk_verdict
 
 __all__ = ["SWEEPS", "CaseSpec", "add_arguments", "case_specs", "run"]
 
@@ -112,8 +112,8 @@ class StepCase(Case):
     def __init__(self, ctx: Ctx, B: int, next_n: int, L: int, graph: bool):  # noqa: N803
         from buffers import IndexerLimits, allocate
 
-        from .indexer import indexer_decode
-        from .metadata import build_metadata
+        from ..indexer import indexer_decode
+        from ..metadata import build_metadata
 
         dev, bs = ctx.device, ctx.block_size
         self.graph = graph and dev.type == "cuda"
@@ -294,7 +294,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``python -m sparse_indexer bench``."""
     from . import bench_host
 
-    bench_host.add_arguments(parser)  # --host: host time per eager call (sparse_indexer/bench_host.py)
+    bench_host.add_arguments(parser)  # --host: host time per eager call (sparse_indexer/commands/bench_host.py)
     parser.add_argument("--cases", default=None,
                         help=f"comma-separated groups ({','.join(GROUPS)}) or case keys "
                              "(e.g. decode-64x1x64K); default: all")
@@ -364,7 +364,7 @@ def _command_line() -> str:
     if argv and argv[0].endswith("__main__.py"):
         return shlex.join(["python", "-m", "sparse_indexer", *argv[1:]])
     if argv and argv[0].endswith("bench.py"):
-        return shlex.join(["python", "-m", "sparse_indexer.bench", *argv[1:]])
+        return shlex.join(["python", "-m", "sparse_indexer.commands.bench", *argv[1:]])
     return shlex.join(argv)
 
 
@@ -799,7 +799,7 @@ def write_chart(rows: list[dict], path: str) -> bool:
 
 
 if __name__ == "__main__":  # pragma: no cover - the CLI is python -m sparse_indexer bench
-    p = argparse.ArgumentParser(prog="sparse_indexer.bench")
+    p = argparse.ArgumentParser(prog="sparse_indexer.commands.bench")
     add_arguments(p)
     sys.exit(run(p.parse_args()))
 

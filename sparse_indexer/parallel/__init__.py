@@ -32,7 +32,7 @@ longer rows the same multiset of values as one device (positions may differ wher
 
 CUDA graphs and host cost: the merge (:func:`merge_topk`) has static shapes fixed by host integers, reads no
 device value on the host and allocates nothing: every intermediate is a view of ``Buffers.cp_scratch``. On a GPU
-it is five launches: a Triton kernel writing the candidates (:mod:`sparse_indexer._parallel_triton`), the
+it is five launches: a Triton kernel writing the candidates (:mod:`sparse_indexer.parallel.triton`), the
 all-gather, one copy of the gathered values into row-major ``[rows, W * topk]``, the top-k, and a Triton kernel
 writing the selected candidates' positions (read straight from the all-gather's output); ``all_gather_into_tensor``
 on NCCL is capturable, and :func:`cp_decode` replays from a CUDA graph (``scripts/cp_bench.py --graph``).
@@ -48,10 +48,10 @@ import torch.distributed as dist
 from buffers import Buffers, BufferTooSmall
 from buffers.plan import cp_scratch_cols
 
-from .backends import _interpret
-from .indexer import _chunk_logits, _decode_inputs, _decode_logits, _rows, check_step, decode_batch
-from .metadata import DecodeMetadata, IndexerMetadata, PrefillChunk
-from .ops.top_k_per_row import top_k_per_row
+from .._runtime.triton_compat import interpreting
+from ..indexer import _chunk_logits, _decode_inputs, _decode_logits, _rows, check_step, decode_batch
+from ..metadata import DecodeMetadata, IndexerMetadata, PrefillChunk
+from ..ops.top_k_per_row import top_k_per_row
 
 __all__ = ["local_lens", "local_block_table", "global_positions", "shard_metadata", "merge_topk", "cp_decode",
            "cp_prefill", "cp_sparse_attn_indexer", "check_group"]
@@ -240,13 +240,13 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 def _use_triton(logits: torch.Tensor, backend: str | None) -> bool:
-    """The merge's elementwise work in Triton kernels (:mod:`sparse_indexer._parallel_triton`) on GPUs (every
+    """The merge's elementwise work in Triton kernels (:mod:`sparse_indexer.parallel.triton`) on GPUs (every
     backend but ``reference``) and under ``TRITON_INTERPRET=1`` with ``backend="triton"``; torch ops otherwise."""
     if backend == "reference":
         return False
     if logits.is_cuda:
         return True
-    return backend == "triton" and _interpret()
+    return backend == "triton" and interpreting()
 
 
 def merge_topk(sel: torch.Tensor, logits: torch.Tensor, starts: torch.Tensor, global_starts: torch.Tensor,
@@ -277,7 +277,7 @@ def merge_topk(sel: torch.Tensor, logits: torch.Tensor, starts: torch.Tensor, gl
     st, en = v.bounds[:rows], v.bounds[rows:]
     triton_path = _use_triton(logits, backend)
     if triton_path:
-        from . import _parallel_triton as K
+        from . import triton as K
 
         K.pack(sel, logits, starts, cand[0].view(torch.float32), cand[1], v.bounds, rank=rank,
                world_size=world_size, block_size=block_size)

@@ -38,16 +38,17 @@ import torch
 
 from buffers import IndexerLimits, allocate
 
-from . import _dispatch, library
-from .fp8 import quantize_k, quantize_q
-from .indexer import sparse_attn_indexer
-from .kcache import as_3d, new_kv_cache, slots_from_block_table
-from .metadata import build_metadata
-from .ops.fp8_mqa_logits import fp8_mqa_logits
-from .ops.fp8_paged_mqa_logits import fp8_paged_mqa_logits
-from .ops.gather_k_cache import gather_k_cache
-from .ops.top_k_per_row import top_k_per_row
-from .ops.write_k_cache import write_k_cache
+from .._runtime import dispatch as _dispatch
+from .._runtime import library
+from ..fp8 import quantize_k, quantize_q
+from ..indexer import sparse_attn_indexer
+from ..kcache import as_3d, new_kv_cache, slots_from_block_table
+from ..metadata import build_metadata
+from ..ops.fp8_mqa_logits import fp8_mqa_logits
+from ..ops.fp8_paged_mqa_logits import fp8_paged_mqa_logits
+from ..ops.gather_k_cache import gather_k_cache
+from ..ops.top_k_per_row import top_k_per_row
+from ..ops.write_k_cache import write_k_cache
 
 __all__ = ["add_arguments", "cpu_model", "measure", "run"]
 
@@ -182,7 +183,7 @@ def _cases(x: _Inputs, backend: str | None,
     def impl(name: str, *args, **kwargs) -> Callable[[], None]:
         """A call of the implementation the public call runs for these arguments (the timed call is it alone),
         resolved here: the first candidate that imports and, under auto, takes the call (``auto_when``;
-        sparse_indexer/_dispatch.py)."""
+        sparse_indexer/_runtime/dispatch.py)."""
         fn = _dispatch.chosen(_dispatch.routes(name, backend, x.device), backend, args, kwargs).fn
         return lambda: fn(*args, **kwargs)
 
@@ -238,7 +239,7 @@ def _same(name: str, a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def self_check(x: _Inputs, backend: str | None) -> dict[str, str]:
     """Every case called twice on the same inputs: the first call of a specialization takes Triton's own launch
-    path, the next ones the bound launcher (sparse_indexer/_launch.py); the outputs must agree (selections as
+    path, the next ones the bound launcher (sparse_indexer/_runtime/launch.py); the outputs must agree (selections as
     sets). The ops' outputs are also compared with the reference backend (logits within 1e-3 of the largest
     magnitude, selections as sets). Returns ``{case: "ok" | what differs}``."""
     res = {}
@@ -375,7 +376,7 @@ def format_markdown(r: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", action="store_true",
-                        help="host time per eager call of every op and step (see sparse_indexer/bench_host.py)")
+                        help="host time per eager call of every op and step (sparse_indexer/commands/bench_host.py)")
     parser.add_argument("--host-iters", type=int, default=300, help="timed calls per row of --host (default 300)")
     parser.add_argument("--host-cpu", type=int, default=None, metavar="N",
                         help="--host: pin the process (every thread) to logical CPU N first (Linux; default: not "

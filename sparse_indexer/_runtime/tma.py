@@ -3,7 +3,7 @@
 A Gluon kernel that reads through TMA takes host ``TensorDescriptor`` objects. Building one per call costs
 its validation (``__post_init__``), and Triton 3.6's launcher encodes it into a ``CUtensorMap`` on every launch
 (``cuTensorMapEncodeTiled`` through ``make_tensordesc_arg``). :class:`Descriptors` keeps each descriptor, and
-:class:`sparse_indexer._launch.Launcher` keeps each one's encoded map on the descriptor object itself, so a
+:class:`sparse_indexer._runtime.launch.Launcher` keeps each one's encoded map on the descriptor object itself, so a
 repeated call (the same cache, query and output buffers every step) builds and encodes nothing.
 
 An entry holds no tensor (the base is a :class:`Ptr`: a data pointer and a dtype, what a descriptor reads of

@@ -30,7 +30,7 @@ import functools
 
 import torch
 
-__all__ = ["LaunchConfig", "Launcher", "specialization_key"]
+__all__ = ["LaunchConfig", "Launcher", "no_kernel_needed", "specialization_key"]
 
 _Tensor = torch.Tensor
 _I32_MIN, _I32_MAX, _I64_MAX = -(2**31), 2**31 - 1, 2**63 - 1
@@ -223,7 +223,7 @@ def _with_encoded_maps(run):
     """``run`` (a compiled kernel's launcher) unchanged, or, for a Triton 3.6 NVIDIA launcher of a kernel that takes
     host ``TensorDescriptor`` arguments, a function with its signature that calls the C launch directly with
     each descriptor's encoded ``CUtensorMap`` kept on the descriptor object (encoded on its first launch with
-    Triton's own ``make_tensordesc_arg``; sparse_indexer/_tma.py keeps the objects). Triton's launcher encodes
+    Triton's own ``make_tensordesc_arg``; sparse_indexer/_runtime/tma.py keeps the objects). Triton's launcher encodes
     every descriptor on every launch. Anything that does not look exactly like Triton 3.6's launcher (another
     version, global or profile scratch to allocate, descriptors without lowering metadata) keeps ``run``."""
     launch = getattr(run, "launch", None)
@@ -257,3 +257,16 @@ def _with_encoded_maps(run):
             *args)
 
     return run_encoded
+
+
+def no_kernel_needed(m: int, n: int, w: int, out: torch.Tensor, clean: bool) -> bool:
+    """For the backends' kernel wrappers: ``True`` when a call of ``m`` queries, ``n`` keys and ``w`` logits columns
+    needs no kernel, after doing what it does need: nothing without rows or columns; without keys (``compressed``
+    only: a full ``out`` then has no column) every window is empty, so ``clean`` fills ``out`` with ``-inf``."""
+    if m == 0 or w == 0:
+        return True
+    if n == 0:
+        if clean:
+            out.fill_(float("-inf"))
+        return True
+    return False

@@ -1,7 +1,7 @@
 """What the benchmark's cases share (``python -m sparse_indexer bench``): the case record, the run context, the
 case interface and input helpers. The cases of each op live beside it (``sparse_indexer/ops/<op>/bench.py``:
 ``specs(smoke)`` and ``build(spec, ctx)``); the harness (timing, floors, CLI, reports) is
-:mod:`sparse_indexer.bench`.
+:mod:`sparse_indexer.commands.bench`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .fp8 import quantize_q
-from .ops.write_k_cache import write_k_cache
-from .testing import topk_errors
+from ..fp8 import quantize_q
+from ..ops.write_k_cache import write_k_cache
+from ..testing import topk_errors
 
 __all__ = ["LOGITS_RTOL", "Case", "CaseSpec", "Ctx", "SweepEnv"]
 

@@ -17,12 +17,13 @@ from __future__ import annotations
 import operator
 import os
 
-__all__ = ["fix_interpreter", "interpreter_needs_fix"]
+__all__ = ["fix_interpreter", "interpreter_needs_fix", "interpreting"]
 
 _MARK = "_sparse_indexer_index_fix"
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """``TRITON_INTERPRET`` is set (Triton then runs its kernels on the CPU)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -57,7 +58,7 @@ def interpreter_needs_fix() -> bool:
 
 def fix_interpreter() -> None:
     """Under ``TRITON_INTERPRET=1``, let interpreted scalars serve as Python indices when the interpreter cannot."""
-    if not _interpreting() or not interpreter_needs_fix():
+    if not interpreting() or not interpreter_needs_fix():
         return
     from triton.runtime import interpreter as interp
 

@@ -13,7 +13,7 @@ import operator
 
 import torch
 
-from .fp8 import FP8_DTYPES
+from ..fp8 import FP8_DTYPES
 
 INDEX_DTYPES = (torch.int32,)
 
@@ -254,7 +254,7 @@ class Layouts:
     PyTorch has it, else plain attribute reads) passes every layout check the full checks would run (they read
     nothing else), so the op runs only what can change with the same layout: that no output's bytes overlap
     another argument's (data pointers), and the value checks where they are on. Only in plain eager mode with
-    plain tensors (:func:`sparse_indexer.library.plain_eager`; :meth:`remember` is called only when the call runs
+    plain tensors (:func:`.library.plain_eager`; :meth:`remember` is called only when the call runs
     directly); anything else, or any miss, runs the full checks, which raise what they always raised. The memo
     holds no tensor (no reference keeps memory alive); replacing it is one attribute store, so concurrent callers
     see one whole entry or the other."""
@@ -296,10 +296,10 @@ class Layouts:
     def match(self, tensors: tuple, key=None):
         """``(True, extra)`` when ``tensors`` (plain tensors or ``None`` as remembered; ``key`` equal) have the
         remembered layout and no output overlaps another argument's bytes, else ``(False, None)``: the caller
-        then runs the full checks. The caller has checked :func:`~sparse_indexer.library.plain_eager`.
+        then runs the full checks. The caller has checked :func:`~sparse_indexer._runtime.library.plain_eager`.
 
         A tensor that requires grad matches only outside grad mode (where the op would not be recorded), as in
-        :func:`sparse_indexer.library.runs_directly`."""
+        :func:`sparse_indexer._runtime.library.runs_directly`."""
         last = self._last
         if last is None or last[0] != key or len(tensors) != last[4]:
             return _MISS

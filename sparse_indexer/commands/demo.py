@@ -15,13 +15,14 @@ import torch
 
 from buffers import IndexerLimits, allocate, plan
 
-from . import _dispatch, backends
-from ._cli import Progress, require_backend, resolve_device, run_command
-from .fp8 import quantize_k, quantize_q
-from .indexer import sparse_attn_indexer
-from .kcache import new_kv_cache, slots_from_block_table
-from .metadata import build_metadata
-from .testing import topk_errors
+from .. import backends
+from .._runtime import dispatch as _dispatch
+from ..fp8 import quantize_k, quantize_q
+from ..indexer import sparse_attn_indexer
+from ..kcache import new_kv_cache, slots_from_block_table
+from ..metadata import build_metadata
+from ..testing import topk_errors
+from .cli import Progress, require_backend, resolve_device, run_command
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -86,7 +87,7 @@ def _plural(n: int, word: str) -> str:
 
 
 def run(args) -> int:
-    """Run the demo; raises :class:`~sparse_indexer._cli.UsageError` (nothing done yet) for a device or backend
+    """Run the demo; raises :class:`~sparse_indexer.commands.cli.UsageError` (nothing done yet) for a device or backend
     that is not available."""
     dev = resolve_device(args.device)
     backend = None if args.backend == "auto" else args.backend

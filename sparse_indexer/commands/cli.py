@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from . import _dispatch
+from .._runtime import dispatch as _dispatch
 
 __all__ = ["UsageError", "resolve_device", "require_backend", "run_command", "Progress"]
 

@@ -34,20 +34,21 @@ import torch
 
 from buffers import IndexerLimits, allocate
 
-from . import _dispatch, backends
-from ._cli import UsageError, require_backend, resolve_device, run_command
-from .fp8 import fp8_name, quantize_k, quantize_q
-from .indexer import sparse_attn_indexer
-from .kcache import cache_views, new_kv_cache, slots_from_block_table
-from .metadata import build_metadata
-from .ops.fp8_mqa_logits import fp8_mqa_logits
-from .ops.fp8_paged_mqa_logits import fp8_paged_mqa_logits, row_limits
-from .ops.gather_k_cache import gather_k_cache
-from .ops.top_k_per_row import top_k_per_row
-from .ops.top_k_per_row.workspace import COUNTERS as TOPK_SCRATCH_COUNTERS
-from .ops.top_k_per_row.workspace import topk_scratch_cap
-from .ops.write_k_cache import write_k_cache
-from .testing import logits_error, topk_errors
+from .. import backends
+from .._runtime import dispatch as _dispatch
+from ..fp8 import fp8_name, quantize_k, quantize_q
+from ..indexer import sparse_attn_indexer
+from ..kcache import cache_views, new_kv_cache, slots_from_block_table
+from ..metadata import build_metadata
+from ..ops.fp8_mqa_logits import fp8_mqa_logits
+from ..ops.fp8_paged_mqa_logits import fp8_paged_mqa_logits, row_limits
+from ..ops.gather_k_cache import gather_k_cache
+from ..ops.top_k_per_row import top_k_per_row
+from ..ops.top_k_per_row.workspace import COUNTERS as TOPK_SCRATCH_COUNTERS
+from ..ops.top_k_per_row.workspace import topk_scratch_cap
+from ..ops.write_k_cache import write_k_cache
+from ..testing import logits_error, topk_errors
+from .cli import UsageError, require_backend, resolve_device, run_command
 
 __all__ = ["CHECKS", "add_arguments", "run", "main"]
 
@@ -119,7 +120,7 @@ def formats(backend: str, device: torch.device) -> tuple[list[torch.dtype], str 
     left out (or ``None``). The reference is only checked on a GPU (on the CPU it is the baseline)."""
     if device.type == "cpu":
         return [FN], "e4m3fnuz: not checked (Triton's CPU interpreter has no float8_e4m3fnuz)"
-    from .ops._aiter import NATIVE_FP8, gcn_arch
+    from ..ops._aiter import NATIVE_FP8, gcn_arch
 
     arch = gcn_arch(device)
     if arch is None:
@@ -133,7 +134,7 @@ def _shuffled(ctx: Ctx, block_size: int) -> bool:
     """Whether the backend under test keeps this cache preshuffled (aiter on gfx942/gfx950, docs/spec.md §4)."""
     if ctx.backend not in ("aiter", "auto") or "aiter" not in _dispatch.available(ctx.device):
         return False
-    from .ops._aiter import gcn_arch, preshuffled
+    from ..ops._aiter import gcn_arch, preshuffled
 
     return preshuffled(block_size, ctx.fp8, gcn_arch(ctx.device))
 
@@ -143,7 +144,7 @@ def _slot_contents(kv: torch.Tensor, fp8: torch.dtype, shuffled: bool) -> tuple[
     values, scales = cache_views(kv, fp8)
     nb, bs, d = values.shape
     if shuffled:
-        from .ops._aiter import preshuffle_offsets, raw_blocks
+        from ..ops._aiter import preshuffle_offsets, raw_blocks
 
         raw, _ = raw_blocks(kv if kv.dim() == 3 else kv[:, :, 0, :])
         v = raw[:, preshuffle_offsets(bs, d)]

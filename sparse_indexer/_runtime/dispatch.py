@@ -12,7 +12,7 @@ implementation's own signature, shapes only: no device read) that says whether `
 call. ``auto`` passes the call on to the next candidate when it is false (no exception raised: a cheap size test,
 e.g. a kernel whose launch costs more host time than its device time gains on small problems); an explicitly
 requested backend always runs. Its answer is remembered for later calls of a layout the public function has
-proven (:func:`sparse_indexer.library.run_direct`'s ``memo``), so it may read nothing but the tensors' dtypes,
+proven (:func:`sparse_indexer._runtime.library.run_direct`'s ``memo``), so it may read nothing but the tensors' dtypes,
 shapes and strides and constants (a threshold changed at run time reaches a proven layout only after the
 routes are resolved again: ``_dispatch._resolved.clear()`` and ``_dispatch._routes.cache_clear()``).
 """
@@ -27,8 +27,9 @@ from typing import NamedTuple
 
 import torch
 
-from . import backends as _registry
-from .backends import OPS, _interpret
+from .. import backends as _registry
+from ..backends import OPS
+from .triton_compat import interpreting
 
 __all__ = ["BACKENDS", "OPS", "BackendUnavailable", "available", "call", "candidates", "chosen", "first", "invoke",
            "invoke_at", "routes", "unavailable_reason"]
@@ -146,7 +147,7 @@ def routes(op: str, backend: str | None, device: torch.device) -> tuple[_Route, 
     dev_type = device.type if isinstance(device, torch.device) else torch.device(device).type
     # TRITON_INTERPRET only decides whether Triton runs on a non-CUDA device (reading it costs ~0.5 us): such
     # routes are resolved on every call (tests switch it), the others are kept
-    interp = _interpret() if backend == "triton" and dev_type != "cuda" else None
+    interp = interpreting() if backend == "triton" and dev_type != "cuda" else None
     gen, reason, impl = _registry.generation, unavailable_reason, implementation
     found = _routes(op, backend, dev_type, interp, reason, impl, gen)
     if interp is None and isinstance(device, torch.device):
