@@ -1,4 +1,5 @@
-"""Context parallel decode (issue #15): equality with one device and like-for-like timings of the decode step.
+"""Context-parallel decode (sparse_indexer.parallel): equality with one device and like-for-like timings of the
+decode step.
 
 GPU (NCCL, one process per GPU):
     python scripts/cp_bench.py --world 2 --batch 64 --context 131072 --graph

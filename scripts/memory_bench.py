@@ -1,4 +1,4 @@
-"""GPU measurements behind docs/memory.md (issue #13), in one run:
+"""GPU measurements behind docs/memory.md (the decode budget and the prefill caps), in one run:
 
 1. ``decode``: the decode step (paged logits + top-k, ``indexer_decode`` as the step runs it, replayed from a CUDA
    graph; default backends, then all-Triton) at B=256, L=64K, next_n 1 and 2, without a budget and with

@@ -184,9 +184,9 @@ L2_FLUSHES = {
             "which the timed op writes back)",
     "read": "a read of a 256 MiB buffer (L2 left clean)",
 }
-"""The ``--l2-flush`` methods. ``zero`` is the default (the numbers of the issues were taken with it); on an H200 it
+"""The ``--l2-flush`` methods. ``zero`` is the default (the published numbers were taken with it); on an H200 it
 adds about 7 us (5%) to a 150 us memory-bound kernel and 1% to the 500 us copy that sets the bandwidth floor
-(docs/benchmarks.md, session 13), so ``read`` gives the fairer fraction of the floor."""
+(docs/benchmarks.md, "Method"), so ``read`` gives the fairer fraction of the floor."""
 
 
 class Timer:

@@ -89,8 +89,8 @@ def _paired_median_us(fns: tuple[Callable[[], object], ...], iters: int, warmup:
                       sync: Callable[[], None]) -> list[float]:
     """Host time (us) of each of ``fns`` (see :func:`_median_us`), timed in turn within every iteration: the
     calls share the host's state of the moment (clock, caches, neighbours on a shared host), so the difference of
-    two of them is not the drift between two separate timing windows (issue #11's added cost is such a
-    difference)."""
+    two of them is not the drift between two separate timing windows (the added cost of the public function
+    is such a difference)."""
     for _ in range(warmup):
         for fn in fns:
             fn()

@@ -74,7 +74,7 @@ def test_budget_saving_is_shown(capsys):
     assert "saves" in out
 
 
-def test_small_engine_from_the_issue(capsys):
+def test_small_engine_fits_in_66_mib(capsys):
     assert main(["plan", "--max-model-len", "4096", "--max-num-seqs", "4", "--max-num-batched-tokens", "1024"]) == 0
     out = capsys.readouterr().out
     total = int(re.search(r"^total\s+uint8\s+0\s+(\d+)", out, re.M).group(1))

@@ -17,7 +17,7 @@ def specs(smoke: bool = False) -> list[CaseSpec]:
     shapes = [(64, 64), (64, 256)] if smoke else [(8192, 8192), (8192, 65536)]
     out = [CaseSpec("prefill", f"prefill-{k_str(m)}x{k_str(n)}", f"prefill M={m} N={n} causal", dict(M=m, N=n))
            for m, n in shapes]
-    # issue #17: bfloat16 logits; a chunk of 4 requests, full [M, N] logits vs compressed [M, N/4]
+    # bfloat16 logits (the logits_dtype option); a chunk of 4 requests, full [M, N] logits vs compressed [M, N/4]
     m, n = shapes[-1]
     out += [CaseSpec("prefill", f"prefill-{k_str(m)}x{k_str(n)}-bf16", f"prefill M={m} N={n} causal bf16 logits",
                      dict(M=m, N=n, dtype="bfloat16")),

@@ -19,7 +19,7 @@ def specs(smoke: bool = False) -> list[CaseSpec]:
                (64, 4, 65536)])
     out = [CaseSpec("decode", f"decode-{b}x{n}x{k_str(seq)}", f"decode B={b} next_n={n} L={seq}",
                     dict(B=b, next_n=n, L=seq)) for b, n, seq in shapes]
-    # bfloat16 logits (issue #17): half the logits bytes written
+    # bfloat16 logits (the logits_dtype option): half the logits bytes written
     b, n, seq = shapes[0]
     out.append(CaseSpec("decode", f"decode-{b}x{n}x{k_str(seq)}-bf16", f"decode B={b} next_n={n} L={seq} bf16 logits",
                         dict(B=b, next_n=n, L=seq, dtype="bfloat16")))

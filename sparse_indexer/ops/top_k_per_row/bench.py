@@ -31,7 +31,7 @@ def specs(smoke: bool = False) -> list[CaseSpec]:
         dists = TOPK_DISTRIBUTIONS
     out = [CaseSpec("topk", f"topk-{kind}-{k_str(r)}x{k_str(w)}", f"topk {kind} R={r} W={w} topk={k}",
                     dict(kind=kind, R=r, W=w, topk=k)) for kind, r, w, k in shapes]
-    # bfloat16 logits (issue #17): the same values rounded, half the bytes read
+    # bfloat16 logits (the logits_dtype option): the same values rounded, half the bytes read
     bf16 = [shapes[0], shapes[-1]] if smoke else [("decode", 64, 65536, 2048), ("decode", 1, 65536, 2048),
                                                   ("causal", 8192, 8192, 2048)]
     out += [CaseSpec("topk", f"topk-{kind}-bf16-{k_str(r)}x{k_str(w)}", f"topk {kind} bf16 R={r} W={w} topk={k}",
