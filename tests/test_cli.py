@@ -54,11 +54,37 @@ def test_missing_gpu_is_one_line_exit_2(cmd):
 
 
 def test_demo_unavailable_backend_is_one_line_exit_2():
-    r = _cli_run("demo", "--backend", "triton")  # no TRITON_INTERPRET: triton cannot run on the CPU
+    r = _cli_run("demo", "--backend", "aiter")  # aiter runs on ROCm GPUs only
     assert r.returncode == 2
     assert r.stdout == ""
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: --backend triton") and "TRITON_INTERPRET" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("error: --backend aiter"), r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_demo_triton_on_the_cpu_switches_the_interpreter_on_as_check_does():
+    """``demo --backend triton`` on the CPU, with no TRITON_INTERPRET in the environment, runs the Triton kernels in
+    Triton's interpreter (set for its own process, as ``check`` does) and passes its float64 check."""
+    pytest.importorskip("triton")
+    r = _cli_run("demo", "--backend", "triton", "--requests", "1", "--context", "200", "--decode-steps", "1")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    first = r.stdout.splitlines()[0]
+    assert "backend=triton" in first and "TRITON_INTERPRET=1 set for this process" in first, first
+    assert "float64 check: 2/2 steps ok" in r.stdout
+
+
+def test_use_triton_interpreter(monkeypatch):
+    """The helper ``check`` and ``demo`` share: only on the CPU; set only while triton is not imported yet."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert _cli.use_triton_interpreter(torch.device("cuda")) is None
+    monkeypatch.setitem(sys.modules, "triton", sys.modules.get("triton", object()))  # imported: too late
+    assert _cli.use_triton_interpreter(torch.device("cpu")) is None and "TRITON_INTERPRET" not in os.environ
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "TRITON_INTERPRET=1" in _cli.use_triton_interpreter(torch.device("cpu"))
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delitem(sys.modules, "triton")  # not imported yet: set for this process
+    assert "set for this process" in _cli.use_triton_interpreter(torch.device("cpu"))
+    assert os.environ["TRITON_INTERPRET"] == "1"
 
 
 def test_bad_device_name_is_one_line_exit_2():

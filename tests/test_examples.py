@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,7 +37,17 @@ def test_cpu_unit_test_example_on_triton_interpreter():
 def test_demo_command_verifies_every_step():
     out, err = _run("-m", "sparse_indexer", "demo", "--requests", "2", "--context", "2100", "--decode-steps", "2",
                     stderr=True)
-    assert "float64 check:" in out and "MISMATCH" not in out
+    assert "float64 check: 6/6 steps ok" in out and "MISMATCH" not in out
+    # it says what each check compared, and with what tolerance and result
+    assert "checked against a float64 model of its scores" in out and "quantize_k" in out
+    assert "must select exactly its positions 0..n-1" in out and "1e-05 x max|score| below the 2048th best" in out
+    steps = [line for line in out.splitlines() if line.lstrip().startswith("step ")]
+    assert len(steps) == 6 and all(" ok: " in line and " exact, " in line and " by gap" in line for line in steps)
+    totals = re.search(r"top-2048 of (\d+) tokens against float64 scores: (\d+) windows of <= 2048 keys selected "
+                       r"exactly;\n(\d+) longer windows, largest gap below the 2048th best score (\S+) x max\|score\| "
+                       r"\(tolerance 1e-05\)", out)
+    assert totals, out[-1000:]
+    assert int(totals[1]) == int(totals[2]) + int(totals[3]) and int(totals[3]) > 0 and float(totals[4]) <= 1e-5
     # redirected output: no progress bar (no carriage returns), "1 chunk" in the singular
     assert "\r" not in out + err and "1 chunks" not in out and "1 chunk)" in out
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,7 +47,7 @@ from ..ops.top_k_per_row.workspace import COUNTERS as TOPK_SCRATCH_COUNTERS
 from ..ops.top_k_per_row.workspace import topk_scratch_cap
 from ..ops.write_k_cache import write_k_cache
 from ..testing import logits_error, topk_errors
-from .cli import UsageError, require_backend, resolve_device, run_command
+from .cli import UsageError, require_backend, resolve_device, run_command, use_triton_interpreter
 
 __all__ = ["CHECKS", "add_arguments", "run", "main"]
 
@@ -535,15 +534,10 @@ def _ops_of(backend: str) -> tuple[str, ...]:
 
 
 def _prepare_interpreter(device: torch.device, requested: str) -> str | None:
-    """On the CPU, Triton kernels run under its interpreter, which must be switched on before triton imports."""
-    if device.type != "cpu" or requested not in ("all", "triton"):
+    """On the CPU, Triton kernels run under its interpreter (:func:`~.cli.use_triton_interpreter`)."""
+    if requested not in ("all", "triton"):
         return None
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return "TRITON_INTERPRET=1 (Triton kernels run in its CPU interpreter)"
-    if "triton" in sys.modules:
-        return None  # too late to switch: the triton backend is then reported unavailable
-    os.environ["TRITON_INTERPRET"] = "1"
-    return "TRITON_INTERPRET=1 set for this process (Triton kernels run in its CPU interpreter)"
+    return use_triton_interpreter(device)
 
 
 def _versions() -> str:

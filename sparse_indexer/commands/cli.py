@@ -1,15 +1,19 @@
 """Shared pieces of the command line (``python -m sparse_indexer ...``): device and backend resolution with
-one-line errors, and progress output that only goes to a terminal."""
+one-line errors, Triton's CPU interpreter switched on where a command runs Triton kernels on the CPU, and
+progress output that only goes to a terminal."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
 
 from .._runtime import dispatch as _dispatch
+from .._runtime.triton_compat import interpreting
 
-__all__ = ["UsageError", "resolve_device", "require_backend", "run_command", "Progress"]
+__all__ = ["UsageError", "resolve_device", "auto_device_note", "require_backend", "run_command",
+           "use_triton_interpreter", "Progress"]
 
 
 class UsageError(Exception):
@@ -45,6 +49,32 @@ def resolve_device(name: str) -> torch.device:
     elif dev.type != "cpu":
         raise UsageError(f"--device {name}: sparse-indexer runs on cpu or cuda (CUDA/ROCm) devices")
     return dev
+
+
+def auto_device_note(name: str, device: torch.device) -> str:
+    """What ``--device NAME`` resolved to, for a command's first line: ``"cpu (--device auto: no GPU visible)"``,
+    ``"cuda:0 (--device auto: a GPU is visible)"``, or the device alone when it was named."""
+    if name != "auto":
+        return str(device)
+    why = "a GPU is visible" if device.type == "cuda" else "no GPU visible"
+    return f"{device} (--device auto: {why})"
+
+
+def use_triton_interpreter(device: torch.device) -> str | None:
+    """Switch on Triton's CPU interpreter for a command that runs Triton kernels on ``device`` when it is the CPU.
+
+    ``TRITON_INTERPRET`` is read when triton is imported, so it is set here for this process (and its children)
+    only while triton is not imported yet (``python -m sparse_indexer`` imports it later); afterwards the Triton
+    backend stays unavailable on the CPU and the command reports that as usual. Returns a note for the command's
+    output (``None``: not the CPU, or too late to switch)."""
+    if device.type != "cpu":
+        return None
+    if interpreting():
+        return "TRITON_INTERPRET=1 (Triton kernels run in its CPU interpreter)"
+    if "triton" in sys.modules:
+        return None
+    os.environ["TRITON_INTERPRET"] = "1"
+    return "TRITON_INTERPRET=1 set for this process (Triton kernels run in its CPU interpreter)"
 
 
 def require_backend(backend: str | None, device: torch.device) -> None:
