@@ -43,10 +43,11 @@ def quant_max(fp8_dtype: torch.dtype) -> float:
 
 
 def ue8m0(scale: torch.Tensor) -> torch.Tensor:
-    """Round positive float32 ``scale`` **up** to a power of two, exactly (no log2 rounding)."""
+    """Round positive float32 ``scale`` **up** to a power of two, exactly (no log2 rounding). NaN and +inf stay
+    as they are (docs/spec.md §3: a row with a NaN or an infinity has a NaN or +inf scale)."""
     mant, exp = torch.frexp(scale)  # scale = mant * 2**exp, mant in [0.5, 1)
     exp = torch.where(mant == 0.5, exp - 1, exp)
-    return torch.ldexp(torch.ones_like(scale), exp)
+    return torch.where(torch.isfinite(scale), torch.ldexp(torch.ones_like(scale), exp), scale)
 
 
 def _quantize_rows(x: torch.Tensor, floor: float, fp8_dtype, scale_fmt):
@@ -61,7 +62,8 @@ def _quantize_rows(x: torch.Tensor, floor: float, fp8_dtype, scale_fmt):
     scale = amax.clamp(min=floor) / torch.full_like(amax, qmax)
     if scale_fmt == "ue8m0":
         scale = ue8m0(scale)
-    values = (xf / scale.unsqueeze(-1)).clamp(-qmax, qmax).to(fp8_dtype)
+    values = (xf / scale.unsqueeze(-1)).clamp(-qmax, qmax)
+    values = torch.where(values.isnan(), float("nan"), values).to(fp8_dtype)  # one NaN byte: 0x7F (fn), 0x80 (fnuz)
     return values, scale
 
 
@@ -75,6 +77,9 @@ def quantize_k(k: torch.Tensor, *, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
 
     Returns:
         ``(k_fp8 [T, D] fp8_dtype, k_scale [T] float32)`` with ``k ~= k_fp8.float() * k_scale[:, None]``.
+        A row holding a NaN gets a NaN scale and NaN values; a row whose largest magnitude is infinite (no NaN)
+        gets a +inf scale, NaN where the input is infinite and 0 elsewhere (docs/spec.md §3). Nothing raises:
+        reading the values would synchronise a GPU.
     """
     if not isinstance(k, torch.Tensor) or k.dim() != 2:
         raise ValueError(f"k must be a 2-D tensor [T, D], got {getattr(k, 'shape', type(k))}")
@@ -91,7 +96,8 @@ def quantize_q(q: torch.Tensor, *, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
 
     Returns:
         ``(q_fp8 [T, H, D] fp8_dtype, q_scale [T, H] float32)``. Fold ``q_scale`` into the weights:
-        ``weights = w_proj(x) * H**-0.5 * D**-0.5 * q_scale``.
+        ``weights = w_proj(x) * H**-0.5 * D**-0.5 * q_scale``. Non-finite input as in :func:`quantize_k`, per
+        (token, head): a NaN gives a NaN scale and NaN values, an infinity a +inf scale.
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"q must be a 3-D tensor [T, H, D], got {getattr(q, 'shape', type(q))}")

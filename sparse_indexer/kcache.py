@@ -11,7 +11,10 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["CacheLayout", "cache_layout", "cache_views", "new_kv_cache", "slots_from_block_table"]
+__all__ = ["HEAD_DIMS", "CacheLayout", "cache_layout", "cache_views", "new_kv_cache", "slots_from_block_table"]
+
+HEAD_DIMS = (64, 128)
+"""The indexer head dims the ops take (docs/spec.md §1)."""
 
 
 class CacheLayout(NamedTuple):
@@ -59,8 +62,8 @@ def cache_layout(kv_cache: torch.Tensor, name: str = "kv_cache") -> CacheLayout:
     kv = as_3d(kv_cache, name)
     nb, bs, width = kv.shape
     d = width - 4
-    if d not in (64, 128):
-        raise ValueError(f"{name}.shape[-1] must be D + 4 with D in (64, 128), got {width}")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"{name}.shape[-1] must be D + 4 with D in {HEAD_DIMS}, got {width}")
     stride0 = kv.stride(0) if nb > 1 else bs * width
     if kv.stride(2) != 1 or (bs > 1 and kv.stride(1) != width):
         raise ValueError(f"{name} must be contiguous inside a block (strides [*, {width}, 1]), got {kv.stride()}")
@@ -90,11 +93,17 @@ def cache_views(kv_cache: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.T
 
 def new_kv_cache(num_blocks: int, block_size: int, head_dim: int = 128, *, device="cpu", block_pad: int = 0,
                  four_d: bool = False) -> torch.Tensor:
-    """Allocate a zeroed cache ``[num_blocks, block_size, head_dim + 4]`` uint8.
+    """Allocate a zeroed cache ``[num_blocks, block_size, head_dim + 4]`` uint8 (``head_dim`` 64 or 128:
+    ``ValueError`` for any other, as every op would reject the cache).
 
     ``block_pad`` extra bytes per block (a multiple of 4) give a padded block stride, as when the cache is a
     view of a larger per-layer allocation; ``four_d`` returns the ``[nb, bs, 1, D + 4]`` shape.
     """
+    for name, v, lo in (("num_blocks", num_blocks, 0), ("block_size", block_size, 1), ("block_pad", block_pad, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS} (what every op reads), got {head_dim!r}")
     if block_pad % 4:
         raise ValueError(f"block_pad must be a multiple of 4, got {block_pad}")
     width = head_dim + 4

@@ -317,6 +317,43 @@ def pack_decode(seq_lens: torch.Tensor, decode_lens: torch.Tensor, next_n: int,
     return lim.to(torch.int32), pack_src.reshape(-1), unpack_src
 
 
+def _check_blocks_and_slots(seq: list[int], qry: list[int], bt: torch.Tensor, sm: torch.Tensor, bs: int,
+                            num_blocks: int | None) -> None:
+    """Host checks of the block ids and slots of one step (``bt``, ``sm``: CPU tensors): every block id a request
+    uses (its first ``ceil(seq_len / block_size)`` entries) is ``>= 0`` (and ``< num_blocks`` when given), and
+    every slot is -1 (no write) or the slot the block table gives the token's position (docs/spec.md §7): token
+    ``j`` of request ``i`` sits at position ``p = seq_len - query_len + j``, slot ``block_table[i, p // bs] * bs +
+    p % bs``. A slot anywhere else would write a key where no request reads it, or over another token's key."""
+    n_req = len(seq)
+    hi = bt.new_full((), torch.iinfo(torch.int32).max) if num_blocks is None else num_blocks
+    nblk = torch.tensor([(s + bs - 1) // bs for s in seq], dtype=torch.long)
+    used = torch.arange(bt.shape[1])[None, :] < nblk[:, None]
+    bad = used & ((bt < 0) | (bt >= hi))
+    if bool(bad.any()):
+        r, c = (int(x) for x in bad.nonzero()[0])
+        where = f"[0, num_blocks={num_blocks})" if num_blocks is not None else "[0, ...) (block ids are >= 0)"
+        raise ValueError(f"block_table[{r}, {c}] = {int(bt[r, c])} (a block request {r} uses) is outside {where}")
+    if not sm.numel():
+        return
+    if num_blocks is not None and int(sm.max()) >= num_blocks * bs:
+        t = int(sm.argmax())
+        raise ValueError(f"slot_mapping[{t}] = {int(sm[t])} >= num_blocks * block_size = {num_blocks * bs}")
+    q = torch.tensor(qry, dtype=torch.long)
+    req = torch.repeat_interleave(torch.arange(n_req), q)  # the request of each token
+    first = torch.cumsum(q, 0) - q
+    pos = torch.tensor(seq, dtype=torch.long)[req] - q[req] + (torch.arange(sm.numel()) - first[req])
+    want = bt[req, pos // bs].long() * bs + pos % bs
+    sm = sm.long()
+    bad = (sm != -1) & (sm != want)
+    if bool(bad.any()):
+        t = int(bad.nonzero()[0, 0])
+        r, p = int(req[t]), int(pos[t])
+        raise ValueError(
+            f"slot_mapping[{t}] = {int(sm[t])}, but token {t} is request {r}'s position {p}, whose slot is "
+            f"block_table[{r}, {p // bs}] * {bs} + {p % bs} = {int(want[t])} (or -1: no write): a key written "
+            "elsewhere is read by no request, or overwrites another token's key")
+
+
 def build_metadata(seq_lens, query_lens, block_table: torch.Tensor, slot_mapping: torch.Tensor,
                    limits: IndexerLimits, *, device: torch.device | str | None = None,
                    num_blocks: int | None = None, decode_width: int | None = None) -> IndexerMetadata:
@@ -327,7 +364,10 @@ def build_metadata(seq_lens, query_lens, block_table: torch.Tensor, slot_mapping
         query_lens: per request, this step's new tokens. Requests with ``query_len <= next_n`` are decode
             requests and must all come first (decode-first order, as the tokens).
         block_table: ``[num_reqs, max_blocks]`` int32, the requests' K-cache blocks.
-        slot_mapping: ``[sum(query_lens)]`` int64 cache slots of the new tokens (-1 = do not write).
+        slot_mapping: ``[sum(query_lens)]`` int64 (int32 accepted; the record keeps int64) cache slots of the new
+            tokens: -1 (do not write) or the slot the block table gives the token's position, checked on the host
+            whenever the values are there to read (``num_blocks`` given, or ``block_table`` and ``slot_mapping`` on
+            the CPU).
         limits: the engine's :class:`IndexerLimits` (``next_n``, caps of the prefill chunks, ``max_model_len``).
         device: where the metadata tensors live (default: ``block_table``'s device).
         num_blocks: the K cache's block count: every block id in use and every slot are checked against it, and
@@ -335,7 +375,18 @@ def build_metadata(seq_lens, query_lens, block_table: torch.Tensor, slot_mapping
             only for CPU caches (on a GPU that would synchronise); pass it.
         decode_width: columns of the decode logits (default and most ``limits.max_model_len``).
 
-    Raises ``ValueError`` on inconsistent input (naming the request) before producing anything.
+    Raises ``ValueError`` on inconsistent input (naming the request) before producing anything: every
+    ``query_len <= seq_len``, decode requests first, the limits (tokens, requests, ``max_model_len``, the block
+    table's width, ``decode_width``), and block ids and slots as above.
+
+    **One step only.** The record describes this step's lengths, windows and slots. Reusing it for the next
+    step is an error that nothing can detect when the new tensors have the same shapes (a decode step where every
+    request grew by one token): the windows stop one key short of the new token, and the step writes the new keys
+    into the previous step's slots, over the keys of the tokens there, so later steps read wrong keys: silent
+    wrong selection and a corrupted cache. Build the metadata anew every step; with CUDA graphs, copy the new
+    step's values into the captured metadata tensors (as the vLLM shim does). What the step can check cheaply it
+    does: the rows of ``q_fp8``, ``k`` and ``topk_out`` against the record's token count, the cache's block
+    count against ``num_blocks``, and every buffer the record's chunks and decode rows need.
     """
     seq = _ints("seq_lens", seq_lens)
     qry = _ints("query_lens", query_lens)
@@ -364,8 +415,11 @@ def build_metadata(seq_lens, query_lens, block_table: torch.Tensor, slot_mapping
                 f"request {i} (query_len {qry[i]} <= next_n {nn}) is a decode request after a prefill request: "
                 "order requests (and tokens) decode first"
             )
+    for i in range(n_req):
         if seq[i] < qry[i]:
-            raise ValueError(f"prefill request {i}: seq_len {seq[i]} < query_len {qry[i]}")
+            kind = "decode" if i < num_decodes else "prefill"
+            raise ValueError(f"{kind} request {i}: query_len {qry[i]} > seq_len {seq[i]} (seq_len counts the "
+                             "request's whole context, this step's tokens included)")
     if n_req > limits.max_num_seqs:
         raise ValueError(f"the step has {n_req} requests > max_num_seqs={limits.max_num_seqs} (the buffer plan "
                          "sizes the prefill key gather and the decode rows by it)")
@@ -381,17 +435,8 @@ def build_metadata(seq_lens, query_lens, block_table: torch.Tensor, slot_mapping
     if num_decodes and width < max(seq[:num_decodes]):
         raise ValueError(f"decode_width {width} < longest decode context {max(seq[:num_decodes])}")
 
-    if num_blocks is not None:
-        bt_host = block_table[:n_req].cpu()
-        used = torch.arange(bt_host.shape[1])[None, :] < torch.tensor(
-            [(s + bs - 1) // bs for s in seq], dtype=torch.long)[:, None]
-        bad = used & ((bt_host < 0) | (bt_host >= num_blocks))
-        if bool(bad.any()):
-            r, c = (int(x) for x in bad.nonzero()[0])
-            raise ValueError(f"block_table[{r}, {c}] = {int(bt_host[r, c])} is outside [0, num_blocks={num_blocks})")
-        sm = slot_mapping.cpu()
-        if num_tokens and int(sm.max()) >= num_blocks * bs:
-            raise ValueError(f"slot_mapping holds slot {int(sm.max())} >= num_blocks * block_size = {num_blocks * bs}")
+    if num_blocks is not None or (block_table.device.type == "cpu" and slot_mapping.device.type == "cpu"):
+        _check_blocks_and_slots(seq, qry, block_table[:n_req].cpu(), slot_mapping.cpu(), bs, num_blocks)
 
     num_decode_tokens = sum(qry[:num_decodes])
     bt = block_table.to(device)

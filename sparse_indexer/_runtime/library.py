@@ -94,10 +94,19 @@ def _fp8_mqa_logits(q: Tensor, k_fp8: Tensor, k_scale: Tensor, weights: Tensor, 
          clean=clean, **extra)
 
 
+def _paged_extra(indices, cache_fp8_dtype) -> dict:
+    """The optional arguments of the paged op that a call passes on only when set (the backends' defaults)."""
+    extra = {} if indices is None else {"indices": indices}
+    if cache_fp8_dtype is not None:
+        extra["cache_fp8_dtype"] = cache_fp8_dtype
+    return extra
+
+
 @torch.library.custom_op(f"{NAMESPACE}::fp8_paged_mqa_logits", mutates_args=("out",))
 def _fp8_paged_mqa_logits(q: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor, block_table: Tensor,
-                          out: Tensor, clean: bool, indices: Optional[Tensor] = None, *, backend: str) -> None:
-    extra = {} if indices is None else {"indices": indices}
+                          out: Tensor, clean: bool, indices: Optional[Tensor] = None,
+                          cache_fp8_dtype: Optional[torch.dtype] = None, *, backend: str) -> None:
+    extra = _paged_extra(indices, cache_fp8_dtype)
     _run("fp8_paged_mqa_logits", backend, q.device, q, kv_cache, weights, context_lens, block_table, out=out,
          clean=clean, **extra)
 
@@ -109,6 +118,7 @@ def _fp8_paged_mqa_logits(q: Tensor, kv_cache: Tensor, weights: Tensor, context_
 def _fp8_paged_mqa_logits_with_qk(q: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor,
                                   block_table: Tensor, out: Tensor, clean: bool, indices: Optional[Tensor],
                                   backend: str, qk: Tensor) -> None:
+    # (no cache_fp8_dtype: a call that mixes formats passes no qk, which only aiter's stage1 kernel reads)
     extra = {} if indices is None else {"indices": indices}
     _run("fp8_paged_mqa_logits", backend, q.device, q, kv_cache, weights, context_lens, block_table, out=out,
          clean=clean, qk=qk, **extra)
@@ -294,6 +304,6 @@ def call(name: str, backend: str | None, device: torch.device, *args, **kwargs) 
         return
     scratch = [k for k in _dispatch.OPTIONAL_SCRATCH if kwargs.get(k) is not None]
     target = f"{name}_with_{'_'.join(scratch)}" if scratch else name  # the op variant that mutates the scratch
-    if target == "fp8_paged_mqa_logits_with_qk" and "indices" not in kwargs:
-        kwargs["indices"] = None  # (a required argument there: a mutated qk must follow it, and backend)
+    if target == "fp8_paged_mqa_logits_with_qk":  # (required arguments there: a mutated qk must follow them)
+        kwargs.setdefault("indices", None)
     getattr(getattr(torch.ops, NAMESPACE), target)(*args, **kwargs, backend="auto" if backend is None else backend)

@@ -76,9 +76,9 @@ def worst_case_steps(limits: IndexerLimits) -> list[tuple[str, list[int], list[i
     - ``"prefill logits"``: a prefill whose first chunk has the most logits cells (absent when it is the same
       step); it fills ``logits`` unless the decode sub-batch is larger;
     - ``"decode"``: ``max_num_seqs`` decode requests of ``max_model_len`` context, as many tokens each as
-      ``max_num_batched_tokens`` allows up to ``next_n``, the last with one token when ``next_n > 1`` (a
-      non-uniform step, so the pack fields are used); its sub-batches fill the decode part of ``logits``,
-      ``qk`` and ``topk_scratch``.
+      ``max_num_batched_tokens`` allows up to ``min(next_n, max_model_len)``, the last with one token when
+      ``next_n > 1`` (a non-uniform step, so the pack fields are used); its sub-batches fill the decode part of
+      ``logits``, ``qk`` and ``topk_scratch``.
 
     No prefill step is listed when no request can be a prefill request (``max_num_batched_tokens`` or
     ``max_model_len`` at most ``next_n``). The steps go through :func:`sparse_indexer.build_metadata`, whose
@@ -94,7 +94,8 @@ def worst_case_steps(limits: IndexerLimits) -> list[tuple[str, list[int], list[i
         steps.append(("prefill logits", list(ext.logits_step[0]), list(ext.logits_step[1])))
     L, T, S, nn = limits.max_model_len, limits.max_num_batched_tokens, limits.max_num_seqs, limits.next_n
     extra = T - S  # tokens beyond one per request (T >= S)
-    qry = [1 + min(nn - 1, max(0, extra - i * (nn - 1))) for i in range(S)] if nn > 1 else [1] * S
+    most = max(1, min(nn, L))  # a request's new tokens are part of its context: query_len <= seq_len = L
+    qry = [1 + min(most - 1, max(0, extra - i * (most - 1))) for i in range(S)] if most > 1 else [1] * S
     if nn > 1 and qry[-1] == nn:
         qry[-1] = 1
     steps.append(("decode", [L] * S, qry))

@@ -113,7 +113,7 @@ def limits(**kw):
 @pytest.mark.parametrize("bs", [1, 16, 64])
 def test_mixed_decode_and_prefill(backend, bs):
     lim = limits(block_size=bs, next_n=1)
-    sc = Scenario([40, 7, 0, 100, 65], [1, 1, 1, 30, 65], lim=lim, seed=bs)
+    sc = Scenario([40, 7, 1, 100, 65], [1, 1, 1, 30, 65], lim=lim, seed=bs)
     md, sel = run_step(sc, backend)
     assert (md.num_decodes, md.num_prefills) == (3, 2)
     check_topk(sel, sc.model_scores(), lim.topk)

@@ -22,7 +22,7 @@ def check(sel, sc, bf16: bool):
 
 
 STEPS = {
-    "mixed": ([40, 7, 0, 100, 65], [1, 1, 1, 30, 65], 1, {}),
+    "mixed": ([40, 7, 1, 100, 65], [1, 1, 1, 30, 65], 1, {}),
     "nonuniform-next_n2": ([90, 50, 33, 200, 120], [2, 1, 2, 40, 30], 2, {}),
     "several-chunks": ([300, 260, 90, 150], [40, 60, 30, 50], 1, dict(max_logits_bytes=4 * 300 * 70)),
     "split-request": ([500, 120], [200, 40], 1, dict(max_logits_bytes=4 * 500 * 30)),

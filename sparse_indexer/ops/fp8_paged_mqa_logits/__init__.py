@@ -20,7 +20,7 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
                          out: torch.Tensor | None = None, clean: bool = True, backend: str | None = None,
                          check_values: bool | None = None, qk: torch.Tensor | None = None,
                          indices: torch.Tensor | None = None, logits_dtype: torch.dtype | None = None,
-                         _checked: bool = False) -> torch.Tensor:
+                         cache_fp8_dtype: torch.dtype | None = None, _checked: bool = False) -> torch.Tensor:
     """Score ``next_n`` query tokens of each of ``B`` requests against its cached keys.
 
     Row ``r = b * next_n + j`` holds key positions ``p < limit[r]`` (request-local, read through
@@ -30,7 +30,7 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     ``indices[b]``: variable tokens per request, one entry per token (``next_n = 1``, 1-D per-token lengths).
 
     Args:
-        q: ``[B, next_n, H, D]`` fp8 queries (the cache's format).
+        q: ``[B, next_n, H, D]`` fp8 queries: ``float8_e4m3fn`` unless ``cache_fp8_dtype`` says otherwise.
         kv_cache: ``[num_blocks, block_size, D + 4]`` (or 4-D) uint8 paged cache.
         weights: ``[B * next_n, H]`` float32.
         context_lens: ``[B]`` or ``[B, next_n]`` int32.
@@ -49,6 +49,12 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
         indices: optional ``[B]`` int32, entry ``b``'s block-table row (``0 <= indices[b] < num_requests``;
             checked with the other values).
         logits_dtype: dtype of an allocated ``out``; must match ``out`` when both are given.
+        cache_fp8_dtype: the FP8 format the cache's values were written in (``write_k_cache``'s ``fp8_dtype``);
+            ``None``: ``float8_e4m3fn``, and then ``q`` must be ``float8_e4m3fn`` too (``TypeError`` naming both
+            formats otherwise: the cache bytes carry no format, docs/spec.md §4). A format other than ``q``'s is an
+            explicit mix (e4m3fnuz queries against e4m3fn keys, as DeepSeek-V4 on gfx942): each operand is read
+            exactly in its own format; only the reference backend computes mixed formats today (the others raise
+            ``NotImplementedError``, so ``auto`` runs the reference).
 
     Returns:
         ``out``.
@@ -69,25 +75,29 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
         return out
     ts = (out, qk, q, kv_cache, weights, context_lens, block_table, indices)  # outputs first: _checks.Layouts
     if out is not None and _plain_eager():
-        proven, facts = _LAYOUTS.match(ts, logits_dtype)
+        proven, facts = _LAYOUTS.match(ts, (logits_dtype, cache_fp8_dtype))
         if proven and not kv_cache.storage_offset() & 3:
             # the layout of a call that passed every check below: only aliasing (matched), the cache's
             # alignment (above) and the values
-            dev, lay, capacity, next_n, cpu, memo = facts
+            dev, lay, capacity, next_n, cpu, mixed, memo = facts
             if C.values_wanted(check_values, cpu) and context_lens.numel():
                 _values(context_lens, block_table, indices, next_n, out.shape[1], capacity, lay)
             kw = {"out": out, "clean": bool(clean)}
+            if mixed is not None:
+                kw["cache_fp8_dtype"] = mixed
             if indices is not None:
                 kw["indices"] = indices
-            if qk is not None:
+            if qk is not None and mixed is None:  # (qk: aiter's stage1 only, which reads no mix)
                 kw["qk"] = qk
             _run("fp8_paged_mqa_logits", backend, dev,
                  (q, view_3d(kv_cache), weights, context_lens, block_table),
-                 kw, (out,) if qk is None else (out, qk), memo)
+                 kw, (out, qk) if "qk" in kw else (out,), memo)
             return out
     C.fp8("q", q, ndim=4, last_contiguous=True)
     b, next_n, h, d = q.shape
     dev = q.device
+    fmt = C.cache_format("q", q.dtype, cache_fp8_dtype)
+    mixed = fmt if fmt != q.dtype else None  # passed on only for a mix (the backends' format is q's otherwise)
     kv3 = as_3d(kv_cache)
     lay = cache_layout(kv3)
     C.tensor("kv_cache", kv_cache, device=dev)
@@ -115,13 +125,17 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     if C.want_value_checks(check_values, context_lens, block_table, indices) and context_lens.numel():
         _values(context_lens, block_table, indices, next_n, w, capacity, lay)
     extra = {} if indices is None else {"indices": indices}
+    if mixed is not None:
+        extra["cache_fp8_dtype"] = mixed
     if qk is not None:
         C.tensor("qk", qk, dtypes=torch.float32, device=dev, shape=(h, b * next_n, w), last_contiguous=True)
         C.no_alias("qk", qk, q=q, kv_cache=kv_cache, weights=weights, context_lens=context_lens,
                    block_table=block_table, logits_out=out, indices=indices)
-        extra["qk"] = qk
+        if mixed is None:  # (qk: aiter's stage1 only, which reads no mix)
+            extra["qk"] = qk
     if given and library.runs_directly(dev, ts):
-        _LAYOUTS.remember(ts, 2, logits_dtype, (dev, lay, capacity, next_n, dev.type == "cpu", {}))
+        _LAYOUTS.remember(ts, 2, (logits_dtype, cache_fp8_dtype), (dev, lay, capacity, next_n, dev.type == "cpu",
+                                                                   mixed, {}))
     library.call("fp8_paged_mqa_logits", backend, dev, q, kv3, weights, context_lens, block_table,
                  out=out, clean=bool(clean), **extra)
     return out

@@ -54,7 +54,7 @@ def mask_outside(out: torch.Tensor, limits: torch.Tensor) -> None:
 
 
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean, qk=None,
-                         indices=None) -> None:
+                         indices=None, cache_fp8_dtype=None) -> None:
     """See :func:`sparse_indexer.fp8_paged_mqa_logits`; ``kv_cache`` is the 3-D view, arguments checked.
 
     ``qk``: ``[H, B * next_n, W]`` float32 scratch (``Buffers.qk_view``), needed off gfx942/gfx950 only.
@@ -62,6 +62,8 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
     Triton). ``indices`` (row -> request map): the block-table rows are gathered first (``[B, max_blocks]``
     int32, a small allocation), since aiter takes one block-table row per query entry.
     """
+    if cache_fp8_dtype is not None and cache_fp8_dtype != q.dtype:
+        raise NotImplementedError(f"{q.dtype} queries against a {cache_fp8_dtype} cache (a declared mix of formats)")
     b, nn, h, _ = q.shape
     w = out.shape[1]
     if out.dtype != torch.float32:

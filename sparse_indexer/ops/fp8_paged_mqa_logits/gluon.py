@@ -574,7 +574,7 @@ def _plan(q, out, context_lens, block_table, next_n: int, b: int, cl_2d: bool, c
 
 
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean, indices=None,
-                         config=None) -> None:
+                         config=None, cache_fp8_dtype=None) -> None:
     """See :func:`sparse_indexer.fp8_paged_mqa_logits`; ``kv_cache`` is the 3-D view, arguments are checked.
 
     Handles ``H = 64``, ``D = 128``, ``block_size = 64``, ``next_n`` 1..4, float8_e4m3fn ``q`` (contiguous), a
@@ -583,6 +583,8 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
     overrides :data:`CONFIG` and :data:`CONFIG_BY_NEXT_N` (``STAGES``, ``CHUNK``, ``ctas_per_sm``, ``FILL_N``,
     ``maxnreg``, ``NCONS``, ``QBUF``, ``CONS_REGS``, ``PAIR``, ``DUO``, ``WIDE``, ``DIAG``); the plan is then not
     cached."""
+    if cache_fp8_dtype is not None and cache_fp8_dtype != q.dtype:
+        raise NotImplementedError(f"{q.dtype} queries against a {cache_fp8_dtype} cache (a declared mix of formats)")
     why = unsupported_reason(q, kv_cache, weights, context_lens, block_table, out, indices)
     if why is not None:
         raise NotImplementedError(why)
@@ -626,7 +628,8 @@ per call), which its 3% of device time repays only where the GPU, not the host, 
 (docs/benchmarks.md, "Gluon decode logits"). An explicit ``backend="gluon"`` always runs it."""
 
 
-def _auto_when(q, kv_cache, weights, context_lens, block_table, *, out, clean, indices=None, config=None) -> bool:
+def _auto_when(q, kv_cache, weights, context_lens, block_table, *, out, clean, indices=None, config=None,
+               cache_fp8_dtype=None) -> bool:
     """``auto`` takes this backend for this call (sparse_indexer/_runtime/dispatch.py): large problems only, shapes only
     (``q.numel() >> 13`` is ``B * next_n`` at the H = 64, D = 128 this kernel runs; other shapes it refuses)."""
     return (q.numel() >> 13) * block_table.shape[1] >= AUTO_MIN_KEY_BLOCKS

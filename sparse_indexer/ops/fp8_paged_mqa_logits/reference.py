@@ -22,17 +22,19 @@ def row_limits(context_lens: torch.Tensor, next_n: int) -> torch.Tensor:
     return lim.clamp(min=0)
 
 
-def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean, indices=None) -> None:
+def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean, indices=None,
+                         cache_fp8_dtype=None) -> None:
     """See :func:`sparse_indexer.fp8_paged_mqa_logits`; ``kv_cache`` is the 3-D view, arguments are checked.
     Scores are float32; a bfloat16 ``out`` receives them rounded once. ``indices``: entry ``b`` reads
-    block-table row ``indices[b]``."""
+    block-table row ``indices[b]``. ``cache_fp8_dtype``: the cache's values are read in this format (default:
+    ``q``'s), each operand upcast exactly from its own format."""
     b, next_n, h, d = q.shape
     w = out.shape[1]
     if b == 0 or w == 0:
         return
     if indices is not None:
         block_table = block_table.index_select(0, indices.long())
-    values, scales = cache_views(kv_cache, q.dtype)
+    values, scales = cache_views(kv_cache, q.dtype if cache_fp8_dtype is None else cache_fp8_dtype)
     nb, bs, _ = values.shape
     max_blocks = block_table.shape[1]
     lim = row_limits(context_lens, next_n).view(b, next_n, 1)

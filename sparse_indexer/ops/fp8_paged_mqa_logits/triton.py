@@ -325,10 +325,12 @@ def _plan(args, q, context_lens, next_n: int, h: int, d: int, bs: int, b: int, c
 
 
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean, indices=None,
-                         config=None) -> None:
+                         config=None, cache_fp8_dtype=None) -> None:
     """See :func:`sparse_indexer.fp8_paged_mqa_logits`; ``kv_cache`` is the 3-D view, arguments are checked.
     ``config`` overrides :data:`CONFIG` (then nothing is cached). ``out`` float32 or bfloat16 (converted once, at
     the store); ``indices``: entry ``b`` reads block-table row ``indices[b]``."""
+    if cache_fp8_dtype is not None and cache_fp8_dtype != q.dtype:
+        raise NotImplementedError(f"{q.dtype} queries against a {cache_fp8_dtype} cache (a declared mix of formats)")
     b, next_n, h, d = q.shape
     nb, bs, width = kv_cache.shape
     w = out.shape[1]

@@ -15,7 +15,8 @@ _HOST_LIST_ROWS = 64  # value checks of up to this many requests read cu_seq_len
 
 def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torch.Tensor, *,
                    out_k: torch.Tensor, out_scale: torch.Tensor, backend: str | None = None,
-                   check_values: bool | None = None, _checked: bool = False) -> None:
+                   check_values: bool | None = None, cache_fp8_dtype: torch.dtype | None = None,
+                   _checked: bool = False) -> None:
     """Gather the keys of ``R`` requests, concatenated, into ``out_k[:cu_seq_lens[R]]`` / ``out_scale``.
 
     Args:
@@ -23,12 +24,16 @@ def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_len
         block_table: ``[R, max_blocks]`` int32, block ids of each request.
         cu_seq_lens: ``[R + 1]`` int32, non-decreasing, ``cu_seq_lens[0] == 0``; request r owns output rows
             ``[cu_seq_lens[r], cu_seq_lens[r + 1])``.
-        out_k: ``[N, D]`` fp8 (the cache's format), ``N >= cu_seq_lens[R]``; rows beyond are not touched.
+        out_k: ``[N, D]`` fp8 in the cache's format (the bytes are copied), ``N >= cu_seq_lens[R]``; rows beyond
+            are not touched.
         out_scale: ``[N]`` float32.
         backend: ``None``/``"auto"`` (the best backend available on the device; the next one when it raises
             ``NotImplementedError`` for the case) or a backend's name (``sparse_indexer.backends.names()``).
         check_values: check ``cu_seq_lens`` and the block ids against ``block_table`` and the cache (reads
             device values: a sync on a GPU); default: on the CPU only.
+        cache_fp8_dtype: the FP8 format the cache was written in (``write_k_cache``'s ``fp8_dtype``); ``None``:
+            ``float8_e4m3fn``. ``out_k`` must be in that format (``TypeError`` naming both otherwise: the cache bytes
+            carry no format, docs/spec.md §4); convert afterwards with :func:`sparse_indexer.fn_to_fnuz`.
         _checked: for :func:`sparse_indexer.sparse_attn_indexer` alone (see :func:`sparse_indexer.top_k_per_row`).
     """
     if _checked:
@@ -37,7 +42,7 @@ def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_len
         return
     ts = (out_k, out_scale, kv_cache, block_table, cu_seq_lens)  # (outputs first: _checks.Layouts)
     if _plain_eager():
-        proven, facts = _LAYOUTS.match(ts)
+        proven, facts = _LAYOUTS.match(ts, cache_fp8_dtype)
         if proven and not kv_cache.storage_offset() & 3:
             # the layout of a call that passed every check below: only aliasing (matched), the cache's
             # alignment (above) and the values
@@ -55,6 +60,10 @@ def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_len
     r = block_table.shape[0]
     C.tensor("cu_seq_lens", cu_seq_lens, dtypes=C.INDEX_DTYPES, device=dev, shape=(r + 1,), contiguous=True)
     C.fp8("out_k", out_k, ndim=2, device=dev, shape=(None, lay.head_dim), contiguous=True)
+    fmt = C.cache_format("out_k", out_k.dtype, cache_fp8_dtype)
+    if fmt != out_k.dtype:
+        raise TypeError(f"out_k is {out_k.dtype} but the cache holds {fmt}: gather_k_cache copies the cache's bytes, "
+                        "so out_k must be in the cache's format (convert afterwards: sparse_indexer.fn_to_fnuz)")
     C.tensor("out_scale", out_scale, dtypes=torch.float32, device=dev, shape=(out_k.shape[0],), contiguous=True)
     C.no_alias("out_k", out_k, kv_cache=kv_cache, block_table=block_table, cu_seq_lens=cu_seq_lens,
                out_scale=out_scale)
@@ -62,7 +71,7 @@ def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_len
     if C.want_value_checks(check_values, block_table, cu_seq_lens):
         _check_values(block_table, cu_seq_lens, out_k.shape[0], lay)
     if library.runs_directly(dev, ts):
-        _LAYOUTS.remember(ts, 2, extra=(dev, lay, dev.type == "cpu", {}))
+        _LAYOUTS.remember(ts, 2, cache_fp8_dtype, (dev, lay, dev.type == "cpu", {}))
     library.call("gather_k_cache", backend, dev, kv3, block_table, cu_seq_lens, out_k=out_k, out_scale=out_scale)
 
 

@@ -74,14 +74,17 @@ def _write_k_cache_kernel(
     d = tl.arange(0, D)
     x = tl.load(k_ptr + t.to(tl.int64)[:, None] * stride_k + d[None, :], mask=ok[:, None], other=0.0)
     x = x.to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
+    amax = tl.max(tl.abs(x), axis=1)  # (max ignores NaN: a row with one is marked below, docs/spec.md §3)
+    has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
     scale = tl.math.div_rn(tl.maximum(amax, FLOOR), tl.full(amax.shape, QMAX, tl.float32))
     if UE8M0:
         bits = scale.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFFFF) & 0xFF800000
+        bits = (bits + 0x7FFFFF) & 0xFF800000  # (+inf stays +inf)
         scale = bits.to(tl.float32, bitcast=True)
+    scale = tl.where(has_nan, float("nan"), scale)
     q = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-    q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
+    is_nan = q != q  # the whole row of a NaN, and inf / inf
+    q = tl.minimum(tl.maximum(q, -QMAX), QMAX)  # (min/max drop NaN: is_nan restores it)
     if FNUZ:
         q = q * 2.0  # the fnuz byte of v is the fn byte of 2v (except -0, which fnuz lacks)
     if SOFT_FP8:
@@ -90,6 +93,9 @@ def _write_k_cache_kernel(
         qb = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     if FNUZ:
         qb = tl.where(qb == 0x80, tl.zeros_like(qb), qb)
+        qb = tl.where(is_nan, tl.full(qb.shape, 0x80, tl.uint8), qb)  # e4m3fnuz's only NaN
+    else:
+        qb = tl.where(is_nan, tl.full(qb.shape, 0x7F, tl.uint8), qb)  # e4m3fn's NaN, sign clear
     blk = slot // BS
     off = slot - blk * BS
     base = blk * block_stride

@@ -58,7 +58,7 @@ def _run(backend, case, q, w, context_lens, width, clean, fill=float("nan")):
     rows = q.shape[0] * q.shape[1]
     out = torch.full((rows, width), fill)
     res = fp8_paged_mqa_logits(q, case.kv, w, context_lens, case.block_table, out=out, clean=clean,
-                               backend=backend)
+                               backend=backend, cache_fp8_dtype=q.dtype)  # the format paged_case wrote
     assert res is out
     return out
 

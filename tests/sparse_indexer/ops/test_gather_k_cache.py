@@ -44,7 +44,8 @@ def test_hand_computed(backend):
     bt = int32([[2, 0], [1, 1]])
     cu = int32([0, 3, 4])
     out_k, out_s = _outs(6, 64, torch.float8_e4m3fn)
-    gather_k_cache(kv, bt, cu, out_k=out_k, out_scale=out_s, backend=backend)
+    gather_k_cache(kv, bt, cu, out_k=out_k, out_scale=out_s, backend=backend,
+                  cache_fp8_dtype=out_k.dtype)
     # request 0: slots 4, 5 (block 2) then 0 (block 0); request 1: slot 2 (block 1, offset 0)
     assert out_s.tolist() == [5.0, 6.0, 1.0, 3.0, SENTINEL_SCALE, SENTINEL_SCALE]
     assert torch.equal(out_k[:4].view(torch.uint8), codes[[4, 5, 0, 2]])
@@ -66,14 +67,16 @@ def test_matches_oracle(backend, lens, d, bs, pad, four_d, dt, extra, seed):
     assume(supported(backend, dt))
     case = paged_case(gen(seed), lens, bs, d, dt, pad=pad, four_d=four_d, pow2_scales=False)
     out_k, out_s = _outs(sum(lens) + extra, d, dt)
-    gather_k_cache(case.kv, case.block_table, case.cu_seq_lens, out_k=out_k, out_scale=out_s, backend=backend)
+    gather_k_cache(case.kv, case.block_table, case.cu_seq_lens, out_k=out_k, out_scale=out_s, backend=backend,
+                  cache_fp8_dtype=out_k.dtype)
     _check(case, out_k, out_s)
 
 
 def test_junk_in_unused_block_table_entries(backend):
     case = paged_case(gen(5), [17, 0, 33, 16], 16, 128, torch.float8_e4m3fn, spare_cols=2, junk_unused=True)
     out_k, out_s = _outs(80, 128, torch.float8_e4m3fn)
-    gather_k_cache(case.kv, case.block_table, case.cu_seq_lens, out_k=out_k, out_scale=out_s, backend=backend)
+    gather_k_cache(case.kv, case.block_table, case.cu_seq_lens, out_k=out_k, out_scale=out_s, backend=backend,
+                  cache_fp8_dtype=out_k.dtype)
     _check(case, out_k, out_s)
 
 
@@ -84,7 +87,8 @@ def test_workspace_views_of_one_arena(backend):
     out_k = arena[: 64 * 64].view(torch.float8_e4m3fn).view(64, 64)
     out_s = arena[64 * 64 + 256 :].view(torch.float32)
     out_s.fill_(SENTINEL_SCALE)
-    gather_k_cache(case.kv, case.block_table, case.cu_seq_lens, out_k=out_k, out_scale=out_s, backend=backend)
+    gather_k_cache(case.kv, case.block_table, case.cu_seq_lens, out_k=out_k, out_scale=out_s, backend=backend,
+                  cache_fp8_dtype=out_k.dtype)
     _check(case, out_k, out_s)
     assert bool((arena[64 * 64 : 64 * 64 + 256] == SENTINEL_BYTE).all())
 

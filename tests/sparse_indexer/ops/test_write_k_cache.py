@@ -5,7 +5,7 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from sparse_indexer import write_k_cache
+from sparse_indexer import cache_views, write_k_cache
 from tests import oracle
 from tests.cases import (
     FP8,
@@ -186,3 +186,30 @@ def test_nothing_written_on_error_snapshots(backend):
     with pytest.raises(ValueError, match=r"slot_mapping\[2\]"):
         write_k_cache(k, kv, torch.tensor([0, 1, 99, 2]), backend=backend)
     assert torch.equal(storage_snapshot(kv), before[0])
+
+
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", None])
+@pytest.mark.parametrize("dt", FP8, ids=FP8_IDS)
+def test_non_finite_rows(backend, dt, scale_fmt):
+    """docs/spec.md §3: a row with a NaN stores scale NaN and NaN values; a row whose amax is infinite stores scale
+    +inf, NaN at the infinite entries and 0 elsewhere; every NaN is one byte (0x7F e4m3fn, 0x80 e4m3fnuz)."""
+    skip_unsupported(backend, dt)
+    k = torch.randn(4, 64, generator=gen(21))
+    k[0, 3] = float("nan")
+    k[1, 7] = float("inf")
+    k[2, 1] = float("-inf")
+    kv = empty_cache(2, 4, 64)
+    write_k_cache(k, kv, torch.arange(4), backend=backend, scale_fmt=scale_fmt, fp8_dtype=dt)
+    values, scales = (x[0] for x in cache_views(kv, dt))
+    nan_byte = 0x7F if dt == torch.float8_e4m3fn else 0x80
+    raw = values.view(torch.uint8)
+    assert scales[0].isnan() and bool((raw[0] == nan_byte).all())
+    for row, col in ((1, 7), (2, 1)):
+        assert scales[row] == float("inf")
+        assert int(raw[row, col]) == nan_byte
+        others = torch.cat([values[row, :col], values[row, col + 1:]]).float()
+        assert bool((others == 0).all())
+    assert bool(torch.isfinite(scales[3])) and bool(torch.isfinite(values[3].float()).all())
+    want = empty_cache(2, 4, 64)
+    write_k_cache(k, want, torch.arange(4), backend="reference", scale_fmt=scale_fmt, fp8_dtype=dt)
+    assert torch.equal(kv, want), "bytes differ from the reference backend"
