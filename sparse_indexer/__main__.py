@@ -4,8 +4,9 @@
 - ``check``: a self-check of every backend available on a device against the reference (run it first on new
   hardware); exit status 1 on any mismatch.
 - ``plan``: the buffer plan for engine limits, beside what vLLM's rules reserve for the same limits.
-- ``bench``: the GPU benchmark of every op and backend against the hardware floors; ``bench --host``: host time
-  per eager call of every op and step (``sparse_indexer/commands/bench_host.py``).
+- ``bench``: the GPU benchmark of every op and backend against the hardware floors (``--device`` auto: the GPU
+  when one is visible, else the CPU; ``--smoke``: a quick run); ``bench --host``: host time per eager call of
+  every op and step (``sparse_indexer/commands/bench_host.py``).
 """
 
 from __future__ import annotations
@@ -36,13 +37,18 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_arguments(sub.add_parser("check", help="self-check: every backend on a device against the reference",
                                        description=check.__doc__,
                                        formatter_class=argparse.RawDescriptionHelpFormatter))
-    _plan_args(sub.add_parser("plan", help="buffer plan for engine limits vs vLLM's reservations"))
+    from .commands import plan
+
+    _plan_args(sub.add_parser("plan", help="buffer plan for engine limits vs vLLM's reservations",
+                              description=plan.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     try:
         from .commands import bench
     except ImportError as e:  # pragma: no cover - bench is optional at import time
         bench = None
         bench_err = e
-    bp = sub.add_parser("bench", help="GPU benchmark of every op and backend")
+    bp = sub.add_parser("bench", help="GPU benchmark of every op and backend (--smoke: a quick run, also on the CPU)",
+                        description=bench.__doc__ if bench is not None else None,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     if bench is not None:
         bench.add_arguments(bp)
     else:

@@ -28,14 +28,19 @@ measured in the same run (a device-to-device copy for bandwidth, an FP8 ``torch.
 and a spot check of the output against the reference backend on a subset of rows. The table goes to stdout;
 ``--out`` receives ``results.md``, ``results.json`` and ``results.png`` (matplotlib, when installed).
 
-``--smoke`` uses tiny shapes and also runs on the CPU (``time.perf_counter``, no L2 flush).
+``--device`` defaults to ``auto``: the GPU when one is visible, else the CPU (the first line says which). ``--smoke``
+uses tiny shapes and also runs on the CPU (``time.perf_counter``, no L2 flush); it is a quick run (seconds for the
+case table, under a minute for each sweep on a 2-core CPU): iterations, warmup and reference iterations default
+to their minimum (:data:`SMOKE_TIMING`) unless given. On a device without CUDA graphs (the CPU) the decode step's
+CUDA-graph cases are left out (said once); they need a CUDA device.
 
 ``--sweep topk|logits`` runs a kernel sweep instead of the case table, on the same timer and floors
 (:data:`SWEEPS`: ``ops/top_k_per_row/sweep.py``: the CUDA top-k's launch configurations checked and timed beside
 Triton, vLLM's kernels and ``torch.topk``, and the decode step; ``ops/fp8_paged_mqa_logits/sweep.py``: the Triton
 logits kernels checked against float64 and their configurations timed); ``--sections`` picks parts of it,
 ``--configs`` the top-k launch configurations. It writes ``sweep-<name>.md`` and ``sweep-<name>.json`` to
-``--out``.
+``--out``. On the CPU the logits sweep runs the Triton kernels in Triton's interpreter (``TRITON_INTERPRET=1`` is
+set for the process, as ``check`` does).
 """
 
 from __future__ import annotations
@@ -67,8 +72,9 @@ from ..ops.top_k_per_row import sweep as topk_sweep
 from ..ops.write_k_cache import bench as write_cases
 from ..testing import capture_cuda_graph
 from .bench_cases import LOGITS_RTOL, Case, CaseSpec, Ctx, SweepEnv, k_str, spread, topk_verdict
+from .cli import UsageError, auto_device_note, resolve_device, use_triton_interpreter
 
-__all__ = ["SWEEPS", "CaseSpec", "add_arguments", "case_specs", "run"]
+__all__ = ["SWEEPS", "CaseSpec", "add_arguments", "case_specs", "run", "timing_options"]
 
 GROUPS = ("decode", "prefill", "topk", "step", "cache")
 CASE_OPS = {"decode": "fp8_paged_mqa_logits", "prefill": "fp8_mqa_logits", "topk": "top_k_per_row",
@@ -81,19 +87,24 @@ SWEEPS = {"topk": topk_sweep, "logits": logits_sweep}
 """The kernel sweeps of ``--sweep NAME`` (each ``run(SweepEnv) -> (rows, results)``, ``SECTIONS``)."""
 TOPK_DISTRIBUTIONS = topk_cases.TOPK_DISTRIBUTIONS
 L2_FLUSH_BYTES = 256 << 20
+TIMING = dict(iters=30, warmup=5, ref_iters=3)
+"""``--iters``, ``--warmup`` and ``--ref-iters`` by default."""
+SMOKE_TIMING = dict(iters=1, warmup=0, ref_iters=1)
+"""The same under ``--smoke``, unless given: the fewest that run every row once (a quick check of the bench)."""
+GRAPHS_NEED_CUDA = "the decode step's CUDA-graph cases are left out: CUDA graphs need a CUDA device"
 
 
 # --------------------------------------------------------------------------------------------- cases
 
 
-def case_specs(smoke: bool = False) -> list[CaseSpec]:
+def case_specs(smoke: bool = False, graphs: bool = True) -> list[CaseSpec]:
     """The cases of a full run (or of ``--smoke``), in run order: each op's (from ``ops/<op>/bench.py``) and the
-    decode step's."""
+    decode step's (eager, and replayed from a CUDA graph unless ``graphs`` is false)."""
     step = ([(2, 1, 4096), (2, 2, 4096)] if smoke else
             [(64, 1, 65536), (64, 2, 65536), (256, 1, 16384), (1, 1, 65536), (4, 1, 65536), (16, 1, 65536)])
     steps = [CaseSpec("step", f"step-{how}-{b}x{n}x{k_str(seq)}", f"step ({how}) B={b} next_n={n} L={seq}",
                       dict(B=b, next_n=n, L=seq, graph=graph))
-             for graph, how in ((False, "eager"), (True, "graph")) for b, n, seq in step]
+             for graph, how in ((False, "eager"), (True, "graph")) for b, n, seq in step if graphs or not graph]
     specs = []
     for group in GROUPS:
         if group == "step":
@@ -301,10 +312,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", default=None,
                         help=f"comma-separated subset of {','.join(_registry.names())}; default: all "
                              "(unavailable ones show as n/a with the reason)")
-    parser.add_argument("--iters", type=int, default=30, help="timed iterations per row (default 30)")
-    parser.add_argument("--warmup", type=int, default=5, help="warmup calls per row (default 5)")
-    parser.add_argument("--ref-iters", type=int, default=3,
-                        help="timed iterations for the (slow) reference backend (default 3, 1 warmup)")
+    smoke = "{} under --smoke"
+    parser.add_argument("--iters", type=int, default=None,
+                        help=f"timed iterations per row (default {TIMING['iters']}; "
+                             f"{smoke.format(SMOKE_TIMING['iters'])})")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help=f"warmup calls per row (default {TIMING['warmup']}; "
+                             f"{smoke.format(SMOKE_TIMING['warmup'])})")
+    parser.add_argument("--ref-iters", type=int, default=None,
+                        help=f"timed iterations for the (slow) reference backend, at most --iters (default "
+                             f"{TIMING['ref_iters']}, 1 warmup; {smoke.format(SMOKE_TIMING['ref_iters'])}, no warmup)")
     parser.add_argument("--skip-reference", action="store_true",
                         help="do not time the reference backend (it still serves the correctness checks)")
     parser.add_argument("--no-check", action="store_true", help="skip the correctness spot checks")
@@ -313,10 +330,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "as triton's do_bench; leaves dirty lines the op writes back) or read (a 256 MiB read: "
                              "L2 left clean)")
     parser.add_argument("--out", default="bench-out", help="output directory (default bench-out/)")
-    parser.add_argument("--device", default="cuda", help="device to run on (default cuda)")
+    parser.add_argument("--device", default="auto",
+                        help="device to run on: auto (a GPU when one is visible, else the CPU; the first line says "
+                             "which), cpu, cuda or cuda:N (default auto)")
     parser.add_argument("--smoke", action="store_true",
-                        help="tiny shapes (decode B=2 L=256, prefill 64x256, top-k 4x4096 topk 256, cache 1K "
-                             "tokens); also runs on the CPU")
+                        help="a quick run: tiny shapes (decode B=2 L=256, prefill 64x256, top-k 4x4096 topk 256, "
+                             "cache 1K tokens) and the fewest iterations unless given (--iters 1 --warmup 0 "
+                             "--ref-iters 1; --host-iters 20); also runs on the CPU")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--anchors", default=None,
                         help="folder holding vllm_topk.py (vLLM's CUDA top-k kernels, a measuring instrument): "
@@ -405,11 +425,13 @@ def _load_anchors(folder: str):
 
 
 def _resolve_device(name: str) -> torch.device:
-    """``--device``: a CUDA device must be there (made current, with its index); ``ValueError`` otherwise."""
-    device = torch.device(name)
+    """``--device``: ``auto`` (a GPU when one is visible, else the CPU) or a device that is there (a CUDA one made
+    current, with its index); ``ValueError`` otherwise."""
+    try:
+        device = resolve_device(name)
+    except UsageError as e:
+        raise ValueError(str(e)) from None
     if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda but torch.cuda.is_available() is False (try --smoke --device cpu)")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
@@ -427,6 +449,15 @@ def _backend_list(names: str | None) -> list[str]:
     return [b for b in known if b in want]
 
 
+def timing_options(args: argparse.Namespace) -> dict:
+    """``iters``, ``warmup`` and ``ref_iters`` (at most ``iters``) of ``args``: each as given, else
+    :data:`SMOKE_TIMING`'s under ``--smoke`` and :data:`TIMING`'s otherwise."""
+    defaults = SMOKE_TIMING if getattr(args, "smoke", False) else TIMING
+    out = {k: int(v) if (v := getattr(args, k, None)) is not None else defaults[k] for k in TIMING}
+    out["ref_iters"] = min(out["iters"], out["ref_iters"])
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args`` (see :func:`add_arguments`). Returns 0 when every check
     passed and every available backend ran, 1 otherwise, 2 on a usage error."""
@@ -435,17 +466,24 @@ def run(args: argparse.Namespace) -> int:
 
         return bench_host.run(args)
     opt = lambda name, default: getattr(args, name, default)
-    smoke, iters, warmup = bool(opt("smoke", False)), int(opt("iters", 30)), int(opt("warmup", 5))
-    ref_iters = min(iters, int(opt("ref_iters", 3)))
+    smoke = bool(opt("smoke", False))
+    timing = timing_options(args)
+    iters, warmup, ref_iters = timing["iters"], timing["warmup"], timing["ref_iters"]
     skip_ref, no_check = bool(opt("skip_reference", False)), bool(opt("no_check", False))
+    device_name = opt("device", None) or "auto"
     try:
-        device = _resolve_device(opt("device", "cuda"))
+        device = _resolve_device(device_name)
         specs = _select(case_specs(smoke), opt("cases", None))
         backends = _backend_list(opt("backends", None))
         sweep, sections = _sweep_options(opt("sweep", None), opt("sections", None), opt("configs", None))
+        left_out = [s for s in specs if s.params.get("graph")] if device.type != "cuda" and sweep is None else []
+        specs = [s for s in specs if s not in left_out]
+        if left_out and not specs:
+            raise ValueError(f"--cases: {GRAPHS_NEED_CUDA}, and nothing else was asked for")
     except (ValueError, RuntimeError) as e:
         print(f"bench: {e}", file=sys.stderr)
         return 2
+    interpreter = use_triton_interpreter(device) if sweep == "logits" else None  # before triton is imported
     reasons = {b: why for b in backends if (why := unavailable_reason(b, device)) is not None}
     anchor_mod = None
     if opt("anchors", None):
@@ -461,13 +499,22 @@ def run(args: argparse.Namespace) -> int:
                 triton=_version("triton"), aiter=_version("aiter"), hip=torch.version.hip,
                 cuda=torch.version.cuda,
                 fp8=fp8_name(ctx.fp8), heads=ctx.heads, head_dim=ctx.head_dim, block_size=ctx.block_size,
-                iters=iters, warmup=warmup, ref_iters=ref_iters, smoke=smoke, skip_reference=skip_ref,
+                iters=iters, warmup=warmup, ref_iters=ref_iters, ref_warmup=min(warmup, 1), smoke=smoke,
+                skip_reference=skip_ref, device_choice=auto_device_note(device_name, device),
+                left_out=GRAPHS_NEED_CUDA if left_out else None,
                 timing=(f"CUDA events around the op, L2 flushed ({L2_FLUSHES[timer.method]}) before each "
                         "iteration" if timer.gpu else "time.perf_counter around the op, no L2 flush (CPU)"),
                 command=_command_line(), unavailable=reasons,
                 started=time.strftime("%Y-%m-%d %H:%M:%S"))
-    print(f"sparse-indexer bench on {meta['device']} ({device}), torch {meta['torch']}, "
-          f"triton {meta['triton']}", flush=True)
+    print(f"sparse-indexer bench on {meta['device_choice']}: {meta['device']}, torch {meta['torch']}, "
+          f"triton {meta['triton']}; per row {iters} timed iteration{'s' * (iters != 1)} after {warmup} warmup"
+          + (" (--smoke)" if smoke else ""), flush=True)
+    if interpreter:
+        print(f"  {interpreter}", flush=True)
+    if device.type != "cuda" and not smoke:
+        print("  note: the full shapes on the CPU take long (--smoke: tiny shapes, a quick run)", flush=True)
+    if left_out:
+        print(f"  {GRAPHS_NEED_CUDA}", flush=True)
     for b, why in reasons.items():
         print(f"  {b}: n/a ({why})", flush=True)
     print("measuring floors ...", end=" ", flush=True)
@@ -736,8 +783,10 @@ def format_markdown(meta: dict, floors: dict, rows: list[dict]) -> str:
         f"- shapes: H={meta['heads']}, D={meta['head_dim']}, block_size={meta['block_size']}, "
         f"fp8 {meta['fp8']}" + (" (--smoke)" if meta["smoke"] else ""),
         f"- timing: median of {meta['iters']} iterations after {meta['warmup']} warmup (reference backend: "
-        f"{meta['ref_iters']} after 1); {meta['timing']}",
+        f"{meta['ref_iters']} after {meta.get('ref_warmup', 1)}); {meta['timing']}",
     ]
+    if meta.get("left_out"):
+        lines.append(f"- {meta['left_out']}")
     for name, f in floors.items():
         lines.append(f"- {name} floor: " + _floor_str(f))
     lines += [

@@ -374,16 +374,49 @@ def format_markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+HOST_ITERS, SMOKE_HOST_ITERS = 300, 20
+"""``--host-iters`` by default, and under ``--smoke`` (a quick run: a few seconds on the CPU)."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", action="store_true",
                         help="host time per eager call of every op and step (sparse_indexer/commands/bench_host.py)")
-    parser.add_argument("--host-iters", type=int, default=300, help="timed calls per row of --host (default 300)")
+    parser.add_argument("--host-iters", type=int, default=None,
+                        help=f"timed calls per row of --host (default {HOST_ITERS}; {SMOKE_HOST_ITERS} under --smoke)")
     parser.add_argument("--host-cpu", type=int, default=None, metavar="N",
-                        help="--host: pin the process (every thread) to logical CPU N first (Linux; default: not "
-                             "pinned). Start the process there too (taskset -c N python -m sparse_indexer bench "
-                             "--host --host-cpu N): a process pinned only here, after torch's import placed its "
-                             "memory, ran 1.5-1.7x slower in about half the runs on the H200's host; unpinned runs "
-                             "differed by up to 1.5x, processes started under taskset by ~5%%")
+                        help="--host: pin the process (every thread) to logical CPU N first, one of the CPUs this "
+                             "process may run on (os.sched_getaffinity; Linux; default: not pinned). Start the "
+                             "process there too (taskset -c N python -m sparse_indexer bench --host --host-cpu N): "
+                             "a process pinned only here, after torch's import placed its memory, ran 1.5-1.7x "
+                             "slower in about half the runs on the H200's host; unpinned runs differed by up to "
+                             "1.5x, processes started under taskset by ~5%%")
+
+
+def cpu_list(cpus) -> str:
+    """``{0, 1, 2, 5}`` -> ``"0-2,5"`` (as ``taskset -c`` takes them)."""
+    out, run = [], []
+    for c in sorted(cpus):
+        if run and c == run[-1] + 1:
+            run.append(c)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [c]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
+def check_host_cpu(cpu: int) -> str | None:
+    """``None`` when ``--host-cpu cpu`` can be used here, else a one-line error naming the CPUs this process may
+    run on (``os.sched_getaffinity``)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return "--host-cpu needs os.sched_setaffinity (Linux)"
+    allowed = os.sched_getaffinity(0)
+    if cpu not in allowed:
+        return (f"cannot pin to CPU {cpu} (--host-cpu): this process may run on CPU {cpu_list(allowed)} only "
+                f"(os.sched_getaffinity)")
+    return None
 
 
 def _pin_process(cpu: int) -> None:
@@ -403,25 +436,35 @@ def _pin_process(cpu: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``bench --host``: uses ``--device`` (default cuda; the CPU runs the reference backend), ``--backends``
-    (the first one; default auto) and ``--out``."""
-    device = torch.device(getattr(args, "device", "cuda"))
+    """``bench --host``: uses ``--device`` (default auto: cuda when a GPU is visible, else the CPU, which runs the
+    reference backend), ``--backends`` (the first one; default auto), ``--host-iters`` (fewer under ``--smoke``)
+    and ``--out``. A CPU ``--host-cpu`` cannot use and a device that is not there are one line on stderr, exit 2."""
+    from .cli import UsageError, auto_device_note, resolve_device
+
+    cpu = getattr(args, "host_cpu", None)
+    if cpu is not None and (why := check_host_cpu(cpu)) is not None:
+        print(f"bench --host: {why}", file=sys.stderr)
+        return 2
+    name = getattr(args, "device", None) or "auto"
+    try:
+        device = resolve_device(name)
+    except UsageError as e:
+        print(f"bench --host: {e}", file=sys.stderr)
+        return 2
     if device.type == "cuda":
-        if not torch.cuda.is_available():
-            print("bench --host: --device cuda but CUDA is not available (try --device cpu)", file=sys.stderr)
-            return 2
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     names = getattr(args, "backends", None)
     backend = names.split(",")[0].strip() if names else None
+    iters = getattr(args, "host_iters", None)
+    iters = iters if iters is not None else SMOKE_HOST_ITERS if getattr(args, "smoke", False) else HOST_ITERS
+    print(f"sparse-indexer bench --host on {auto_device_note(name, device)}, backend {backend or 'auto'}, "
+          f"{iters} timed calls per row", flush=True)
     if device.type == "cpu":
         torch.set_num_threads(1)  # tiny ops: no thread pool wake-ups in the measured time
-    cpu = getattr(args, "host_cpu", None)
+    started_there = None
     if cpu is not None:
-        if not hasattr(os, "sched_setaffinity"):
-            print("bench --host: --host-cpu needs os.sched_setaffinity (Linux)", file=sys.stderr)
-            return 2
         started_there = os.sched_getaffinity(0) == {cpu}
         try:
             _pin_process(cpu)
@@ -433,7 +476,7 @@ def run(args: argparse.Namespace) -> int:
                   f"before may sit on another NUMA node (about half such runs were 1.5x slower on the H200's "
                   f"host): start the process with `taskset -c {cpu}` for stable numbers", file=sys.stderr)
     try:
-        r = measure(device, backend, iters=getattr(args, "host_iters", 300))
+        r = measure(device, backend, iters=iters, warmup=2 if getattr(args, "smoke", False) else 20)
         if cpu is not None:
             r["pinned_cpu"] = cpu
             r["started_on_pinned_cpu"] = started_there

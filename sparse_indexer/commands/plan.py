@@ -1,5 +1,13 @@
 """``python -m sparse_indexer plan``: the buffer plan for engine limits, beside what vLLM reserves for the same
-limits (docs/memory.md has the tables this prints)."""
+limits (docs/memory.md has the tables this prints). Nothing is allocated; no device is needed.
+
+It prints the limits (``IndexerLimits``, from the options below), then the plan of the one scratch arena an engine
+allocates once (``buffers.plan``): every field with its shape, dtype, byte offset and size, and the total; with
+``--max-decode-logits-mib``, the decode sub-batches and what the budget saves; with ``--logits-dtype bfloat16`` or
+``--compressed-prefill-logits``, what that saves against float32 ``[M, N]`` logits; then what vLLM 0.33's indexer
+reserves for the same limits (prefill key gather, prefill and decode logits, top-k workspace) and the difference
+of the totals (when vLLM reserves less, which of our fields are larger and why).
+"""
 
 from __future__ import annotations
 

@@ -28,12 +28,16 @@ def _run(tmp_path, *extra: str) -> tuple[int, str, dict]:
 def test_smoke_cpu_reference_writes_every_case(tmp_path, capsys):
     rc, md, data = _run(tmp_path, "--backends", "reference")
     assert rc == 0
-    specs = bench.case_specs(smoke=True)
+    specs = bench.case_specs(smoke=True, graphs=False)  # the CPU has no CUDA graphs
     assert {s.group for s in specs} == set(bench.GROUPS)
     keys = {r["key"] for r in data["rows"]}
     for spec in specs:
         assert spec.title in md
         assert spec.key in keys
+    graph_specs = [s for s in bench.case_specs(smoke=True) if s not in specs]
+    assert graph_specs and all(s.params["graph"] for s in graph_specs)
+    assert not keys & {s.key for s in graph_specs}, "CUDA-graph rows on a device without CUDA graphs"
+    assert "CUDA graph" not in md.replace(bench.GRAPHS_NEED_CUDA, "") and bench.GRAPHS_NEED_CUDA in md
     copies = [r for r in data["rows"] if r["backend"] == "copy (same bytes)"]
     assert {r["group"] for r in copies} == {"cache"} and len(copies) == 2
     for r in data["rows"]:
@@ -53,6 +57,7 @@ def test_smoke_cpu_reference_writes_every_case(tmp_path, capsys):
         assert (tmp_path / "results.png").stat().st_size > 0
     out = capsys.readouterr().out
     assert f"[1/{len(specs)}] " in out and "reference ..." in out
+    assert out.count(bench.GRAPHS_NEED_CUDA) == 1  # said once
 
 
 def test_unavailable_backend_is_na_and_cases_filter(tmp_path):
@@ -102,7 +107,7 @@ def test_checks_against_reference(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "unavailable_reason", lambda b, d: None)
     rc, md, data = _run(tmp_path, "--backends", "triton,reference,aiter", "--skip-reference", "--iters", "1")
     assert rc == 1
-    n = len(bench.case_specs(smoke=True))
+    n = len(bench.case_specs(smoke=True, graphs=False))
     for backend, want in (("aiter", "ok"), ("triton", "FAIL")):
         rows = [r for r in data["rows"] if r["backend"] == backend]
         assert len(rows) == n
@@ -120,3 +125,68 @@ def test_l2_flush_methods():
         bench.Timer(torch.device("cpu"), "none")
     t = bench.Timer(torch.device("cpu"), "read")
     assert t.flush is None and t.method == "read" and len(t.times_us(lambda: None, 3, 0)) == 3
+
+
+def test_device_and_timing_defaults():
+    """``--device`` is auto (the GPU when one is visible, else the CPU); ``--smoke`` means the fewest iterations
+    unless they are given; ``--host-iters`` likewise."""
+    from sparse_indexer.__main__ import build_parser
+    from sparse_indexer.commands import bench_host
+
+    args = build_parser().parse_args(["bench", "--host", "--host-cpu", "0"])
+    assert args.device == "auto" and args.host_cpu == 0 and args.host_iters is None
+    want = "cuda" if torch.cuda.is_available() else "cpu"
+    assert bench._resolve_device(args.device).type == want
+    assert bench.timing_options(_args()) == bench.TIMING == dict(iters=30, warmup=5, ref_iters=3)
+    assert bench.timing_options(_args("--smoke")) == bench.SMOKE_TIMING == dict(iters=1, warmup=0, ref_iters=1)
+    assert bench.timing_options(_args("--smoke", "--iters", "4", "--warmup", "2")) == dict(iters=4, warmup=2,
+                                                                                            ref_iters=1)
+    assert bench.timing_options(_args("--iters", "2")) == dict(iters=2, warmup=5, ref_iters=2)
+    assert (bench_host.HOST_ITERS, bench_host.SMOKE_HOST_ITERS) == (300, 20)
+
+
+def test_auto_device_is_named_in_the_output(tmp_path, capsys):
+    assert bench.run(_args("--smoke", "--cases", "cache", "--backends", "reference", "--out", str(tmp_path))) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    want = "cuda" if torch.cuda.is_available() else "cpu (--device auto: no GPU visible)"
+    assert first.startswith(f"sparse-indexer bench on {want}"), first
+
+
+def test_host_cpu_that_is_not_there_is_one_line_exit_2(capsys):
+    import os
+
+    import pytest
+
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("needs os.sched_getaffinity (Linux)")
+    allowed = os.sched_getaffinity(0)
+    assert bench.run(_args("--host", "--host-cpu", str(max(allowed) + 1), "--device", "cpu")) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.strip().splitlines()
+    from sparse_indexer.commands.bench_host import cpu_list
+
+    assert len(lines) == 1 and f"cannot pin to CPU {max(allowed) + 1} (--host-cpu)" in lines[0], err
+    assert f"may run on CPU {cpu_list(allowed)} only" in lines[0], err
+    assert cpu_list({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8" and cpu_list({3}) == "3"
+
+
+def test_readme_host_line_runs_as_written(tmp_path):
+    """``taskset -c 0 python -m sparse_indexer bench --host --host-cpu 0`` (the README's pinned run), with few
+    calls per row: it runs on this machine, on the GPU when one is visible, else the CPU."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import pytest
+
+    if shutil.which("taskset") is None or 0 not in os.sched_getaffinity(0):
+        pytest.skip("needs taskset and CPU 0")
+    r = subprocess.run(["taskset", "-c", "0", sys.executable, "-m", "sparse_indexer", "bench", "--host", "--host-cpu",
+                        "0", "--host-iters", "10", "--out", str(tmp_path)], capture_output=True, text=True,
+                       timeout=600, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stdout.startswith("sparse-indexer bench --host on ") and "pinned to CPU 0" in r.stdout
+    assert "after start-up" not in r.stderr  # started there: no warning
+    assert (tmp_path / "host.json").exists()

@@ -28,6 +28,15 @@ def test_every_plan_option_has_help_and_its_default():
         assert "%(default)s" in action.help, action.option_strings
 
 
+def test_plan_help_says_what_it_prints(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert _plan_parser().description and "buffer plan for engine limits" in text
+    for what in ("shape, dtype, byte offset and size", "the total", "vLLM 0.33", "saves"):
+        assert what in text, what
+
+
 def test_next_n_default_is_explained():
     action = next(a for a in _plan_parser()._actions if "--next-n" in a.option_strings)
     assert action.default == 2 and "IndexerLimits itself defaults to 1" in action.help

@@ -6,8 +6,10 @@ the ragged one (``fp8_mqa_logits``) against float64 on sampled rows (relative L2
 (``num_stages``, registers) at B=64 L=64K next_n 1 and 2, then the default configurations of both kernels
 (decode clean/unclean/ragged, prefill 8K x 8K and 8K x 64K causal) against the copy and FP8-matmul floors the bench
 measured; ``paged``: the paged kernel alone, called without the op layer, checked and timed with each key-scale
-prefetch distance (``KSC_PF``). Times are the bench's timer (CUDA events, L2 flushed). ``--smoke``: tiny shapes;
-on the CPU it needs ``TRITON_INTERPRET=1`` (the kernels run in Triton's interpreter).
+prefetch distance (``KSC_PF``). Times are the bench's timer (CUDA events, L2 flushed). ``--smoke``: tiny shapes
+(the prefill rows 64 x 128 and 64 x 256) and, unless given, one timed call per row; on the CPU the
+kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, which ``python -m sparse_indexer bench`` sets itself
+there), about a minute on two cores.
 """
 
 from __future__ import annotations
@@ -340,10 +342,12 @@ def run(env) -> tuple[list[tuple[str, str, str, str]], dict]:
         time_paged(DB, DL, 1, [{}], bw, clean=True)  # the defaults
         time_paged(DB, DL, 2, [{}], bw, clean=True)
         time_paged(DB, DL, 1, [{}], bw, ragged=True)
-        time_ragged(S(8192), S(8192), [{}], rate)
-        time_ragged(S(8192), S(65536), [{}], rate)
-        time_ragged(S(8192), S(65536), [{}], rate, clean=True)
-        time_ragged(S(8192), S(8192), [{}], rate, clean=True)
+        # prefill 8K x 8K and 8K x 64K; --smoke: 64 x 128 and 64 x 256 (the interpreter's time grows with M x N)
+        mq, nk, long_keys = (8192, 8192, 65536) if not SMOKE else (64, 128, 256)
+        time_ragged(mq, nk, [{}], rate)
+        time_ragged(mq, long_keys, [{}], rate)
+        time_ragged(mq, long_keys, [{}], rate, clean=True)
+        time_ragged(mq, nk, [{}], rate, clean=True)
         log(f"done in {time.time()-t0:.0f}s")
 
     sections = env.sections or frozenset(DEFAULT_SECTIONS)

@@ -9,8 +9,10 @@ timings of the CUDA kernel (auto configuration, phases, the configuration sweep,
 inputs), the Triton paths, vLLM's kernels (``--anchors``, measuring only) and ``torch.topk`` at decode and
 prefill shapes, against the read floor at the bandwidth the bench measured; ``dist``: the value distributions;
 ``step``: the decode step (paged logits + top-k as ``indexer_decode`` runs them), eager and in a CUDA graph.
-Times are the bench's timer (CUDA events, L2 flushed). ``--smoke``: tiny shapes with the reference backend, also
-on the CPU (checks the sweep itself).
+Times are the bench's timer (CUDA events, L2 flushed). ``--smoke``: tiny shapes, also on the CPU (checks the sweep
+itself): the correctness section runs the reference backend, the timed rows ``auto`` (labelled with the backend it
+resolves to on the device, e.g. ``reference (auto)`` on the CPU); CUDA-graph rows are left out (said once: they
+need a CUDA device, and are not taken under ``--smoke``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import traceback
 
 import torch
 
+from ..._runtime import dispatch as _dispatch
 from ...indexer import indexer_decode
 from ...kcache import new_kv_cache
 from ...metadata import build_metadata
@@ -56,10 +59,23 @@ def run(env) -> tuple[list[tuple[str, str, str, str]], dict]:
     def bench(fn):
         return env.median_us(fn)
 
+    GRAPHS = dev.type == "cuda" and not SMOKE  # noqa: N806 - CUDA-graph rows are taken (and printed) only then
+    if not GRAPHS and (env.want("topk") or env.want("step")):  # the sections that have graph rows
+        why = "they need a CUDA device" if dev.type != "cuda" else "they are not taken under --smoke"
+        rows.append(("graphs", f"CUDA-graph rows left out: {why}", "", ""))
+        print(rows[-1][1], flush=True)
+
+    def resolved(logits, starts, ends, out, backend):
+        """The backend ``backend`` (``None``: auto) runs this top-k call on on the device, as a row label."""
+        if backend is not None:
+            return backend
+        route = _dispatch.chosen(_dispatch.routes("top_k_per_row", None, dev), None, (logits, starts, ends),
+                                 {"out": out})
+        return f"{route.name if route is not None else 'none'} (auto)"
+
     def graph_us(fns, reps=20):
         """Median per-call time of fns (one call each, distinct buffers: L2 holds no set) replayed in one graph."""
-        if SMOKE or dev.type != "cuda":
-            return bench(lambda: [f() for f in fns]) / len(fns)
+        assert GRAPHS, "graph rows are taken on a CUDA device only"
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -233,10 +249,13 @@ def run(env) -> tuple[list[tuple[str, str, str, str]], dict]:
             if b:
                 add(case, "cuda: MISMATCH", "", f"{b} rows")
         d = {}
-        be = "reference" if SMOKE else "cuda"
+        be = None if SMOKE else "cuda"  # --smoke: auto (the reference on the CPU)
         d["cuda"] = bench(lambda: top_k_per_row(x, s, e, out=out, backend=be, check_values=False))
-        cfg = None if SMOKE else tkc.config(r, w, x.device)
-        add(case, f"ours cuda (auto {cfg})", d["cuda"])
+        if SMOKE:
+            add(case, f"ours {resolved(x, s, e, out, be)}", d["cuda"])
+        else:
+            cfg = tkc.config(r, w, x.device)
+            add(case, f"ours cuda (auto {cfg})", d["cuda"])
         if not SMOKE:
             d["cuda_launch"] = bench(lambda: tkc.launch(x, s, e, out, nt=cfg[0], cs=cfg[1]))
             add(case, "  same, kernel launch only (no checks/dispatch)", d["cuda_launch"])
@@ -244,7 +263,7 @@ def run(env) -> tuple[list[tuple[str, str, str, str]], dict]:
             d["cuda_phases"] = ph
             add(case, f"  phases: bounds {ph[0]:.1f}, +sample load {ph[1]:.1f}, +threshold {ph[2]:.1f}, +filter "
                 f"{ph[3]:.1f}, +select", d["cuda_launch"])
-        if graph:
+        if graph and GRAPHS:
             sets = [x] + [x[torch.randperm(r, device=dev)] for _ in range(5)]
             outs = [torch.empty_like(out) for _ in sets]
             d["cuda_graph"] = graph_us([lambda x_=x_, o=o: top_k_per_row(x_, s, e, out=o, backend=be,
@@ -332,15 +351,15 @@ def run(env) -> tuple[list[tuple[str, str, str, str]], dict]:
             d = time_topk(f"dist {dist}", x, s, e, anchors=("persistent",), graph=not SMOKE, torch_topk=False,
                           triton_ws=False)
             base = base or d["cuda"]
-            add(f"dist {dist}", "  ratio to gaussian (cuda)", "", f"{d['cuda'] / base:.2f}x")
+            add(f"dist {dist}", f"  ratio to gaussian ({'ours' if SMOKE else 'cuda'})", "", f"{d['cuda'] / base:.2f}x")
         x = make("gaussian", 8192, 8192, g) if not SMOKE else make("gaussian", 64, 4096, g)
         s, e = windows("causal", x.shape[0], x.shape[1], g)
+        be = None if SMOKE else "cuda"
         for dist in DISTS:
             x = make(dist, x.shape[0], x.shape[1], g)
-            t = bench(lambda x=x: top_k_per_row(x, s, e, out=torch.empty(x.shape[0], K, dtype=torch.int32,
-                                                                              device=dev),
-                                                   backend="reference" if SMOKE else "cuda", check_values=False))
-            add(f"dist-prefill {dist}", f"cuda {x.shape[0]}x{x.shape[1]} causal", t)
+            o = torch.empty(x.shape[0], K, dtype=torch.int32, device=dev)
+            t = bench(lambda x=x, o=o: top_k_per_row(x, s, e, out=o, backend=be, check_values=False))
+            add(f"dist-prefill {dist}", f"{resolved(x, s, e, o, be)} {x.shape[0]}x{x.shape[1]} causal", t)
             res[f"dist-prefill/{dist}"] = t
 
 
@@ -370,7 +389,12 @@ def run(env) -> tuple[list[tuple[str, str, str, str]], dict]:
         case = f"step B={b} next_n={nn} L={L // 1024}K"
         d_ = {}
         for be in ([None, "reference"] if SMOKE else [None, "triton"]):
-            name = "auto (cuda top-k)" if be is None else be
+            if be is None:  # what auto runs here: the reference alone (the CPU), or its top-k's backend named
+                lg_ = bufs.logits_view(t, md.decode.width)
+                tk = resolved(lg_, md.decode.row_starts, md.decode.row_ends, out, None).split()[0]
+                name = f"{tk} (auto)" if _dispatch.available(dev) == (tk,) else f"auto ({tk} top-k)"
+            else:
+                name = be
 
             def step(be=be):
                 indexer_decode(q, w, kv, md, bufs, out, backend=be)
@@ -386,8 +410,7 @@ def run(env) -> tuple[list[tuple[str, str, str, str]], dict]:
                 add(case, f"{name} and auto: top-k right (value multisets)", "", str(ok))
             d_[f"{name} eager"] = bench(step)
             add(case, f"{name}: logits + top-k, eager", d_[f"{name} eager"])
-            d_[f"{name} graph"] = graph_us([step]) if not SMOKE else d_[f"{name} eager"]
-            if not SMOKE:  # graph replay with the L2 flushed before each replay (as do_bench does)
+            if GRAPHS:  # graph replay with the L2 flushed before each replay (as do_bench does)
                 gr = torch.cuda.CUDAGraph()
                 s_ = torch.cuda.Stream()
                 s_.wait_stream(torch.cuda.current_stream())
@@ -397,7 +420,7 @@ def run(env) -> tuple[list[tuple[str, str, str, str]], dict]:
                 with torch.cuda.graph(gr):
                     step()
                 d_[f"{name} graph"] = bench(gr.replay)
-            add(case, f"{name}: logits + top-k, CUDA graph", d_[f"{name} graph"])
+                add(case, f"{name}: logits + top-k, CUDA graph", d_[f"{name} graph"])
         logits = bufs.logits_view(t, md.decode.width)
         d_["logits"] = bench(lambda: fp8_paged_mqa_logits(q.view(b, nn, h, d), kv, w, md.decode.context_lens,
                                                              md.decode.block_table, out=logits, clean=False,
