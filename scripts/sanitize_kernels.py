@@ -154,7 +154,7 @@ def _gluon_verdict(what: str, got: torch.Tensor, ref: torch.Tensor, clean: bool,
 
 
 def _gluon_paged(dev) -> bool:
-    """The Gluon paged-logits kernel (sparse_indexer/ops/fp8_paged_mqa_logits/gluon.py, issue #16): next_n 1..4,
+    """The Gluon paged-logits kernel (sparse_indexer/ops/fp8_paged_mqa_logits/gluon.py): next_n 1..4,
     ragged lengths (0, 1, non-multiples of 64), clean on and off, against the reference backend."""
     if _gluon_unavailable(dev, "paged logits"):
         return True
@@ -183,7 +183,7 @@ def _gluon_paged(dev) -> bool:
 
 
 def _gluon_prefill(dev) -> bool:
-    """The Gluon ragged-logits kernel (sparse_indexer/ops/fp8_mqa_logits/gluon.py, issue #16): windows of every
+    """The Gluon ragged-logits kernel (sparse_indexer/ops/fp8_mqa_logits/gluon.py): windows of every
     kind (empty, ke < ks, full, a partial last tile, M not a multiple of the block), full and compressed rows,
     float32 and bfloat16 out, clean on and off, against the reference backend."""
     if _gluon_unavailable(dev, "prefill logits"):

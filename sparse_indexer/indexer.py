@@ -67,7 +67,7 @@ def _check_cache_ids(metadata: IndexerMetadata, lay, kv_cache: torch.Tensor) -> 
 
 def _rows(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """``t[start:stop]``, or ``t`` itself when that is all of it (one sub-batch): a view costs ~1 us of host
-    time per call, and the step runs once per layer (issue #11)."""
+    time per call, and the step runs once per layer."""
     return t if start == 0 and stop == t.shape[0] else t[start:stop]
 
 
@@ -352,7 +352,7 @@ _F32, _I32, _U8 = torch.float32, torch.int32, torch.uint8
 def _layer_fast(want: tuple, q_fp8, weights, k, topk_out, kv_cache) -> int | None:
     """The cache's block count when the layer's tensors pass every per-layer check of :func:`_check` (plain
     tensors; ``want``: :attr:`_StepPlan.layer`), else ``None`` (the caller then runs those checks, which say what
-    is wrong). Plain attribute reads: about a quarter of the checks' cost, paid once per layer (issue #11)."""
+    is wrong). Plain attribute reads: about a quarter of the checks' cost, paid once per layer (host overhead)."""
     dev, fp8, n_tok, k_rows, h, d, topk, bs = want
     T = _Tensor
     if type(q_fp8) is not T or type(weights) is not T or type(topk_out) is not T or type(kv_cache) is not T:
@@ -588,7 +588,7 @@ def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor | None, weights: to
     if k is not None and scale_fmt not in SCALE_FMTS:
         raise ValueError(f"scale_fmt must be one of {SCALE_FMTS}, got {scale_fmt!r}")
     # check_step proved every op's arguments (the layer's tensors, the buffer views) and the metadata's records
-    # checked theirs when they were built, once per step: the ops run without their own checks (host time, #11)
+    # checked theirs when they were built, once per step: the ops run without their own checks (host time)
     _run_step(plan, metadata, buffers, q_fp8, weights, k, kv_cache if plan is None else kv3, topk_out, backend,
               scale_fmt, True, True)
     return topk_out

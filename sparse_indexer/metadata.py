@@ -237,7 +237,7 @@ class IndexerMetadata:
     num_blocks: int | None = None  # the cache size block ids and slots were checked against (None: unchecked)
     # what the step proved about this record once (sparse_indexer.indexer._StepPlan per buffers record, backend
     # and step kind): every layer of the step shares the record, so only the layer's own tensors are checked per
-    # layer (issue #11). Not an argument; a copy (attrs.evolve) starts empty.
+    # layer (host overhead per layer). Not an argument; a copy (attrs.evolve) starts empty.
     _step_memo: dict = attrs.field(factory=dict, init=False, repr=False)
 
     @property

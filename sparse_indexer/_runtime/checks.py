@@ -258,7 +258,7 @@ def _guard_class():
     """PyTorch's C++ tensor-layout guard (``torch._C._dynamo.guards.TensorGuards``, what ``torch.compile``'s guards
     check: exact Python type, dispatch keys, dtype, device, sizes, strides, ``requires_grad``) or ``None`` where
     this PyTorch lacks it. One check of six tensors costs about 0.4 us against 2.5 us of attribute reads in Python
-    (issue #11); :class:`Layouts` falls back to those reads when it is missing or refuses a layout."""
+    (host overhead per call); :class:`Layouts` falls back to those reads when it is missing or refuses a layout."""
     try:
         from torch._C._dynamo.guards import TensorGuards
     except Exception:  # noqa: BLE001 - any failure: the Python reads
@@ -270,9 +270,9 @@ _TensorGuards = _guard_class()
 
 
 class Layouts:
-    """One public op's memo of the layout of its last fully checked call (issue #11): per tensor argument (or
-    ``None``) its dtype, shape, strides, device and byte extent, the non-tensor arguments the layout checks read
-    (``key``), and values derived from them (``extra``: sizes, the cache layout).
+    """One public op's memo of the layout of its last fully checked call (host overhead per call): per tensor argument
+    (or ``None``) its dtype, shape, strides, device and byte extent, the non-tensor arguments the layout checks
+    read (``key``), and values derived from them (``extra``: sizes, the cache layout).
 
     A later call whose tensors have exactly that layout (:meth:`match`: one C++ ``TensorGuards`` check where
     PyTorch has it, else plain attribute reads) passes every layout check the full checks would run (they read

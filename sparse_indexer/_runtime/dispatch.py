@@ -131,7 +131,7 @@ def _routes(op: str, backend: str | None, device_type: str, interpret: bool | No
 _resolved: dict = {}
 """``(op, backend, device) -> (generation, unavailable_reason, implementation, routes)``: :func:`routes`'s memo of
 :func:`_routes`, one dictionary look-up per call (the ``functools`` key of seven items and ``device.type`` cost about
-0.6 us of host time per call, issue #11). An entry holds the functions it was made with and is used only while they
+0.6 us of host time per call). An entry holds the functions it was made with and is used only while they
 are still the module's (a test's monkeypatch is never served a stale entry), as :func:`_routes`'s key does."""
 
 

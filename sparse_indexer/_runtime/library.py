@@ -89,7 +89,8 @@ def _gather_k_cache(kv_cache: Tensor, block_table: Tensor, cu_seq_lens: Tensor, 
 def _fp8_mqa_logits(q: Tensor, k_fp8: Tensor, k_scale: Tensor, weights: Tensor, cu_seqlen_ks: Tensor,
                     cu_seqlen_ke: Tensor, out: Tensor, clean: bool, compressed: bool = False, *,
                     backend: str) -> None:
-    extra = {"compressed": True} if compressed else {}  # (only compressed calls pass it: issue #17)
+    # only compressed calls pass it: the backends' default is full logits
+    extra = {"compressed": True} if compressed else {}
     _run("fp8_mqa_logits", backend, q.device, q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out=out,
          clean=clean, **extra)
 

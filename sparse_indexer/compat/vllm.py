@@ -340,7 +340,7 @@ class VllmIndexer:
     # the key: a conversion made outside a CUDA graph capture (a warm-up with the same object) must not be
     # reused inside it, or the graph would replay stale tensors instead of converting the new metadata.
     _last: dict = attrs.field(factory=dict, init=False, repr=False, eq=False)
-    # per-call records that only change with the op's shapes or the workspace (issue #11: a per-layer call
+    # per-call records that only change with the op's shapes or the workspace (host overhead: a per-layer call
     # costs what a direct sparse_attn_indexer call costs): "limits" maps the arguments that fix the
     # IndexerLimits to (limits, plan); "buffers" maps a workspace slot to (plan, its workspace tensor, the
     # Buffers record of views of it), kept only while the workspace is locked (it cannot grow or move then)

@@ -76,7 +76,7 @@ def test_total_bytes_by_hand():
 
 
 def test_small_engine_plan_is_what_it_can_touch():
-    """The issue's small engine: a prefill chunk holds at most 4 x 4096 keys and 1024 queries (64 MiB of
+    """A small engine: a prefill chunk holds at most 4 x 4096 keys and 1024 queries (64 MiB of
     logits); decode 4 x 4096 float32. By hand: 64 MiB + 16384 x (128 + 4) B + top-k scratch ~ 66 MiB."""
     MiB = 1 << 20
     lim = IndexerLimits(max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=1024)

@@ -1,4 +1,4 @@
-"""The logits dtype and compressed prefill logits of the limits (issue #17, docs/spec.md §9): the plan's
+"""The logits dtype and compressed prefill logits of the limits (docs/spec.md §9): the plan's
 ``logits`` field has the limits' dtype, bfloat16 halves it (same chunks), compressed prefill logits size it by the
 largest chunk's queries x longest window (brute force over every chunk the planner forms, tiny limits)."""
 

@@ -1,4 +1,4 @@
-"""The DeepGEMM adapter (``tests/compat/deepgemm_adapter``, issue #17) on the CPU: DeepGEMM's call forms reach the
+"""The DeepGEMM adapter (``tests/compat/deepgemm_adapter``) on the CPU: DeepGEMM's call forms reach the
 library and give its float64-checked logits. DeepGEMM's own ``tests/test_attention.py`` runs through it on the GPU
 (``.dev/gpu_l.sh``)."""
 

@@ -1,4 +1,4 @@
-"""A padded vLLM decode step replayed the way vLLM's FULL CUDA graphs replay it (issue 9), shared by
+"""A padded vLLM decode step replayed the way vLLM's FULL CUDA graphs replay it, shared by
 tests/gpu/test_vllm_shim_gpu.py (CUDA graph, auto backend) and tests/compat/test_vllm_metadata.py (CPU, reference
 backend, eager stand-in for the replay).
 

@@ -1,4 +1,4 @@
-"""GPU tests of the logits ops' DeepGEMM features (issue #17) on the Triton backend at DeepSeek-V3.2 shapes
+"""GPU tests of the logits ops' DeepGEMM features on the Triton backend at DeepSeek-V3.2 shapes
 (H=64, D=128, block 64): bfloat16 logits (each cell the float32 result rounded to nearest even: compared with
 the Triton float32 result rounded by torch, and that with the reference), compressed ragged logits equal to
 the full ones' windows, the paged row -> request map equal to a gathered block table, and CUDA-graph replay of

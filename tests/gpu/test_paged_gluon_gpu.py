@@ -1,4 +1,4 @@
-"""GPU tests of the Gluon ``fp8_paged_mqa_logits`` kernel (issue #16) against the reference backend.
+"""GPU tests of the Gluon ``fp8_paged_mqa_logits`` kernel against the reference backend.
 
 The contract (docs/spec.md §5): relative L2 error <= 2e-4 against the reference on in-window cells, exact ``-inf``
 masks with ``clean=True``, out-of-window cells untouched with ``clean=False``; float32 and bfloat16 ``out``; 1-D

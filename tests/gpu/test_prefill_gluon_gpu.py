@@ -1,4 +1,4 @@
-"""GPU tests of the Gluon ragged logits kernel (``sparse_indexer/ops/fp8_mqa_logits/gluon.py``, issue #16).
+"""GPU tests of the Gluon ragged logits kernel (``sparse_indexer/ops/fp8_mqa_logits/gluon.py``).
 
 Against the reference backend on the contract (docs/spec.md §5): relative L2 <= 2e-4 inside the windows (float32
 ``out``; bfloat16: one rounding), exact ``-inf`` masks with ``clean=True``, untouched cells outside the windows

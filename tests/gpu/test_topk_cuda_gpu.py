@@ -71,7 +71,7 @@ def test_cuda_topk_matches_reference(rows, width, topk, dist, kind):
 @pytest.mark.parametrize("dist", DISTRIBUTIONS)
 @pytest.mark.parametrize("rows,width,topk", [(64, 65536, 2048), (300, 9000, 2048), (7, 70001, 512), (1, 65536, 2048)])
 def test_cuda_topk_bfloat16(rows, width, topk, dist, kind):
-    """bfloat16 logits (issue #17): exact on the values given, every distribution and window shape, unaligned
+    """bfloat16 logits: exact on the values given, every distribution and window shape, unaligned
     rows and an odd stride (8 cells per 16-byte load: up to 14 scalar edge cells)."""
     _cuda()
     g = torch.Generator(device=DEV).manual_seed(rows + width + 1)

@@ -1,4 +1,4 @@
-"""The vLLM shim's padded decode step under a CUDA graph, as vLLM runs it with FULL graphs (issue 9): captured
+"""The vLLM shim's padded decode step under a CUDA graph, as vLLM runs it with FULL graphs: captured
 from vLLM's uniform capture batch and from a padded one, replayed with new lengths, block tables, slots, queries
 and keys; every replay equals the eager op and our own path (tests/compat/vllm_graph.py). The metadata is vLLM
 0.33's own builder output (tests/compat/vllm_padded_decode.json): vLLM need not be installed.

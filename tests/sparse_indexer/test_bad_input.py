@@ -33,7 +33,7 @@ def _slots(block_table, seq, qry, bs):
 
 @pytest.mark.parametrize("next_n", [1, 2])
 def test_query_longer_than_context_raises_before_the_step_writes(next_n):
-    """query_len > seq_len (the issue's example: seq_lens [1, 500], query_lens [2, 2]) raises naming the request,
+    """query_len > seq_len (e.g. seq_lens [1, 500], query_lens [2, 2]) raises naming the request,
     before any key is written."""
     lim = _limits(next_n=next_n)
     bt = torch.arange(64, dtype=torch.int32).view(2, 32)

@@ -1,4 +1,4 @@
-"""Host overhead of the public functions (issue #11): on tiny inputs, where the work is negligible, a public
+"""Host overhead of the public functions: on tiny inputs, where the work is negligible, a public
 function (argument checks, value checks, backend routing) may cost at most 3x its backend implementation called
 directly (reference backend, CPU). A ratio, measured as the best of interleaved rounds, so it holds on a busy
 machine; before the direct eager route the public top-k cost about 3x (214 vs 74 us on a 2-core CPU)."""
@@ -141,7 +141,7 @@ def test_bench_host_pins_or_says_why(tmp_path, capsys):
                 pass
 
 
-# --- the step (issue #11): what depends on (metadata, buffers) is proven once per step, the layers' own tensors
+# --- the step: what depends on (metadata, buffers) is proven once per step, the layers' own tensors
 # every layer; in plain eager the ops' implementations run directly
 
 
@@ -152,7 +152,7 @@ def _no_op(*args, **kwargs):
 def test_step_python_costs_at_most_2_5x_one_public_op(monkeypatch, capsys):
     """With every implementation a no-op, a decode step (cache write + paged logits + top-k: three ops) costs at
     most 2.5x one public top-k: the step checks the layer's tensors once and its metadata once per step, not
-    per op and layer. Before issue #11's step memo it was about 3.4x (40 us vs 11.6 us on a 2-core CPU)."""
+    per op and layer. Before the step memo it was about 3.4x (40 us vs 11.6 us on a 2-core CPU)."""
     from sparse_indexer.commands import bench_host
 
     x = bench_host._Inputs(torch.device("cpu"), bench_host.SHAPES["cpu"])
@@ -271,7 +271,7 @@ def test_step_bumps_the_version_of_what_it_writes():
 
 
 def test_launch_key_of_the_wrappers_layout_separates_what_triton_specializes():
-    """``_launch._prepare(args, ntensors)`` (the bound launches' key; plain loops since issue #11): tensors by
+    """``_launch._prepare(args, ntensors)`` (the bound launches' key; plain loops, to save host time): tensors by
     dtype and 16-byte alignment of the data pointer, integers by the value 1, divisibility by 16 and 32/64 bits;
     the launch arguments are the data pointers, then the integers."""
     from sparse_indexer._runtime.launch import _prepare
@@ -382,7 +382,7 @@ def test_step_plan_serves_a_new_record_over_the_same_bytes():
     assert torch.equal(out.sort(dim=1).values, want.sort(dim=1).values)
 
 
-# --- the public ops' memo of their last fully checked layout (issue #11: _checks.Layouts)
+# --- the public ops' memo of their last fully checked layout (_checks.Layouts)
 
 
 def _i32(*x):

@@ -1,4 +1,4 @@
-"""Error texts name the bound that was crossed and what to change (issue 14)."""
+"""Error texts name the bound that was crossed and what to change."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The step with the limits' logits features (issue #17): bfloat16 logits (``IndexerLimits.logits_dtype``) and
+"""The step with the limits' logits features: bfloat16 logits (``IndexerLimits.logits_dtype``) and
 compressed prefill logits (``IndexerLimits.compressed_prefill_logits``). Every row's top-k is checked against the
 float64 model: with bf16 logits a selected score may trail the k-th best by one bfloat16 rounding."""
 

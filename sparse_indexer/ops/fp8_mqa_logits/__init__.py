@@ -104,7 +104,7 @@ def fp8_mqa_logits(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, 
     return out
 
 
-_LAYOUTS = C.Layouts()  # the last fully checked call's layout (issue #11)
+_LAYOUTS = C.Layouts()  # the last fully checked call's layout (host overhead per call)
 _plain_eager = library.plain_eager
 _run = library.run_direct
 

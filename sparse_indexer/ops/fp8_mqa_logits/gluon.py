@@ -1,4 +1,4 @@
-"""Gluon ``fp8_mqa_logits`` for Hopper (sm_90): ragged (prefill) indexer scores, warp-specialized (issue #16).
+"""Gluon ``fp8_mqa_logits`` for Hopper (sm_90): ragged (prefill) indexer scores, warp-specialized.
 
 One persistent CTA per SM walks blocks of ``BLOCK_Q`` consecutive query tokens (the longest rows first, blocks
 dealt to the CTAs in a snake order so every CTA gets a similar amount of keys). Per CTA three partitions
@@ -18,7 +18,7 @@ dealt to the CTAs in a snake order so every CTA gets a similar amount of keys). 
   slower, so it is off.
 
 H200 (docs/benchmarks.md, "Gluon prefill logits"): 8K x 64K causal 8.52 ms (968 TFLOP/s; Triton 8.80), 8K x 8K
-causal 0.543 ms (Triton 0.561): ahead of Triton, short of issue #16's 7.5 / 0.45 ms targets (the epilogue is
+causal 0.543 ms (Triton 0.561): ahead of Triton, short of the kernel's 7.5 / 0.45 ms targets (the epilogue is
 issue-bound: ~400 instructions per warp per 64-key tile against 512 tensor-core cycles of MMA).
 
 With ``clean=True`` the cells outside each row's window are filled with ``-inf`` after the hot loop (by the
@@ -420,7 +420,7 @@ def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, ou
 AUTO_MIN_CELLS = 1 << 26
 """``auto`` runs this kernel when ``M * N`` (queries x keys) is at least this (e.g. 8K x 8K: about 0.5 ms on an H200),
 the Triton kernel below it: its launch costs more host time than Triton's (37 vs 27 us per public call on the
-H200's host in session 13, with the descriptors and their encoded maps kept: sparse_indexer/_runtime/tma.py; 54 vs 23 us
+H200's host on 2026-12-01, with the descriptors and their encoded maps kept: sparse_indexer/_runtime/tma.py; 54 vs 23 us
 when both were made per call), which its few % of device time repays only on large problems (docs/benchmarks.md,
 "Gluon prefill logits"). An explicit ``backend="gluon"`` always runs it."""
 

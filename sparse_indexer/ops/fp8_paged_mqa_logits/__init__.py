@@ -141,7 +141,7 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     return out
 
 
-_LAYOUTS = C.Layouts()  # the last fully checked call's layout (issue #11)
+_LAYOUTS = C.Layouts()  # the last fully checked call's layout (host overhead per call)
 _plain_eager = library.plain_eager
 _run = library.run_direct
 

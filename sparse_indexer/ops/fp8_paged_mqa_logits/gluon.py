@@ -1,4 +1,4 @@
-"""Gluon ``fp8_paged_mqa_logits`` for Hopper (sm_90): decode indexer scores streamed by TMA (issue #16).
+"""Gluon ``fp8_paged_mqa_logits`` for Hopper (sm_90): decode indexer scores streamed by TMA.
 
 One persistent launch, split like the Triton kernel (``triton.py``): the key tiles of all requests
 (``cdiv(min(max_limit[b], CAP), 64)`` tiles of 64 positions for request ``b``) form one global range cut into
@@ -62,10 +62,10 @@ __all__ = ["fp8_paged_mqa_logits"]
 # scales, twice that with DUO) + QBUF * next_n * 8 KB of queries; registers: the warp-specialized CTA has 8 warps
 # (12 with NCONS=2) of at most maxnreg registers. Chosen on an H200 by a sweep at B=64, L=64K (docs/benchmarks.md,
 # "Gluon decode logits"): next_n=1 four CTAs per SM of one math warpgroup and 4 stages (147.3 us; 2 CTAs x 8 stages
-# 150.2, two math warpgroups per CTA 147.8-151.4); next_n=2 tiles in pairs (168.7 us; 174.6 without), since session
-# 13 two tiles per ring slot (DUO, 4 slots: 161.1 against 164.4 us with a clean L2; next_n=1 and 3 gain nothing or
-# lose with it); next_n=3 two CTAs x 6 stages (221.7 us); next_n=4 one CTA of two math warpgroups (297.7 us; two
-# CTAs of one: 298.2).
+# 150.2, two math warpgroups per CTA 147.8-151.4); next_n=2 tiles in pairs (168.7 us; 174.6 without), since
+# 2026-12-01 two tiles per ring slot (DUO, 4 slots: 161.1 against 164.4 us with a clean L2; next_n=1 and 3 gain
+# nothing or lose with it); next_n=3 two CTAs x 6 stages (221.7 us); next_n=4 one CTA of two math warpgroups
+# (297.7 us; two CTAs of one: 298.2).
 CONFIG = {"STAGES": 8, "CHUNK": 32, "ctas_per_sm": 2, "FILL_N": 1024, "maxnreg": 128, "NCONS": 1, "QBUF": 2,
           "CONS_REGS": 152, "PAIR": False, "DUO": False}
 CONFIG_BY_NEXT_N: dict = {
@@ -622,7 +622,7 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
 AUTO_MIN_KEY_BLOCKS = 32768
 """``auto`` runs this kernel when ``B * next_n * max_blocks`` (the key blocks the rows can score) is at least this
 (2M keys of block 64: about 65 us of copy floor on an H200), the Triton kernel below it. Its launch costs more
-host time than Triton's (46-47 vs 30.5 us per public call on the H200's host in session 13, with the three TMA
+host time than Triton's (46-47 vs 30.5 us per public call on the H200's host on 2026-12-01, with the three TMA
 descriptors and their encoded maps kept: sparse_indexer/_runtime/tma.py; 57 vs 23 us when Triton's launcher encoded them
 per call), which its 3% of device time repays only where the GPU, not the host, is the bottleneck
 (docs/benchmarks.md, "Gluon decode logits"). An explicit ``backend="gluon"`` always runs it."""

@@ -102,7 +102,7 @@ def _paged_logits_kernel(
     FILL_N: tl.constexpr, SPLIT: tl.constexpr, KSC_PF: tl.constexpr, HAS_IDX: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    # the byte cache read as q's fp8 type (a pointer cast here instead of a torch view per call: issue #11)
+    # the byte cache read as q's fp8 type (a pointer cast here instead of a torch view per call: host time)
     kv_ptr = kv_ptr.to(tl.pointer_type(q_ptr.dtype.element_ty))
     offs_b = tl.arange(0, BLOCK_B)
     bmask = offs_b < B

@@ -75,7 +75,7 @@ def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_len
     library.call("gather_k_cache", backend, dev, kv3, block_table, cu_seq_lens, out_k=out_k, out_scale=out_scale)
 
 
-_LAYOUTS = C.Layouts()  # the last fully checked call's layout (issue #11)
+_LAYOUTS = C.Layouts()  # the last fully checked call's layout (host overhead per call)
 _plain_eager = library.plain_eager
 _run = library.run_direct
 

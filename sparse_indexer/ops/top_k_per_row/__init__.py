@@ -14,7 +14,7 @@ __all__ = ["top_k_per_row"]
 
 
 LOGITS_DTYPES = (torch.float32, torch.bfloat16)
-"""Logits dtypes ``top_k_per_row`` reads (issue #17: bfloat16 logits halve the logits traffic)."""
+"""Logits dtypes ``top_k_per_row`` reads (bfloat16 logits halve the logits traffic)."""
 
 MIN_WORKSPACE_COLS = TOPK_SCRATCH_COUNTERS + 2
 """Narrowest workspace row: the counters and one candidate (narrow rows stay exact, through a slower path)."""
@@ -103,7 +103,7 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
     return out
 
 
-_LAYOUTS = C.Layouts()  # the last fully checked call's layout (issue #11)
+_LAYOUTS = C.Layouts()  # the last fully checked call's layout (host overhead per call)
 _plain_eager = library.plain_eager
 _run = library.run_direct
 

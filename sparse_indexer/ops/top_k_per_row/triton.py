@@ -79,8 +79,8 @@ SPLIT_WARPS = 4
 SPLIT_PROGRAMS_PER_SM = 16
 SPLIT_SAMPLE_WARPS = 16  # 16/16 vs 8/8: 53.9 vs 54.8 us (64 x 64K), 56.4 vs 57.4 (128 x 32K); 4/4: 68.8
 SPLIT_FINISH_WARPS = 16
-# Narrower rows take the one-program-per-row kernel even with a workspace: one launch instead of three (issue #11,
-# host time) and no slower on the device. H200, L2 flushed, us per-row / split: 4 x 4K 30.1 / 39.3, 4 x 8K 26.3 /
+# Narrower rows take the one-program-per-row kernel even with a workspace: one launch instead of three (host
+# time) and no slower on the device. H200, L2 flushed, us per-row / split: 4 x 4K 30.1 / 39.3, 4 x 8K 26.3 /
 # 37.2, 64 x 8K 40.9 / 39.0, 4 x 16K 37.4 / 38.8, 64 x 16K 46.0 / 42.4, 64 x 32K 69.4 / 50.0 (docs/benchmarks.md)
 SPLIT_MIN_WIDTH = 16384
 CBLOCK = 4096

@@ -70,7 +70,7 @@ def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.T
     library.call("write_k_cache", backend, dev, k, kv3, slot_mapping, scale_fmt=scale_fmt, fp8_dtype=fp8_dtype)
 
 
-_LAYOUTS = C.Layouts()  # the last fully checked call's layout (issue #11)
+_LAYOUTS = C.Layouts()  # the last fully checked call's layout (host overhead per call)
 _plain_eager = library.plain_eager
 _run = library.run_direct
 

@@ -1,4 +1,4 @@
-"""Both logits ops' DeepGEMM features (issue #17, docs/spec.md §5): bfloat16 logits (the dtype of ``out``),
+"""Both logits ops' DeepGEMM features (docs/spec.md §5): bfloat16 logits (the dtype of ``out``),
 compressed ragged logits (``max_seqlen_k``) and the paged row -> request map (``indices``), on every backend
 under test against the float64 oracle, with exact ``-inf`` masks; the aiter adapters through the stand-in aiter.
 """

@@ -1,4 +1,4 @@
-"""The reference backend keeps its temporaries bounded (issue: an [M, N] = [8192, 65536] prefill call must not
+"""The reference backend keeps its temporaries bounded (an [M, N] = [8192, 65536] prefill call must not
 build an [H, M, N] intermediate)."""
 
 from __future__ import annotations

@@ -348,7 +348,7 @@ def test_step_uses_topk_scratch_and_checks_it(backend):
         assert torch.equal(sc.kv, kv0) and bool((out == 7).all())
 
 
-# the value distributions of issue #10 (the CUDA and Triton kernels are timed and checked on the GPU on the same
+# the top-k value distributions (the CUDA and Triton kernels are timed and checked on the GPU on the same
 # ones: bench --sweep topk, tests/gpu/test_topk_cuda_gpu.py)
 DISTRIBUTIONS = TOPK_DISTRIBUTIONS
 
@@ -397,7 +397,7 @@ def test_cuda_backend_layout():
         tkc.layout(2048, 9000, small=True)
 
 
-# ---------------------------------------------------------------- bfloat16 logits, compressed rows (issue #17)
+# ---------------------------------------------------------------- bfloat16 logits, compressed rows
 @pytest.mark.parametrize("dist", DISTRIBUTIONS)
 def test_bfloat16_logits(backend, dist):
     """bfloat16 logits: exact on the values given (rounding to bfloat16 makes ties; the multiset rule takes any of

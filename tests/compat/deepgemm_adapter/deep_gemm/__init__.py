@@ -1,4 +1,4 @@
-"""DeepGEMM's indexer API (``deep_gemm.fp8_mqa_logits`` and friends) on top of sparse-indexer (issue #17).
+"""DeepGEMM's indexer API (``deep_gemm.fp8_mqa_logits`` and friends) on top of sparse-indexer.
 
 Put ``tests/compat/deepgemm_adapter`` on ``sys.path`` and ``import deep_gemm``: DeepGEMM's own
 ``tests/test_attention.py`` (the logits tests; its GEMM test needs DeepGEMM's GEMMs, which this library does
