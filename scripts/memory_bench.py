@@ -12,7 +12,8 @@
 
 Times are medians of CUDA-event timings with L2 flushed (a 256 MiB buffer zeroed) before each run; prefill
 timings include the host's per-chunk work, as an engine sees it. ``--smoke`` runs tiny shapes on the CPU (the
-reference backend, no graphs) to check the script. Writes ``memory_bench.json`` into ``--out``.
+reference backend, no graphs, the fewest timed runs unless given) to check the script in well under a minute.
+Writes ``memory_bench.json`` into ``--out`` (default ``bench-out/``, which git ignores).
 
     PYTHONPATH=. python3 scripts/memory_bench.py --out /tmp/mem
 """
@@ -296,12 +297,19 @@ def bench_prefill(args, dev, timer, backend, L: int, lo: int, k_sweep: list[int]
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=".", help="folder for memory_bench.json (default: .)")
-    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, reference backend")
-    p.add_argument("--iters", type=int, default=20, help="timed runs of each decode step (default 20)")
-    p.add_argument("--prefill-iters", type=int, default=3, help="timed runs of each prefill step (default 3)")
+    p.add_argument("--out", default="bench-out", help="folder for memory_bench.json (default: bench-out)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny shapes on the CPU, reference backend, the fewest timed runs unless given")
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed runs of each decode step (default 20; 3 under --smoke)")
+    p.add_argument("--prefill-iters", type=int, default=None,
+                   help="timed runs of each prefill step (default 3; 1 under --smoke)")
     p.add_argument("--only", choices=("decode", "prefill"), default=None, help="run one part (default both)")
     args = p.parse_args(argv)
+    if args.iters is None:
+        args.iters = 3 if args.smoke else 20
+    if args.prefill_iters is None:
+        args.prefill_iters = 1 if args.smoke else 3
     dev = torch.device("cpu" if args.smoke else "cuda")
     backend = "reference" if args.smoke else None  # None: auto, what an engine runs (the CUDA top-k on NVIDIA)
     if not args.smoke and not torch.cuda.is_available():
@@ -330,8 +338,10 @@ def main(argv=None) -> int:
         out["prefill_32k"] = bench_prefill(args, dev, timer, backend, int(32768 * sc), int(2048 * sc), ks,
                                            [cs[-1]], False)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "memory_bench.json"), "w") as f:
+    path = os.path.join(args.out, "memory_bench.json")
+    with open(path, "w") as f:
         json.dump(out, f, indent=1)
+    log(f"wrote {path}")
     return 0
 
 

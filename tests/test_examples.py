@@ -56,3 +56,24 @@ def test_plan_command():
     out = _run("-m", "sparse_indexer", "plan", "--max-model-len", "163840", "--max-num-seqs", "256",
                "--next-n", "2")
     assert "vLLM" in out and "total" in out
+
+
+def _untracked() -> set[str]:
+    r = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return {line[3:] for line in r.stdout.splitlines() if line.startswith("??")}
+
+
+@pytest.mark.parametrize("script", [["scripts/memory_bench.py", "--smoke"],
+                                    ["scripts/cp_bench.py", "--device", "cpu", "--smoke"]], ids=lambda a: a[0])
+def test_script_smoke_runs_leave_no_untracked_file(script):
+    """The scripts' smoke runs, from the repository root as a user runs them, write only where git ignores
+    (memory_bench: ``--out`` defaults to ``bench-out/``)."""
+    if subprocess.run(["git", "rev-parse"], cwd=ROOT, capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    before = _untracked()
+    _run(*script)
+    assert _untracked() - before == set(), "the smoke run left untracked files in the repository"
+    if script[0].endswith("memory_bench.py"):
+        assert (ROOT / "bench-out" / "memory_bench.json").exists()
