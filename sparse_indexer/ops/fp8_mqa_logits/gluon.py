@@ -17,7 +17,7 @@ dealt to the CTAs in a snake order so every CTA gets a similar amount of keys). 
   flight during this tile's second epilogue); ptxas serializes that wgmma pipeline (C7514) and it measured
   slower, so it is off.
 
-H200 (docs/benchmarks.md, "Gluon prefill logits"): 8K x 64K causal 8.52 ms (968 TFLOP/s; Triton 8.80), 8K x 8K
+H200 (docs/benchmarks.md, "Prefill logits"): 8K x 64K causal 8.52 ms (968 TFLOP/s; Triton 8.80), 8K x 8K
 causal 0.543 ms (Triton 0.561): ahead of Triton, short of the kernel's 7.5 / 0.45 ms targets (the epilogue is
 issue-bound: ~400 instructions per warp per 64-key tile against 512 tensor-core cycles of MMA).
 
@@ -422,7 +422,7 @@ AUTO_MIN_CELLS = 1 << 26
 the Triton kernel below it: its launch costs more host time than Triton's (37 vs 27 us per public call on the
 H200's host on 2026-12-01, with the descriptors and their encoded maps kept: sparse_indexer/_runtime/tma.py; 54 vs 23 us
 when both were made per call), which its few % of device time repays only on large problems (docs/benchmarks.md,
-"Gluon prefill logits"). An explicit ``backend="gluon"`` always runs it."""
+"Host cost per eager call"). An explicit ``backend="gluon"`` always runs it."""
 
 
 def _auto_when(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, out, clean, compressed=False,
