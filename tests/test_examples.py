@@ -28,6 +28,40 @@ def test_example_runs(script):
     assert "ok" in _run(f"examples/{script}")
 
 
+def test_custom_engine_checks_its_selection_against_the_reference():
+    out = _run("examples/custom_engine.py", "--layers", "2")
+    assert "reference vs reference: every token's top-256 selects the same multiset of scores" in out
+
+
+def test_custom_engine_on_triton_interpreter():
+    pytest.importorskip("triton")
+    out = _run("examples/custom_engine.py", "--backend", "triton", "--layers", "1", env={"TRITON_INTERPRET": "1"})
+    assert "triton vs reference: every token's top-256 selects the same multiset of scores (rtol 1e-05)" in out
+
+
+def test_custom_engine_check_catches_a_wrong_selection(monkeypatch):
+    """The example's check fails when the engine's backend selects a wrong key (here: the reference backend,
+    then one selected position of a long decode row replaced by a position outside its top-k)."""
+    import importlib.util
+
+    import sparse_indexer as si
+
+    spec = importlib.util.spec_from_file_location("custom_engine_example", ROOT / "examples" / "custom_engine.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    real = si.sparse_attn_indexer
+
+    def wrong(q, k, w, kv, md, bufs, topk_out, backend=None):
+        real(q, k, w, kv, md, bufs, topk_out, backend="reference")
+        if backend != "reference":  # the engine's backend under test
+            row = topk_out[1]  # decode request 1: 1500 keys, top-256
+            row[0] = int(next(p for p in range(1500) if p not in set(row.tolist())))
+
+    monkeypatch.setattr(si, "sparse_attn_indexer", wrong)
+    with pytest.raises(AssertionError, match="row 1"):
+        mod.main(["--backend", "triton", "--layers", "1"])
+
+
 def test_cpu_unit_test_example_on_triton_interpreter():
     pytest.importorskip("triton")
     out = _run("examples/cpu_unit_test.py", "triton", env={"TRITON_INTERPRET": "1"})

@@ -61,8 +61,8 @@ __all__ = ["fp8_paged_mqa_logits"]
 # Launch configuration, overridable per call with ``config=``. Shared memory per CTA: STAGES * 8448 B (values +
 # scales, twice that with DUO) + QBUF * next_n * 8 KB of queries; registers: the warp-specialized CTA has 8 warps
 # (12 with NCONS=2) of at most maxnreg registers. Chosen on an H200 by a sweep at B=64, L=64K (docs/kernels.md,
-# "Paged decode logits, Gluon"): next_n=1 four CTAs per SM of one math warpgroup and 4 stages (147.3 us; 2 CTAs x 8 stages
-# 150.2, two math warpgroups per CTA 147.8-151.4); next_n=2 tiles in pairs (168.7 us; 174.6 without), since
+# "Paged decode logits, Gluon"): next_n=1 four CTAs per SM of one math warpgroup and 4 stages (147.3 us; 2 CTAs x
+# 8 stages 150.2, two math warpgroups per CTA 147.8-151.4); next_n=2 tiles in pairs (168.7 us; 174.6 without), since
 # 2026-12-01 two tiles per ring slot (DUO, 4 slots: 161.1 against 164.4 us with a clean L2; next_n=1 and 3 gain
 # nothing or lose with it); next_n=3 two CTAs x 6 stages (221.7 us); next_n=4 one CTA of two math warpgroups
 # (297.7 us; two CTAs of one: 298.2).
