@@ -116,6 +116,7 @@ class _Inputs:
 
     def __init__(self, device: torch.device, shapes: dict, seed: int = 0):
         torch.manual_seed(seed)
+        self.resolved: dict[str, str] = {}  # op -> the backend its timed call runs (filled by _cases)
         s = self.s = shapes
         h, d, bs, topk, b, ctx, new = s["h"], s["d"], s["bs"], s["topk"], s["b"], s["ctx"], s["new"]
         self.device = device
@@ -184,7 +185,9 @@ def _cases(x: _Inputs, backend: str | None,
         """A call of the implementation the public call runs for these arguments (the timed call is it alone),
         resolved here: the first candidate that imports and, under auto, takes the call (``auto_when``;
         sparse_indexer/_runtime/dispatch.py)."""
-        fn = _dispatch.chosen(_dispatch.routes(name, backend, x.device), backend, args, kwargs).fn
+        route = _dispatch.chosen(_dispatch.routes(name, backend, x.device), backend, args, kwargs)
+        x.resolved[name] = route.name
+        fn = route.fn
         return lambda: fn(*args, **kwargs)
 
     return [
@@ -217,6 +220,17 @@ def _cases(x: _Inputs, backend: str | None,
          lambda: sparse_attn_indexer(x.qm, x.k_pre, x.wm, x.kv, x.md_pre, x.bufs, x.topk_pre, backend=backend),
          None, None),
     ]
+
+
+def backend_label(backend: str | None, resolved: dict[str, str]) -> str:
+    """``backend`` as the rows ran it: a named one as is; auto as what it resolved to on the device
+    (``"reference (auto)"`` when every op runs one backend, else ``"auto (op: backend, ...)"``)."""
+    if backend not in (None, "auto"):
+        return backend
+    names = sorted(set(resolved.values()))
+    if len(names) == 1:
+        return f"{names[0]} (auto)"
+    return "auto (" + ", ".join(f"{op}: {b}" for op, b in resolved.items()) + ")" if names else "auto"
 
 
 def _no_op(*args, **kwargs) -> None:
@@ -334,7 +348,10 @@ def measure(device: torch.device, backend: str | None, iters: int = 300, warmup:
     finally:
         if gc_was:
             gc.enable()
-    return dict(device=str(device), backend=backend or "auto", shapes=shapes, cpu=cpu_model(), checks=checks,
+    x.resolved.clear()
+    _cases(x, backend)  # the routes of the timed calls, once more: what auto resolved to
+    return dict(device=str(device), backend=backend_label(backend, x.resolved), shapes=shapes, cpu=cpu_model(),
+                checks=checks,
                 gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                 torch=torch.__version__, triton=_version("triton"), iters=iters, rounds=ROUNDS, warmup=warmup,
                 floors=floors, rows=rows, command=" ".join(["python", "-m", "sparse_indexer", *sys.argv[1:]]))
@@ -459,7 +476,7 @@ def run(args: argparse.Namespace) -> int:
     backend = names.split(",")[0].strip() if names else None
     iters = getattr(args, "host_iters", None)
     iters = iters if iters is not None else SMOKE_HOST_ITERS if getattr(args, "smoke", False) else HOST_ITERS
-    print(f"sparse-indexer bench --host on {auto_device_note(name, device)}, backend {backend or 'auto'}, "
+    print(f"sparse-indexer bench --host on {auto_device_note(name, device)}, "
           f"{iters} timed calls per row", flush=True)
     if device.type == "cpu":
         torch.set_num_threads(1)  # tiny ops: no thread pool wake-ups in the measured time

@@ -190,3 +190,14 @@ def test_readme_host_line_runs_as_written(tmp_path):
     assert r.stdout.startswith("sparse-indexer bench --host on ") and "pinned to CPU 0" in r.stdout
     assert "after start-up" not in r.stderr  # started there: no warning
     assert (tmp_path / "host.json").exists()
+
+
+def test_host_rows_name_the_backend_auto_resolved_to():
+    from sparse_indexer.commands import bench_host
+
+    assert bench_host.backend_label("triton", {"top_k_per_row": "triton"}) == "triton"
+    assert bench_host.backend_label(None, {"a": "reference", "b": "reference"}) == "reference (auto)"
+    assert bench_host.backend_label(None, {"a": "cuda", "b": "triton"}) == "auto (a: cuda, b: triton)"
+    if not torch.cuda.is_available():
+        r = bench_host.measure(torch.device("cpu"), None, iters=5, warmup=1)
+        assert r["backend"] == "reference (auto)" and "backend reference (auto)" in bench_host.format_markdown(r)
