@@ -19,8 +19,10 @@ The cases of each op live beside it (``sparse_indexer/ops/<op>/bench.py``: ``spe
 on the shared case interface of ``sparse_indexer/commands/bench_cases.py``); this module holds the decode step's cases,
 the timer, the floors, the CLI and the reports. The backends are the registry's (``sparse_indexer.backends``).
 
-``--anchors DIR`` times vLLM's CUDA top-k kernels (a measuring instrument loaded from ``DIR/vllm_topk.py``,
-never imported otherwise) beside ours on the same top-k inputs.
+``--anchors DIR`` times other projects' kernels beside ours on the same inputs, as measuring instruments never
+imported otherwise: vLLM's CUDA top-k kernels (``DIR/vllm_topk.py``) on the top-k cases, and DeepGEMM's logits
+kernels (``deep_gemm``, when it imports: build it from source and put it on ``PYTHONPATH``) on the decode and
+prefill cases it takes (H 32/64, next_n 1-2, float32 full logits).
 
 Each row holds the median time (CUDA events around the op only, L2 flushed by zeroing a 256 MiB buffer before
 every iteration), the achieved TB/s or TFLOP/s of the op's traffic/FLOP model and its fraction of a floor
@@ -56,6 +58,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -340,7 +343,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--anchors", default=None,
                         help="folder holding vllm_topk.py (vLLM's CUDA top-k kernels, a measuring instrument): "
-                             "timed beside ours on the top-k cases and in --sweep topk (default: none)")
+                             "timed beside ours on the top-k cases and in --sweep topk; with it, DeepGEMM's logits "
+                             "kernels (deep_gemm, when it imports) on the decode and prefill cases (default: none)")
     parser.add_argument("--sweep", choices=tuple(SWEEPS), default=None,
                         help="run a kernel sweep instead of the case table: topk (the CUDA top-k's launch "
                              "configurations checked and timed beside Triton, vLLM and torch.topk; the decode "
@@ -411,6 +415,13 @@ def _device_name(device: torch.device) -> str:
     return f"{platform.processor() or platform.machine()} ({os.cpu_count()} CPUs)"
 
 
+class Anchors(NamedTuple):
+    """The measuring instruments of ``--anchors``: vLLM's top-k kernels and DeepGEMM (either may be ``None``)."""
+
+    vllm_topk: object
+    deep_gemm: object
+
+
 def _load_anchors(folder: str):
     """``vllm_topk`` from ``folder`` (vLLM's top-k kernels prebuilt for the H200; measuring only)."""
     import importlib.util
@@ -422,6 +433,15 @@ def _load_anchors(folder: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _load_deep_gemm():
+    """DeepGEMM (``deep_gemm``, built from source; measuring only): the module, or raises why it is missing."""
+    import importlib
+
+    dg = importlib.import_module("deep_gemm")
+    dg.get_num_sms()  # (a build without a usable GPU fails here, not inside a timed case)
+    return dg
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -491,6 +511,14 @@ def run(args: argparse.Namespace) -> int:
             anchor_mod = _load_anchors(opt("anchors", None))
         except Exception as e:  # noqa: BLE001 - the anchors are optional; say why they are missing
             reasons["vLLM anchors"] = _err(e)
+        try:
+            deep_gemm = _load_deep_gemm()
+        except Exception as e:  # noqa: BLE001 - optional too
+            reasons["DeepGEMM anchors"] = _err(e)
+        else:
+            anchor_mod = Anchors(vllm_topk=anchor_mod, deep_gemm=deep_gemm)
+    if anchor_mod is not None and not isinstance(anchor_mod, Anchors):
+        anchor_mod = Anchors(vllm_topk=anchor_mod, deep_gemm=None)
     torch.manual_seed(int(opt("seed", 0)))
     ctx = Ctx(device=device, fp8=native_fp8(device))
     timer = Timer(device, opt("l2_flush", "zero"))
@@ -522,7 +550,8 @@ def run(args: argparse.Namespace) -> int:
     print(", ".join(_floor_str(f) for f in floors.values()), flush=True)
     if sweep is not None:
         env = SweepEnv(device=device, timer=timer, floors=floors, iters=iters, warmup=warmup, smoke=smoke,
-                       sections=sections, configs=opt("configs", None), anchors=anchor_mod)
+                       sections=sections, configs=opt("configs", None),
+                       anchors=None if anchor_mod is None else anchor_mod.vllm_topk)
         return run_sweep(sweep, env, meta, floors, opt("out", "bench-out") or "bench-out")
 
     table = _Table(ctx=ctx, timer=timer, floors=floors, backends=backends, reasons=reasons, iters=iters,
@@ -635,7 +664,7 @@ def _measure_only_rows(t: _Table, spec: CaseSpec, case: Case, tag: str) -> list[
     """Rows that are measured, not checked: vLLM's kernels on the case's inputs (``--anchors``, cases with
     ``anchors``) and a torch copy of the bytes the op moves (cases with ``copy_baseline``)."""
     rows = []
-    floor = t.floors["bandwidth"]["value"]
+    floor = t.floors["compute" if case.unit == "TFLOP/s" else "bandwidth"]["value"]
 
     def timed(backend: str, fn, check: str, detail: str) -> None:
         times = t.timer.times_us(fn, t.iters, t.warmup)
@@ -648,7 +677,7 @@ def _measure_only_rows(t: _Table, spec: CaseSpec, case: Case, tag: str) -> list[
 
     for name, fn in (case.anchors(t.anchors) if t.anchors is not None and hasattr(case, "anchors") else []):
         try:
-            timed(name, fn, "anchor", "vLLM's CUDA kernel, measuring only")
+            timed(name, fn, "anchor", f"{name.split()[0]}'s kernel, measuring only")
         except Exception as e:  # noqa: BLE001
             print(f"{tag} {name} ... error: {_err(e)}", flush=True)
             continue

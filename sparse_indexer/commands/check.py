@@ -242,10 +242,11 @@ def case_gather(ctx: Ctx, d: int, bs: int, pad: int) -> tuple[str, str, bool]:
     n = int(cu[-1]) + 5  # the 5 rows past the end must stay untouched
     want_k = torch.full((n, d), 0x55, dtype=torch.uint8).view(ctx.fp8)
     want_s = torch.full((n,), -1.0)
-    gather_k_cache(ref, bt, cu, out_k=want_k, out_scale=want_s, backend="reference")
+    gather_k_cache(ref, bt, cu, out_k=want_k, out_scale=want_s, backend="reference", cache_fp8_dtype=ctx.fp8)
     got_k = torch.full((n, d), 0x55, dtype=torch.uint8, device=ctx.device).view(ctx.fp8)
     got_s = torch.full((n,), -1.0, device=ctx.device)
-    gather_k_cache(kv, bt.to(ctx.device), cu.to(ctx.device), out_k=got_k, out_scale=got_s, backend=ctx.op_backend)
+    gather_k_cache(kv, bt.to(ctx.device), cu.to(ctx.device), out_k=got_k, out_scale=got_s, backend=ctx.op_backend,
+                   cache_fp8_dtype=ctx.fp8)
     ctx.sync()
     bad = int((got_k.cpu().view(torch.uint8) != want_k.view(torch.uint8)).sum())
     bad += 4 * int((got_s.cpu().view(torch.int32) != want_s.view(torch.int32)).sum())
@@ -312,12 +313,12 @@ def case_paged(ctx: Ctx, next_n: int, two_d: bool, h: int = 64, d: int = 128, bs
     q8, w = _queries(g, b * next_n, h, d, ctx.fp8, qkeys)
     q8 = q8.view(b, next_n, h, d)
     width = bt.shape[1] * bs
-    want = fp8_paged_mqa_logits(q8, ref, w, ctx_lens, bt, backend="reference")
+    want = fp8_paged_mqa_logits(q8, ref, w, ctx_lens, bt, backend="reference", cache_fp8_dtype=ctx.fp8)
     dev = ctx.device
     clean = not two_d
     out = torch.full((b * next_n, width), float("nan"), device=dev)
     fp8_paged_mqa_logits(q8.to(dev), kv, w.to(dev), ctx_lens.to(dev), bt.to(dev), out=out, clean=clean,
-                         backend=ctx.op_backend)
+                         backend=ctx.op_backend, cache_fp8_dtype=ctx.fp8)
     ctx.sync()
     inside = torch.arange(width)[None, :] < lim[:, None]
     return _logits_verdict(ctx, *logits_error(out, want, inside, clean=clean))

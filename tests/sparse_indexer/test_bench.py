@@ -201,3 +201,43 @@ def test_host_rows_name_the_backend_auto_resolved_to():
     if not torch.cuda.is_available():
         r = bench_host.measure(torch.device("cpu"), None, iters=5, warmup=1)
         assert r["backend"] == "reference (auto)" and "backend reference (auto)" in bench_host.format_markdown(r)
+
+
+def test_deep_gemm_anchor_rows_on_the_cases_it_takes(tmp_path, monkeypatch):
+    """``--anchors``: DeepGEMM's logits (when ``deep_gemm`` imports) are timed beside ours on the decode and prefill
+    cases it takes, on the same inputs. A stand-in with DeepGEMM's call forms computes with the reference backend
+    and records its calls, so the rows exist and the arguments are the case's own."""
+    import sys
+    import types
+
+    import sparse_indexer as si
+
+    calls = []
+    dg = types.ModuleType("deep_gemm")
+    dg.get_num_sms = lambda: 132
+    dg.get_paged_mqa_logits_metadata = lambda lens, bs, sms: ("schedule", lens.shape, bs, sms)
+
+    def paged(q, kv4, w, lens2d, bt, sched, cols, clean):
+        assert kv4.dim() == 4 and kv4.shape[2] == 1 and lens2d.shape == q.shape[:2] and sched[0] == "schedule"
+        calls.append("paged")
+        return si.fp8_paged_mqa_logits(q, kv4, w, lens2d, bt, out=torch.empty(q.shape[0] * q.shape[1], cols),
+                                       clean=clean, backend="reference")
+
+    def ragged(q, kv, w, ks, ke, clean_logits):
+        calls.append("ragged")
+        return si.fp8_mqa_logits(q, kv[0], kv[1], w, ks, ke, clean=clean_logits, backend="reference")
+
+    dg.fp8_paged_mqa_logits, dg.fp8_mqa_logits = paged, ragged
+    monkeypatch.setitem(sys.modules, "deep_gemm", dg)
+    rc, md, data = _run(tmp_path, "--backends", "reference", "--cases", "decode,prefill,topk", "--anchors",
+                        str(tmp_path / "no-vllm-here"))
+    assert rc == 0
+    rows = [r for r in data["rows"] if r["check"] == "anchor"]
+    by = {}
+    for r in rows:
+        by.setdefault(r["backend"], set()).add(r["group"])
+    assert by == {"DeepGEMM paged logits": {"decode"}, "DeepGEMM logits": {"prefill"}}, by
+    assert "paged" in calls and "ragged" in calls
+    decode_keys = {r["key"] for r in rows if r["group"] == "decode"}
+    assert not any(k.endswith("-bf16") for k in decode_keys), "bf16 logits are not DeepGEMM's"
+    assert "DeepGEMM paged logits" in md and "vLLM anchors" in md  # the missing vLLM folder is said

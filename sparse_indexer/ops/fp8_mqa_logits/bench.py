@@ -61,6 +61,16 @@ class PrefillCase(Case):
         return lambda: fp8_mqa_logits(self.q, self.k8, self.k_scale, self.weights, self.ks, self.ke,
                                       out=self.out, clean=False, backend=backend, max_seqlen_k=self.width)
 
+    def anchors(self, found) -> list:
+        """DeepGEMM's ragged logits on the same inputs (``found.deep_gemm``; full float32 ``[M, N]`` logits,
+        ``clean_logits=False`` as here). DeepGEMM allocates its output in each call."""
+        dg = found.deep_gemm
+        if (dg is None or self.width is not None or self.out.dtype != torch.float32
+                or self.q.dtype != torch.float8_e4m3fn):
+            return []
+        q, kv, w, ks, ke = self.q, (self.k8, self.k_scale), self.weights, self.ks, self.ke
+        return [("DeepGEMM logits", lambda: dg.fp8_mqa_logits(q, kv, w, ks, ke, clean_logits=False))]
+
     def reset(self):
         self.out.fill_(float("nan"))
 

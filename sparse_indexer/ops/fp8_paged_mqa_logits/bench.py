@@ -54,7 +54,23 @@ class DecodeCase(Case):
 
     def fn(self, backend):
         return lambda: fp8_paged_mqa_logits(self.q, self.cache, self.weights, self.context_lens,
-                                            self.block_table, out=self.out, clean=False, backend=backend)
+                                            self.block_table, out=self.out, clean=False, backend=backend,
+                                            cache_fp8_dtype=self.q.dtype)
+
+    def anchors(self, found) -> list:
+        """DeepGEMM's paged logits on the same inputs (``found.deep_gemm``; SM90: H 32/64, block 64, next_n 1-2, FP8
+        e4m3fn keys, float32 logits; its 2-D per-token lengths, schedule made once outside the timed call, and
+        ``clean_logits=False`` as here). DeepGEMM allocates its output in each call."""
+        dg = found.deep_gemm
+        if (dg is None or self.next_n > 2 or self.out.dtype != torch.float32 or self.q.dtype != torch.float8_e4m3fn
+                or self.cache.shape[1] != 64):
+            return []
+        nb, bs, width = self.cache.shape
+        kv4 = self.cache.view(nb, bs, 1, width)
+        lens2d = self.limits.view(self.B, self.next_n).to(torch.int32).contiguous()
+        sched = dg.get_paged_mqa_logits_metadata(lens2d, bs, dg.get_num_sms())
+        q, w, bt, cols = self.q, self.weights, self.block_table, self.out.shape[1]
+        return [("DeepGEMM paged logits", lambda: dg.fp8_paged_mqa_logits(q, kv4, w, lens2d, bt, sched, cols, False))]
 
     def reset(self):
         self.out.fill_(float("nan"))
@@ -65,7 +81,7 @@ class DecodeCase(Case):
         ref = torch.empty(rows.numel(), self.out.shape[1], dtype=torch.float32, device=self.out.device)
         fp8_paged_mqa_logits(take(self.q, reqs), self.cache, take(self.weights, rows),
                              take(self.context_lens, reqs), take(self.block_table, reqs), out=ref,
-                             clean=True, backend="reference")
+                             clean=True, backend="reference", cache_fp8_dtype=self.q.dtype)
         cols = torch.arange(self.out.shape[1], device=ref.device)
         inside = cols[None, :] < self.limits[rows][:, None]
         err, _ = logits_error(self.out[rows].float(), ref, inside, clean=False)

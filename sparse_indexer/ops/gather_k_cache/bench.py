@@ -41,7 +41,7 @@ class GatherCase(Case):
 
     def fn(self, backend):
         return lambda: gather_k_cache(self.cache, self.block_table, self.cu, out_k=self.out_k,
-                                      out_scale=self.out_scale, backend=backend)
+                                      out_scale=self.out_scale, backend=backend, cache_fp8_dtype=self.out_k.dtype)
 
     def reset(self):
         self.out_k.view(torch.uint8).fill_(0x5A)
@@ -49,7 +49,8 @@ class GatherCase(Case):
 
     def check(self, backend):
         rk, rs = torch.empty_like(self.out_k), torch.empty_like(self.out_scale)
-        gather_k_cache(self.cache, self.block_table, self.cu, out_k=rk, out_scale=rs, backend="reference")
+        gather_k_cache(self.cache, self.block_table, self.cu, out_k=rk, out_scale=rs, backend="reference",
+                       cache_fp8_dtype=rk.dtype)
         ok = torch.equal(rk.view(torch.uint8), self.out_k.view(torch.uint8)) and torch.equal(
             rs.view(torch.int32), self.out_scale.view(torch.int32))
         return ok, "bytes equal" if ok else "bytes differ"

@@ -94,9 +94,10 @@ class TopKCase(Case):
         elif kind == "decode-nows":
             self.note = "no workspace"
 
-    def anchors(self, mod) -> list[tuple[str, Callable[[], object]]]:
-        """vLLM's kernels that apply to this case (``mod``: the loaded ``vllm_topk`` anchor module)."""
-        if self.topk != getattr(mod, "K", 2048) or self.logits.dtype != torch.float32:
+    def anchors(self, found) -> list[tuple[str, Callable[[], object]]]:
+        """vLLM's kernels that apply to this case (``found.vllm_topk``: the loaded anchor module, or ``None``)."""
+        mod = found.vllm_topk
+        if mod is None or self.topk != getattr(mod, "K", 2048) or self.logits.dtype != torch.float32:
             return []
         lg, s, e, o = self.logits, self.starts, self.ends, self.out
         if self.kind in ("prefill", "causal"):
