@@ -62,6 +62,7 @@ def _quantize_rows(x: torch.Tensor, floor: float, fp8_dtype, scale_fmt):
     scale = amax.clamp(min=floor) / torch.full_like(amax, qmax)
     if scale_fmt == "ue8m0":
         scale = ue8m0(scale)
+    scale = torch.where(scale.isnan(), float("nan"), scale)  # one NaN scale (0x7FC00000), whatever the input's NaN
     values = (xf / scale.unsqueeze(-1)).clamp(-qmax, qmax)
     values = torch.where(values.isnan(), float("nan"), values).to(fp8_dtype)  # one NaN byte: 0x7F (fn), 0x80 (fnuz)
     return values, scale

@@ -47,7 +47,13 @@ def _e4m3fn_bits(q):
     sub = (mant + (1 << (sh - 1)) - 1 + ((mant >> sh) & 1)) >> sh
     sub = tl.where(e == 0, 0, sub)
     byte = tl.where(e >= 121, normal, sub) | sign
+    byte = tl.where(a > 0x7F800000, 0x7F, byte)  # NaN: 0x7F, as the hardware cast gives it
     return byte.to(tl.uint8)
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -74,28 +80,28 @@ def _write_k_cache_kernel(
     d = tl.arange(0, D)
     x = tl.load(k_ptr + t.to(tl.int64)[:, None] * stride_k + d[None, :], mask=ok[:, None], other=0.0)
     x = x.to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)  # (max ignores NaN: a row with one is marked below, docs/spec.md §3)
-    has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
-    scale = tl.math.div_rn(tl.maximum(amax, FLOOR), tl.full(amax.shape, QMAX, tl.float32))
+    # NaN propagates through the max, the floor and the clamp (docs/spec.md §3: a row with a NaN has a NaN scale
+    # and NaN values; an infinite amax a +inf scale, NaN = inf / inf at the infinities): max.NaN costs what max does
+    amax = tl.reduce(tl.abs(x), 1, _max_nan)
+    scale = tl.math.div_rn(tl.maximum(amax, FLOOR, propagate_nan=tl.PropagateNan.ALL),
+                           tl.full(amax.shape, QMAX, tl.float32))
     if UE8M0:
         bits = scale.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFFFF) & 0xFF800000  # (+inf stays +inf)
+        bits = (bits + 0x7FFFFF) & 0xFF800000  # (+inf stays +inf; NaN does not, hence the where below)
         scale = bits.to(tl.float32, bitcast=True)
-    scale = tl.where(has_nan, float("nan"), scale)
+    scale = tl.where(amax != amax, float("nan"), scale)  # one NaN scale: 0x7FC00000, as the reference stores it
     q = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-    is_nan = q != q  # the whole row of a NaN, and inf / inf
-    q = tl.minimum(tl.maximum(q, -QMAX), QMAX)  # (min/max drop NaN: is_nan restores it)
+    q = tl.minimum(tl.maximum(q, -QMAX, propagate_nan=tl.PropagateNan.ALL), QMAX, propagate_nan=tl.PropagateNan.ALL)
     if FNUZ:
         q = q * 2.0  # the fnuz byte of v is the fn byte of 2v (except -0, which fnuz lacks)
     if SOFT_FP8:
         qb = _e4m3fn_bits(q)
     else:
-        qb = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        qb = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # (satfinite: NaN -> 0x7F, e4m3fn's canonical NaN)
     if FNUZ:
         qb = tl.where(qb == 0x80, tl.zeros_like(qb), qb)
-        qb = tl.where(is_nan, tl.full(qb.shape, 0x80, tl.uint8), qb)  # e4m3fnuz's only NaN
-    else:
-        qb = tl.where(is_nan, tl.full(qb.shape, 0x7F, tl.uint8), qb)  # e4m3fn's NaN, sign clear
+        qb = tl.where(qb == 0x7F, tl.full(qb.shape, 0x80, tl.uint8), qb)  # e4m3fnuz's only NaN (no finite 0x7F:
+        # |2v| <= 448 rounds to at most 0x7E)
     blk = slot // BS
     off = slot - blk * BS
     base = blk * block_stride
