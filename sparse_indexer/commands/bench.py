@@ -12,7 +12,8 @@ One run measures the Triton backend, the reference backend on the same device an
   :data:`TOPK_DISTRIBUTIONS`;
 * the decode step (``indexer_decode``: paged logits + top-k as the step runs them), eager and replayed in a CUDA
   graph: ``(B, next_n, L)`` in ``(64, 1, 64K), (64, 2, 64K), (256, 1, 16K), (1, 1, 64K), (4, 1, 64K),
-  (16, 1, 64K)``; a backend of some ops means ``auto`` there (``cuda``: Triton logits, CUDA top-k);
+  (16, 1, 64K)``; a backend of some ops means ``auto`` there (``cuda``: the Gluon or Triton logits ``auto``
+  picks, CUDA top-k);
 * ``write_k_cache`` and ``gather_k_cache`` of 64K tokens.
 
 The cases of each op live beside it (``sparse_indexer/ops/<op>/bench.py``: ``specs(smoke)``, ``build(spec, ctx)``,
@@ -152,7 +153,7 @@ class StepCase(Case):
         self.amount = lc.amount + float(int(lc.limits.sum()) * 4)
 
     def _step(self, backend):
-        # a backend of some ops (cuda: top-k only) runs the step through auto (cuda: Triton logits, CUDA top-k)
+        # a backend of some ops (cuda: top-k only) runs the step through auto (cuda: auto's logits, CUDA top-k)
         be = None if _registry.get(backend).ops is not None else backend
         if backend == "reference":
             self.note = "eager (the reference backend is not captured)"
