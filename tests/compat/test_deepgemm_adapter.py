@@ -1,6 +1,6 @@
 """The DeepGEMM adapter (``tests/compat/deepgemm_adapter``) on the CPU: DeepGEMM's call forms reach the
-library and give its float64-checked logits. DeepGEMM's own ``tests/test_attention.py`` runs through it on the GPU
-(``.dev/gpu_l.sh``)."""
+library and give its float64-checked logits. DeepGEMM's own ``tests/test_attention.py`` runs through it on a GPU
+(the adapter's folder first on ``PYTHONPATH``)."""
 
 from __future__ import annotations
 
