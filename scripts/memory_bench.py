@@ -26,7 +26,6 @@ import math
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -34,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sparse_indexer as si  # noqa: E402
 from buffers import IndexerLimits, allocate, plan  # noqa: E402
+from sparse_indexer.commands.bench import Timer as BenchTimer  # noqa: E402
 from sparse_indexer.indexer import decode_batch  # noqa: E402
 from sparse_indexer.testing import capture_cuda_graph  # noqa: E402
 
@@ -45,20 +45,15 @@ def log(*a):
 
 
 class Timer:
+    """The bench's timer (``sparse_indexer.commands.bench.Timer``: CUDA events around the op, L2 flushed by
+    ``zero_`` before every iteration; ``perf_counter`` on the CPU), in milliseconds."""
+
     def __init__(self, device: torch.device):
-        self.gpu = device.type == "cuda"
-        self.flush = torch.empty(256 * MiB, dtype=torch.uint8, device=device) if self.gpu else None
+        self._timer = BenchTimer(device, "zero")
+        self.gpu = self._timer.gpu
 
     def median_ms(self, fn, iters: int, warmup: int = 1) -> float:
-        for _ in range(warmup):
-            fn()
-        if not self.gpu:
-            ts = []
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                fn()
-                ts.append((time.perf_counter() - t0) * 1e3)
-            return statistics.median(ts)
+        return statistics.median(self._timer.times_us(fn, iters, warmup)) / 1e3
         torch.cuda.synchronize()
         ts = []
         for _ in range(iters):
