@@ -319,22 +319,34 @@ def pack_decode(seq_lens: torch.Tensor, decode_lens: torch.Tensor, next_n: int,
 
 def _check_blocks_and_slots(seq: list[int], qry: list[int], bt: torch.Tensor, sm: torch.Tensor, bs: int,
                             num_blocks: int | None) -> None:
-    """Host checks of the block ids and slots of one step (``bt``, ``sm``: CPU tensors): every block id a request
-    uses (its first ``ceil(seq_len / block_size)`` entries) is ``>= 0`` (and ``< num_blocks`` when given), and
-    every slot is -1 (no write) or the slot the block table gives the token's position (docs/spec.md §7): token
-    ``j`` of request ``i`` sits at position ``p = seq_len - query_len + j``, slot ``block_table[i, p // bs] * bs +
-    p % bs``. A slot anywhere else would write a key where no request reads it, or over another token's key."""
+    """Host checks of the block ids and slots of one step (``bt``, ``sm``: CPU tensors), docs/spec.md §7.
+
+    With ``num_blocks``: every block id a request uses (its first ``ceil(seq_len / block_size)`` entries) lies in
+    ``[0, num_blocks)`` and every slot below ``num_blocks * block_size``. Always: every slot is negative (no write)
+    or the slot the block table gives the token's position (token ``j`` of request ``i`` sits at position ``p =
+    seq_len - query_len + j``, slot ``block_table[i, p // bs] * bs + p % bs``) through a block id ``>= 0``. A slot
+    anywhere else would write a key where no request reads it, or over another token's key. The slot check reads
+    one block-table entry per token; the block-range check, the used part of the table (``num_blocks`` only)."""
     n_req = len(seq)
-    hi = bt.new_full((), torch.iinfo(torch.int32).max) if num_blocks is None else num_blocks
-    nblk = torch.tensor([(s + bs - 1) // bs for s in seq], dtype=torch.long)
-    used = torch.arange(bt.shape[1])[None, :] < nblk[:, None]
-    bad = used & ((bt < 0) | (bt >= hi))
-    if bool(bad.any()):
-        r, c = (int(x) for x in bad.nonzero()[0])
-        where = f"[0, num_blocks={num_blocks})" if num_blocks is not None else "[0, ...) (block ids are >= 0)"
-        raise ValueError(f"block_table[{r}, {c}] = {int(bt[r, c])} (a block request {r} uses) is outside {where}")
+    if num_blocks is not None and n_req:
+        nblk = torch.tensor([(s + bs - 1) // bs for s in seq], dtype=torch.long)
+        width = int(nblk.max())
+        if width:
+            # per row over the widest row's blocks first (one pass); only rows out of range there are read again
+            # up to their own block count (padding past a row's blocks may hold anything)
+            lo, hi = bt[:, :width].amin(1), bt[:, :width].amax(1)
+            for r in ((lo < 0) | (hi >= num_blocks)).nonzero()[:, 0].tolist():
+                row = bt[r, : int(nblk[r])]
+                if not row.numel():
+                    continue
+                rlo, rhi = row.aminmax()
+                if int(rlo) < 0 or int(rhi) >= num_blocks:
+                    c = int(((row < 0) | (row >= num_blocks)).nonzero()[0, 0])
+                    raise ValueError(f"block_table[{r}, {c}] = {int(row[c])} (a block request {r} uses) is outside "
+                                     f"[0, num_blocks={num_blocks})")
     if not sm.numel():
         return
+    sm = sm.long()
     if num_blocks is not None and int(sm.max()) >= num_blocks * bs:
         t = int(sm.argmax())
         raise ValueError(f"slot_mapping[{t}] = {int(sm[t])} >= num_blocks * block_size = {num_blocks * bs}")
@@ -342,16 +354,19 @@ def _check_blocks_and_slots(seq: list[int], qry: list[int], bt: torch.Tensor, sm
     req = torch.repeat_interleave(torch.arange(n_req), q)  # the request of each token
     first = torch.cumsum(q, 0) - q
     pos = torch.tensor(seq, dtype=torch.long)[req] - q[req] + (torch.arange(sm.numel()) - first[req])
-    want = bt[req, pos // bs].long() * bs + pos % bs
-    sm = sm.long()
-    bad = (sm != -1) & (sm != want)
+    blk = bt[req, pos // bs].long()
+    writes = sm >= 0
+    bad = writes & ((blk < 0) | (sm != blk * bs + pos % bs))
     if bool(bad.any()):
         t = int(bad.nonzero()[0, 0])
         r, p = int(req[t]), int(pos[t])
+        if int(blk[t]) < 0:
+            raise ValueError(f"block_table[{r}, {p // bs}] = {int(blk[t])} (the block of request {r}'s position {p}, "
+                             f"which slot_mapping[{t}] writes) is negative")
         raise ValueError(
             f"slot_mapping[{t}] = {int(sm[t])}, but token {t} is request {r}'s position {p}, whose slot is "
-            f"block_table[{r}, {p // bs}] * {bs} + {p % bs} = {int(want[t])} (or -1: no write): a key written "
-            "elsewhere is read by no request, or overwrites another token's key")
+            f"block_table[{r}, {p // bs}] * {bs} + {p % bs} = {int(blk[t]) * bs + p % bs} (or negative: no write): a "
+            "key written elsewhere is read by no request, or overwrites another token's key")
 
 
 def build_metadata(seq_lens, query_lens, block_table: torch.Tensor, slot_mapping: torch.Tensor,
@@ -365,9 +380,9 @@ def build_metadata(seq_lens, query_lens, block_table: torch.Tensor, slot_mapping
             requests and must all come first (decode-first order, as the tokens).
         block_table: ``[num_reqs, max_blocks]`` int32, the requests' K-cache blocks.
         slot_mapping: ``[sum(query_lens)]`` int64 (int32 accepted; the record keeps int64) cache slots of the new
-            tokens: -1 (do not write) or the slot the block table gives the token's position, checked on the host
-            whenever the values are there to read (``num_blocks`` given, or ``block_table`` and ``slot_mapping`` on
-            the CPU).
+            tokens: negative (-1: do not write) or the slot the block table gives the token's position, checked on
+            the host whenever the values are there to read (``num_blocks`` given, or ``block_table`` and
+            ``slot_mapping`` on the CPU).
         limits: the engine's :class:`IndexerLimits` (``next_n``, caps of the prefill chunks, ``max_model_len``).
         device: where the metadata tensors live (default: ``block_table``'s device).
         num_blocks: the K cache's block count: every block id in use and every slot are checked against it, and

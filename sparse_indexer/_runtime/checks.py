@@ -80,20 +80,22 @@ DEFAULT_CACHE_FP8 = torch.float8_e4m3fn
 """The FP8 format of a cache whose reader does not name one: what ``write_k_cache`` writes by default."""
 
 
-def cache_format(name: str, dtype: torch.dtype, cache_fp8_dtype) -> torch.dtype:
+def cache_format(name: str, dtype: torch.dtype, cache_fp8_dtype, *, mix: bool = True) -> torch.dtype:
     """The FP8 format of a cache read against ``name`` (an FP8 tensor of ``dtype``), docs/spec.md §4.
 
     A cache carries no format of its own, so its reader states it: ``cache_fp8_dtype`` (one of the FP8 dtypes),
     or ``None`` for :data:`DEFAULT_CACHE_FP8`. Without a statement ``dtype`` must be that default; a stated format
-    that differs from ``dtype`` is the caller's explicit choice to mix formats. Raises ``TypeError`` naming both.
+    that differs from ``dtype`` is the caller's explicit choice to mix formats (``mix``: the op can read a mix;
+    the message offers it only then). Raises ``TypeError`` naming both.
     """
     if cache_fp8_dtype is None:
         if dtype != DEFAULT_CACHE_FP8:
+            hint = (f", or cache_fp8_dtype={DEFAULT_CACHE_FP8} to score {dtype} against {DEFAULT_CACHE_FP8} keys on "
+                    "purpose") if mix else ""
             raise TypeError(
                 f"{name} is {dtype} but the cache is read as {DEFAULT_CACHE_FP8} (write_k_cache's default; the "
                 f"cache bytes carry no format): pass cache_fp8_dtype={dtype} if the cache was written in "
-                f"{dtype}, or cache_fp8_dtype={DEFAULT_CACHE_FP8} to score {dtype} against {DEFAULT_CACHE_FP8} "
-                "keys on purpose")
+                f"{dtype}{hint}")
         return DEFAULT_CACHE_FP8
     if cache_fp8_dtype not in FP8_DTYPES:
         raise TypeError(f"cache_fp8_dtype must be one of {FP8_DTYPES} or None, got {cache_fp8_dtype!r}")

@@ -12,9 +12,11 @@ op                         schema (after ``sparse_indexer::``)                  
 ``fp8_mqa_logits``         ``(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out!,   ``out``
                            bool clean, bool compressed=False, *, str backend)``
 ``fp8_paged_mqa_logits``   ``(q, kv_cache, weights, context_lens, block_table, out!,          ``out``
-                           bool clean, Tensor? indices=None, *, str backend)``;               (and ``qk``)
+                           bool clean, Tensor? indices=None, ScalarType?                      (and ``qk``)
+                           cache_fp8_dtype=None, *, str backend)``;
                            ``fp8_paged_mqa_logits_with_qk``: ``indices`` required (may be
-                           ``None``), then ``str backend, qk!`` (aiter stage1's scratch)
+                           ``None``), then ``str backend, qk!`` (aiter stage1's scratch; no
+                           ``cache_fp8_dtype``: a call that mixes formats passes no ``qk``)
 ``top_k_per_row``          ``(logits, row_starts, row_ends, out!, str backend)``;             ``out``
                            ``top_k_per_row_with_workspace`` adds ``workspace!`` (the split-   (and
                            row top-k's global scratch)                                         ``workspace``)

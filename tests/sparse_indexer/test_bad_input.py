@@ -49,7 +49,7 @@ def test_slot_that_contradicts_the_block_table_raises():
     seq, qry = [20, 40], [1, 5]
     sm = _slots(bt, seq, qry, 16)
     si.build_metadata(seq, qry, bt, sm, lim, num_blocks=8)  # consistent: passes
-    for t, bad in ((0, int(sm[1])), (3, 0), (2, -2)):
+    for t, bad in ((0, int(sm[1])), (3, 0), (2, int(sm[2]) + 16 * 8)):
         s = sm.clone()
         s[t] = bad
         with pytest.raises(ValueError, match=rf"slot_mapping\[{t}\] = {bad}, but token {t} is request"):
@@ -57,16 +57,22 @@ def test_slot_that_contradicts_the_block_table_raises():
         with pytest.raises(ValueError, match=rf"slot_mapping\[{t}\]"):
             si.build_metadata(seq, qry, bt, s, lim, num_blocks=8)
     s = sm.clone()
-    s[4] = -1  # -1: the token writes nothing, always allowed
+    s[4], s[5] = -1, -2  # negative: the token writes nothing (write_k_cache skips any negative slot)
     si.build_metadata(seq, qry, bt, s, lim)
 
 
-def test_negative_block_id_in_use_raises_without_num_blocks():
+def test_negative_block_ids():
+    """A slot written through a negative block id raises (without num_blocks too); with num_blocks every block id
+    in use is checked against the cache."""
     lim = _limits()
     bt = torch.tensor([[3, -1, 0, 0]], dtype=torch.int32)
+    slots = torch.cat([torch.arange(48, 64), torch.arange(100, 104)])  # positions 16..19 written through block -1
+    with pytest.raises(ValueError, match=r"block_table\[0, 1\] = -1 \(the block of request 0's position 16"):
+        si.build_metadata([20], [20], bt, slots, lim)
+    si.build_metadata([20], [20], bt, torch.full((20,), -1), lim)  # nothing written through block 1: unchecked
     with pytest.raises(ValueError, match=r"block_table\[0, 1\] = -1 \(a block request 0 uses\)"):
-        si.build_metadata([20], [20], bt, torch.full((20,), -1), lim)
-    si.build_metadata([16], [16], bt, torch.full((16,), -1), lim)  # block 1 unused: any id
+        si.build_metadata([20], [20], bt, torch.full((20,), -1), lim, num_blocks=8)
+    si.build_metadata([16], [16], bt, torch.full((16,), -1), lim, num_blocks=8)  # block 1 unused: any id
 
 
 def test_int32_slot_mapping_is_accepted_and_kept_as_int64():
@@ -155,8 +161,9 @@ def test_gather_out_k_must_be_in_the_cache_format():
     bt = torch.tensor([[0, 1]], dtype=torch.int32)
     cu = torch.tensor([0, 20], dtype=torch.int32)
     out_k, out_s = torch.zeros(24, 64, dtype=FNUZ), torch.full((24,), 5.0)
-    with pytest.raises(TypeError, match="out_k is torch.float8_e4m3fnuz.*torch.float8_e4m3fn"):
+    with pytest.raises(TypeError, match="out_k is torch.float8_e4m3fnuz.*torch.float8_e4m3fn") as e:
         si.gather_k_cache(kv, bt, cu, out_k=out_k, out_scale=out_s)
+    assert "on purpose" not in str(e.value)  # (a gather copies bytes: no mix to offer)
     with pytest.raises(TypeError, match="copies the cache's bytes"):
         si.gather_k_cache(kv, bt, cu, out_k=out_k, out_scale=out_s, cache_fp8_dtype=FN)
     assert bool((out_s == 5.0).all()) and not bool(out_k.view(torch.uint8).any()), "outputs were written"

@@ -13,8 +13,6 @@ from .reference import row_limits
 __all__ = ["fp8_paged_mqa_logits", "row_limits"]
 
 
-
-
 def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
                          context_lens: torch.Tensor, block_table: torch.Tensor, *,
                          out: torch.Tensor | None = None, clean: bool = True, backend: str | None = None,

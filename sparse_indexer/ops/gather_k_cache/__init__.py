@@ -60,7 +60,7 @@ def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_len
     r = block_table.shape[0]
     C.tensor("cu_seq_lens", cu_seq_lens, dtypes=C.INDEX_DTYPES, device=dev, shape=(r + 1,), contiguous=True)
     C.fp8("out_k", out_k, ndim=2, device=dev, shape=(None, lay.head_dim), contiguous=True)
-    fmt = C.cache_format("out_k", out_k.dtype, cache_fp8_dtype)
+    fmt = C.cache_format("out_k", out_k.dtype, cache_fp8_dtype, mix=False)
     if fmt != out_k.dtype:
         raise TypeError(f"out_k is {out_k.dtype} but the cache holds {fmt}: gather_k_cache copies the cache's bytes, "
                         "so out_k must be in the cache's format (convert afterwards: sparse_indexer.fn_to_fnuz)")

@@ -71,6 +71,7 @@ def _write_k_cache_kernel(
     UE8M0: tl.constexpr,
     FNUZ: tl.constexpr,
     SOFT_FP8: tl.constexpr,  # integer rounding instead of the cast (interpreter only, see _e4m3fn_bits)
+    SIGNED_NAN: tl.constexpr,  # the GPU's cast may give -NaN the byte 0xFF (ROCm): make it 0x7F
     BLOCK_T: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -98,6 +99,8 @@ def _write_k_cache_kernel(
         qb = _e4m3fn_bits(q)
     else:
         qb = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # (satfinite: NaN -> 0x7F, e4m3fn's canonical NaN)
+        if SIGNED_NAN:  # a cast that keeps a NaN's sign (not NVIDIA's cvt.satfinite): -NaN 0xFF -> 0x7F
+            qb = tl.where(qb == 0xFF, tl.full(qb.shape, 0x7F, tl.uint8), qb)
     if FNUZ:
         qb = tl.where(qb == 0x80, tl.zeros_like(qb), qb)
         qb = tl.where(qb == 0x7F, tl.full(qb.shape, 0x80, tl.uint8), qb)  # e4m3fnuz's only NaN (no finite 0x7F:
@@ -120,7 +123,8 @@ def _config(bs: int, d: int, fp8_dtype, ue8m0: bool):
     if cfg is None:
         cfg = _CONFIGS[key] = _LAUNCH.config(
             BS=bs, D=d, QMAX=QUANT_MAX[fp8_dtype], FLOOR=K_SCALE_FLOOR, UE8M0=ue8m0,
-            FNUZ=fp8_dtype == torch.float8_e4m3fnuz, SOFT_FP8=_SOFT_FP8, BLOCK_T=_BLOCK_T, num_warps=4)
+            FNUZ=fp8_dtype == torch.float8_e4m3fnuz, SOFT_FP8=_SOFT_FP8, SIGNED_NAN=torch.version.hip is not None,
+            BLOCK_T=_BLOCK_T, num_warps=4)
     return cfg
 
 
