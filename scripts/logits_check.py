@@ -1,11 +1,14 @@
 """Compare the Triton logits kernels with the reference (CPU interpreter or GPU). Small shapes by default."""
 import sys
+from pathlib import Path
 
 import torch
 
-import sparse_indexer as si
-from sparse_indexer.kcache import cache_views, new_kv_cache
-from sparse_indexer.testing import logits_error
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, no install needed
+
+import sparse_indexer as si  # noqa: E402
+from sparse_indexer.kcache import cache_views, new_kv_cache  # noqa: E402
+from sparse_indexer.testing import logits_error  # noqa: E402
 
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn

@@ -9,11 +9,14 @@ Checks each result against the reference backend and exits 1 on a mismatch.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
-import sparse_indexer as si
-from sparse_indexer.testing import logits_error, topk_errors
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, no install needed
+
+import sparse_indexer as si  # noqa: E402
+from sparse_indexer.testing import logits_error, topk_errors  # noqa: E402
 
 
 def main() -> int:
