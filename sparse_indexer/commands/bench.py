@@ -506,20 +506,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     interpreter = use_triton_interpreter(device) if sweep == "logits" else None  # before triton is imported
     reasons = {b: why for b in backends if (why := unavailable_reason(b, device)) is not None}
-    anchor_mod = None
+    anchors = None
     if opt("anchors", None):
-        try:
-            anchor_mod = _load_anchors(opt("anchors", None))
-        except Exception as e:  # noqa: BLE001 - the anchors are optional; say why they are missing
-            reasons["vLLM anchors"] = _err(e)
-        try:
-            deep_gemm = _load_deep_gemm()
-        except Exception as e:  # noqa: BLE001 - optional too
-            reasons["DeepGEMM anchors"] = _err(e)
-        else:
-            anchor_mod = Anchors(vllm_topk=anchor_mod, deep_gemm=deep_gemm)
-    if anchor_mod is not None and not isinstance(anchor_mod, Anchors):
-        anchor_mod = Anchors(vllm_topk=anchor_mod, deep_gemm=None)
+        found = {}
+        for key, name, load in (("vllm_topk", "vLLM anchors", lambda: _load_anchors(opt("anchors", None))),
+                                ("deep_gemm", "DeepGEMM anchors", _load_deep_gemm)):
+            try:
+                found[key] = load()
+            except Exception as e:  # noqa: BLE001 - the anchors are optional; say why one is missing
+                reasons[name] = _err(e)
+                found[key] = None
+        anchors = Anchors(**found)
     torch.manual_seed(int(opt("seed", 0)))
     ctx = Ctx(device=device, fp8=native_fp8(device))
     timer = Timer(device, opt("l2_flush", "zero"))
@@ -552,11 +549,11 @@ def run(args: argparse.Namespace) -> int:
     if sweep is not None:
         env = SweepEnv(device=device, timer=timer, floors=floors, iters=iters, warmup=warmup, smoke=smoke,
                        sections=sections, configs=opt("configs", None),
-                       anchors=None if anchor_mod is None else anchor_mod.vllm_topk)
+                       anchors=None if anchors is None else anchors.vllm_topk)
         return run_sweep(sweep, env, meta, floors, opt("out", "bench-out") or "bench-out")
 
     table = _Table(ctx=ctx, timer=timer, floors=floors, backends=backends, reasons=reasons, iters=iters,
-                   warmup=warmup, ref_iters=ref_iters, skip_ref=skip_ref, no_check=no_check, anchors=anchor_mod)
+                   warmup=warmup, ref_iters=ref_iters, skip_ref=skip_ref, no_check=no_check, anchors=anchors)
     rows: list[dict] = []
     for i, spec in enumerate(specs, 1):
         torch.manual_seed(int(opt("seed", 0)) + i)
