@@ -66,7 +66,7 @@ def run(env) -> tuple[list[tuple[str, str, str, str]], dict]:
         print(rows[-1][1], flush=True)
 
     def resolved(logits, starts, ends, out, backend):
-        """The backend ``backend`` (``None``: auto) runs this top-k call on on the device, as a row label."""
+        """The backend ``backend`` (``None``: auto) runs this top-k call on the device, as a row label."""
         if backend is not None:
             return backend
         route = _dispatch.chosen(_dispatch.routes("top_k_per_row", None, dev), None, (logits, starts, ends),
