@@ -39,24 +39,31 @@ class IndexerLimits:
     """Static limits of an engine, from which :func:`buffers.plan` sizes every buffer.
 
     Attributes:
-        max_model_len: longest context (keys) of one request, in tokens.
+        max_model_len: longest context of one request, in tokens (its keys: ``max_model_len // compress_ratio``,
+            :attr:`max_keys`).
         max_num_batched_tokens: most query tokens in one step (decode + prefill).
         max_num_seqs: most requests in one step.
         next_n: 1 + number of speculative tokens; decode rows per request.
         n_heads: indexer heads H (32 or 64).
         head_dim: indexer head dim D (64 or 128).
         topk: tokens selected per query (512, 1024 or 2048).
-        block_size: tokens per page of the paged K cache.
-        prefill_k_tokens: gathered key tokens one prefill chunk may hold (default
-            ``max(max_model_len, DEFAULT_PREFILL_K_TOKENS = 131072)``, measured on the H200: docs/memory.md); must
-            be at least ``max_model_len``.
+        block_size: entries (keys) per page of the paged K cache, ``kv_cache.shape[1]``: tokens per page with
+            ``compress_ratio`` 1, ``tokens per page // compress_ratio`` otherwise (DeepSeek-V4: 256-token pages
+            of 64 entries).
+        compress_ratio: ``C``, tokens per key of the cache (docs/spec.md §4a): 1 (DeepSeek-V3.2, GLM-5) or more
+            (DeepSeek-V4's compressed indexer: 4). A request of ``L`` tokens has ``L // C`` keys; a query at
+            position ``p`` sees the first ``(p + 1) // C`` of them; a token writes a key only when ``(p + 1) % C
+            == 0``. Lengths given to :func:`sparse_indexer.build_metadata` stay in tokens.
+        prefill_k_tokens: gathered keys one prefill chunk may hold (default
+            ``max(max_keys, DEFAULT_PREFILL_K_TOKENS = 131072)``, measured on the H200: docs/memory.md); must
+            be at least :attr:`max_keys`.
         max_logits_bytes: byte cap of one prefill chunk's ``[M, N]`` logits (default
             ``DEFAULT_MAX_LOGITS_BYTES`` = 2 GiB, measured: docs/memory.md). The plan reserves only what a step
             allowed by the other limits can use of it.
         max_decode_logits_bytes: byte budget of the decode logits, or ``None`` (no budget). When
-            ``max_num_seqs * next_n * max_model_len * 4`` exceeds it, a decode step scores and selects its
+            ``max_num_seqs * next_n * max_keys * 4`` exceeds it, a decode step scores and selects its
             requests in sub-batches of :attr:`decode_batch` requests that reuse one budget-sized region of
-            ``logits`` (docs/memory.md); it must hold at least one request's rows (``next_n * max_model_len * 4``;
+            ``logits`` (docs/memory.md); it must hold at least one request's rows (``next_n * max_keys * 4``;
             ``* 2`` with bfloat16 logits).
         min_prefill_query_len: fewest query tokens a prefill request of a step can have, or ``None`` for
             ``next_n + 1``: :func:`sparse_indexer.build_metadata` makes every request of at most ``next_n`` new
@@ -65,7 +72,7 @@ class IndexerLimits:
             so the vLLM shim plans with 1. Fewer queries per request let a chunk hold more requests, so more
             gathered keys (docs/spec.md §9).
         fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e4m3fnuz``.
-        with_qk: also plan the ``qk`` buffer ``[H, max_num_seqs * next_n, max_model_len]`` float32, needed only
+        with_qk: also plan the ``qk`` buffer ``[H, max_num_seqs * next_n, max_keys]`` float32, needed only
             by backends that materialise per-head scores (aiter's paged stage1).
         logits_dtype: dtype of the ``logits`` field: ``torch.float32`` (default) or ``torch.bfloat16`` (half the
             bytes and half the logits traffic; each score rounded once, docs/spec.md §5; selection on the rounded
@@ -87,8 +94,10 @@ class IndexerLimits:
     head_dim: int = attrs.field(default=128, validator=_one_of(64, 128))
     topk: int = attrs.field(default=2048, validator=_positive)
     block_size: int = attrs.field(default=64, validator=_positive)
+    compress_ratio: int = attrs.field(default=1, validator=_positive)
     prefill_k_tokens: int = attrs.field(
-        default=attrs.Factory(lambda self: max(self.max_model_len, DEFAULT_PREFILL_K_TOKENS), takes_self=True),
+        default=attrs.Factory(lambda self: max(self.max_model_len // self.compress_ratio, DEFAULT_PREFILL_K_TOKENS),
+                              takes_self=True),
         validator=_positive,
     )
     max_logits_bytes: int = attrs.field(default=DEFAULT_MAX_LOGITS_BYTES, validator=_positive)
@@ -103,10 +112,15 @@ class IndexerLimits:
     compressed_prefill_logits: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     def __attrs_post_init__(self):
-        if self.prefill_k_tokens < self.max_model_len:
+        if self.max_model_len < self.compress_ratio:
             raise ValueError(
-                f"IndexerLimits.prefill_k_tokens={self.prefill_k_tokens} must be >= "
-                f"max_model_len={self.max_model_len}: one request's keys must fit one prefill chunk"
+                f"IndexerLimits.max_model_len={self.max_model_len} must be >= compress_ratio={self.compress_ratio}: "
+                "a request must be able to hold one key"
+            )
+        if self.prefill_k_tokens < self.max_keys:
+            raise ValueError(
+                f"IndexerLimits.prefill_k_tokens={self.prefill_k_tokens} must be >= max_keys={self.max_keys} "
+                f"(max_model_len // compress_ratio): one request's keys must fit one prefill chunk"
             )
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
@@ -124,12 +138,17 @@ class IndexerLimits:
         if self.compressed_prefill_logits and self.world_size > 1:
             raise ValueError("IndexerLimits.compressed_prefill_logits is not supported with context parallel "
                              f"(world_size={self.world_size}): each rank scores its local keys in full [M, N] rows")
-        one = self.next_n * self.max_model_len * self.logits_dtype.itemsize
+        one = self.next_n * self.max_keys * self.logits_dtype.itemsize
         if self.max_decode_logits_bytes is not None and self.max_decode_logits_bytes < one:
             raise ValueError(
                 f"IndexerLimits.max_decode_logits_bytes={self.max_decode_logits_bytes} must hold one decode "
-                f"request's logits, next_n * max_model_len * {self.logits_dtype.itemsize} = {one} bytes"
+                f"request's logits, next_n * max_keys * {self.logits_dtype.itemsize} = {one} bytes"
             )
+
+    @property
+    def max_keys(self) -> int:
+        """Most keys of one request: ``max_model_len // compress_ratio`` (the decode logits' width)."""
+        return self.max_model_len // self.compress_ratio
 
     @property
     def min_prefill_queries(self) -> int:
@@ -144,9 +163,9 @@ class IndexerLimits:
     @property
     def decode_batch(self) -> int:
         """Decode requests scored and selected together: ``max_num_seqs`` without a budget (or when every row
-        fits it), else ``max_decode_logits_bytes // (next_n * max_model_len * itemsize)`` (4 for float32 logits,
+        fits it), else ``max_decode_logits_bytes // (next_n * max_keys * itemsize)`` (4 for float32 logits,
         2 for bfloat16)."""
-        per_req = self.next_n * self.max_model_len * self.logits_dtype.itemsize
+        per_req = self.next_n * self.max_keys * self.logits_dtype.itemsize
         if self.max_decode_logits_bytes is None:
             return self.max_num_seqs
         return min(self.max_num_seqs, self.max_decode_logits_bytes // per_req)

@@ -47,9 +47,10 @@ class PrefillExtremes:
     :func:`sparse_indexer.metadata.plan_prefill_chunks`), each with a step that forms it.
 
     Attributes:
-        keys: most gathered key tokens in one chunk (0 when no prefill request fits the limits).
-        keys_step: ``(seq_lens, query_lens)`` of a prefill-only step whose first chunk gathers ``keys`` keys.
-        logits: most ``query_tokens * key_tokens`` float32 cells of one chunk.
+        keys: most gathered keys in one chunk (0 when no prefill request fits the limits).
+        keys_step: ``(seq_lens, query_lens)`` (tokens) of a prefill-only step whose first chunk gathers ``keys``
+            keys.
+        logits: most ``query_tokens * keys`` float32 cells of one chunk.
         logits_step: ``(seq_lens, query_lens)`` of a prefill-only step whose first chunk has ``logits`` cells.
     """
 
@@ -65,62 +66,102 @@ def _spread(total: int, parts: int) -> tuple[int, ...]:
     return (b + 1,) * e + (b,) * (parts - e)
 
 
+class _Units:
+    """Tokens and keys of prefill requests under ``lim`` (``C = compress_ratio``): a request of ``s`` tokens has
+    ``s // C`` keys, so the longest request with ``n`` keys has ``tokens(n) = min(L, C n + C - 1)`` tokens (and at
+    most that many queries); ``n_min`` is the fewest keys of a request that can hold ``q0`` queries."""
+
+    def __init__(self, lim: IndexerLimits):
+        self.L, self.T, self.S = lim.max_model_len, lim.max_num_batched_tokens, lim.max_num_seqs
+        self.K, self.cap, self.q0, self.c = lim.prefill_k_tokens, lim.prefill_logits_elems, lim.min_prefill_queries, \
+            lim.compress_ratio
+        self.Lc = lim.max_keys
+        self.n_min = max(0, -(-(self.q0 + 1 - self.c) // self.c))
+        self.any = min(self.T, self.L) >= self.q0  # some request can be a prefill request
+
+    def tokens(self, n):
+        """``min(L, C n + C - 1)``: an int or an int64 tensor."""
+        if isinstance(n, torch.Tensor):
+            return torch.clamp(self.c * n + self.c - 1, max=self.L)
+        return min(self.L, self.c * n + self.c - 1)
+
+    def spread_tokens(self, keys, r):
+        """Most tokens of ``r`` requests holding ``keys`` keys in all (spread evenly: ``tokens`` is concave)."""
+        b, e = torch.div(keys, r, rounding_mode="floor"), torch.remainder(keys, r)
+        return e * self.tokens(b + 1) + (r - e) * self.tokens(b)
+
+    def step(self, keys: int, queries: int, r: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(seq_lens, query_lens)`` of ``r`` requests with ``keys`` keys and ``queries`` queries in all: keys
+        spread evenly, each request as long as its keys allow, queries ``q0`` each and the rest filled in order
+        up to each request's length (the caller checks that they fit)."""
+        seq = tuple(self.tokens(n) for n in _spread(keys, r))
+        qry, left = [], queries - r * self.q0
+        for s in seq:
+            extra = min(left, s - self.q0)
+            qry.append(self.q0 + extra)
+            left -= extra
+        return seq, tuple(qry)
+
+
 @functools.lru_cache(maxsize=512)
 def prefill_extremes(lim: IndexerLimits) -> PrefillExtremes:
     """The exact maxima of a prefill chunk's keys and logits over every step the limits allow.
 
-    A step holds at most ``max_num_seqs`` requests and ``max_num_batched_tokens`` (T) tokens, every context
-    ``<= max_model_len`` (L); a prefill request has ``q >= q0`` query tokens and ``s >= q`` keys, where
-    ``q0 = limits.min_prefill_queries`` (``next_n + 1`` unless the limits say otherwise). With the caps
-    ``K = prefill_k_tokens`` and ``C = max_logits_bytes // 4``, the planner forms two kinds of chunks:
+    A step holds at most ``max_num_seqs`` (S) requests and ``max_num_batched_tokens`` (T) tokens, every context
+    ``<= max_model_len`` (L) tokens; a prefill request has ``q >= q0`` query tokens (``q0 =
+    limits.min_prefill_queries``), ``s >= q`` tokens and ``n = s // C`` keys (``C = compress_ratio``), so with
+    ``n`` keys at most ``tokens(n) = min(L, C n + C - 1)`` queries, and at least ``n_min`` keys to hold ``q0``
+    queries. With the caps ``K = prefill_k_tokens`` (keys) and ``X = max_logits_bytes // 4`` (cells), the planner
+    forms two kinds of chunks:
 
-    - ``r`` whole requests with ``M = sum(q)`` queries and ``N = sum(s)`` keys, where ``r q0 <= M <= min(T, N)``,
-      ``N <= min(r L, K)`` and ``M N <= C``; any such ``(M, N)`` is reachable (spread ``M`` and ``N`` evenly
-      over ``r`` requests). For ``M`` fixed the best ``r`` is ``min(max_num_seqs, T // q0, M // q0)``.
-    - a piece of one request whose ``q s > C``: ``max(1, C // s)`` queries against its ``s`` keys.
+    - ``r`` whole requests with ``M = sum(q)`` queries and ``N = sum(n)`` keys: ``r q0 <= M <= T``, ``r <= S``,
+      ``r n_min <= N <= min(r L // C, K)``, ``M N <= X`` and ``M <= `` the most queries ``r`` requests of ``N``
+      keys hold (keys spread evenly). For ``M`` fixed the best ``r`` is the largest these allow (more
+      requests hold more queries and keys); a search over every ``M <= T``.
+    - a piece of one request whose ``min(tokens(n), T) n > X``: ``max(1, X // n)`` queries against its ``n``
+      keys; a search over ``n``.
 
-    Keys: ``max(L, max_r min(r L, K, C // (r q0)))``. Logits: the larger of the best ``M N`` of the first kind
-    (a search over ``M <= min(T, isqrt(C))``) and the best ``max(1, C // s) s`` of the second (a search over the
-    quotients ``C // s``); both searches are vectorised and cached per limits.
+    Keys: ``max(L // C, max_r min(r L // C, K, X // (r q0)))`` over the ``r`` whose requests still hold ``n_min``
+    keys each. Both searches are vectorised and cached per limits. With ``C = 1``, ``tokens(n) = n``: a request
+    has at least as many keys as queries.
     """
-    L, T, S = lim.max_model_len, lim.max_num_batched_tokens, lim.max_num_seqs
-    K, C, q0 = lim.prefill_k_tokens, lim.prefill_logits_elems, lim.min_prefill_queries
-    if min(T, L) < q0:  # no request can be a prefill request
+    u = _Units(lim)
+    if not u.any or u.n_min > u.Lc:  # no request can be a prefill request
         return PrefillExtremes(keys=0, keys_step=None, logits=0, logits_step=None)
+    L, T, S, K, X, q0, Lc = u.L, u.T, u.S, u.K, u.cap, u.q0, u.Lc
     rmax = min(S, T // q0)
-    keys, keys_step = L, ((L,), (q0,))
-    for r in range(2, rmax + 1):
-        n = min(r * L, K, C // (r * q0))
-        if n < r * q0:  # r requests of q0 queries no longer fit the logits cap; more requests fit even less
-            break
-        if n > keys:
-            keys, keys_step = n, (_spread(n, r), (q0,) * r)
+    keys, keys_step = Lc, u.step(Lc, q0, 1)
+    if rmax >= 2:
+        r = torch.arange(2, rmax + 1, dtype=torch.int64)
+        n = torch.minimum(torch.clamp(r * Lc, max=K), X // (r * q0))
+        n = torch.where(n >= r * u.n_min, n, -1)  # r requests must hold n_min keys each
+        i = int(n.argmax())
+        if int(n[i]) > keys:
+            keys, keys_step = int(n[i]), u.step(int(n[i]), int(r[i]) * q0, int(r[i]))
 
     logits, logits_step = 0, None
-    hi = min(T, math.isqrt(C))
-    if hi >= q0:  # whole requests: M queries
-        m = torch.arange(q0, hi + 1, dtype=torch.int64)
-        r = torch.clamp(m // q0, max=rmax)
-        n = torch.minimum(torch.clamp(r * L, max=K), C // m)
-        val = torch.where(n >= m, m * n, 0)
+    # whole requests: M queries (every M <= T)
+    m = torch.arange(q0, T + 1, dtype=torch.int64)
+    ncap = torch.clamp(X // m, max=K)
+    r = torch.clamp(m // q0, max=S)
+    if u.n_min:
+        r = torch.minimum(r, ncap // u.n_min)
+    ok = r >= 1
+    r = torch.clamp(r, min=1)
+    n = torch.minimum(r * Lc, ncap)
+    val = torch.where(ok & (m <= u.spread_tokens(n, r)), m * n, 0)
+    i = int(val.argmax())
+    if int(val[i]) > logits:
+        logits, logits_step = int(val[i]), u.step(int(n[i]), int(m[i]), int(r[i]))
+    # pieces of a request of n keys the planner splits along its queries
+    n = torch.arange(max(1, u.n_min), Lc + 1, dtype=torch.int64)
+    split = torch.clamp(u.tokens(n), max=T) * n > X
+    val = torch.where(split, torch.clamp(X // n, min=1) * n, 0)
+    if val.numel():
         i = int(val.argmax())
         if int(val[i]) > logits:
-            mi, ni, ri = int(m[i]), int(n[i]), int(r[i])
-            logits, logits_step = mi * ni, (_spread(ni, ri), _spread(mi, ri))
-    if L > C:  # pieces of one query against a whole context
-        if L > logits:
-            logits, logits_step = L, ((L,), (q0,))
-    else:  # pieces of C // s queries of a request with min(s, T) * s > C
-        a = math.isqrt(C) + 1
-        s_lo = max(q0, a if a <= T else max(T + 1, C // T + 1))
-        if s_lo <= L:
-            v = torch.arange(C // L, C // s_lo + 1, dtype=torch.int64)
-            s_ = torch.clamp(C // v, max=L)
-            val = torch.where(s_ >= s_lo, (C // s_) * s_, 0)
-            i = int(val.argmax())
-            if int(val[i]) > logits:
-                si = int(s_[i])
-                logits, logits_step = int(val[i]), ((si,), (min(si, T),))
+            ni = int(n[i])
+            logits, logits_step = int(val[i]), ((u.tokens(ni),), (min(u.tokens(ni), T),))
     return PrefillExtremes(keys=keys, keys_step=keys_step, logits=logits, logits_step=logits_step)
 
 
@@ -129,39 +170,42 @@ def compressed_prefill_logits(lim: IndexerLimits) -> int:
     """Most cells of one prefill chunk's *compressed* logits (``IndexerLimits.compressed_prefill_logits``): a
     chunk's queries times its longest window, over every chunk the planner can form (the chunks do not change).
 
-    With ``T, L, S, K, C, q0`` as in :func:`prefill_extremes`:
+    With ``T, L, S, K, X, q0, C, tokens, n_min`` as in :func:`prefill_extremes` (a request's last query sees all
+    its ``n`` keys, so a chunk's longest window is its largest ``n``):
 
-    - a chunk of one whole request (``q`` queries, ``s`` keys, ``q s <= C``): its last query's window is ``s``,
-      so ``q s`` cells, the most ``max_s s min(T, s, C // s)`` (``min(...) >= q0``);
-    - a chunk of ``r >= 2`` requests: ``M`` queries, ``N >= M`` keys, longest window ``smax <= L``, with
-      ``M N <= C``, ``N <= K``: for each ``M <= min(T, isqrt(C), K)`` and ``r``, the largest ``smax`` with
-      ``N = max(M, smax + (r - 1) q0)`` (the other requests as short as allowed) and ``r smax >= M``;
-    - a query piece of a request split by the planner: at most its ``max(1, C // s)`` queries times ``s`` (the
+    - a chunk of one whole request (``q`` queries, ``n`` keys, ``q n <= X``): ``q n`` cells, the most
+      ``max_n n min(tokens(n), T, X // n)`` (``min(...) >= q0``);
+    - a chunk of ``r >= 2`` requests: ``M`` queries, longest window ``n_max <= L // C``, with ``M N <= X``,
+      ``N <= K`` and ``N >= n_max + (r - 1) n_min`` (the other requests as short as allowed), and ``r`` requests
+      of at most ``n_max`` keys must hold the ``M`` queries (``r tokens(n_max) >= M``): for each ``M`` and ``r``
+      the largest such ``n_max``;
+    - a query piece of a request split by the planner: at most its ``max(1, X // n)`` queries times ``n`` (the
       uncompressed piece, an upper bound: the first pieces' windows are shorter).
     """
-    L, T, S = lim.max_model_len, lim.max_num_batched_tokens, lim.max_num_seqs
-    K, C, q0 = lim.prefill_k_tokens, lim.prefill_logits_elems, lim.min_prefill_queries
-    if min(T, L) < q0:
+    u = _Units(lim)
+    if not u.any or u.n_min > u.Lc:
         return 0
+    L, T, S, K, X, q0, Lc = u.L, u.T, u.S, u.K, u.cap, u.q0, u.Lc
     best = 0
-    s = torch.arange(q0, L + 1, dtype=torch.int64)
-    q = torch.minimum(torch.clamp(s, max=T), C // s)
-    whole = torch.where(q >= q0, q * s, 0)
-    best = max(best, int(whole.max()))
-    qmax = torch.clamp(s, max=T)
-    split = qmax * s > C  # the planner splits a request of qmax queries: pieces of max(1, C // s) queries
-    if bool(split.any()):
-        best = max(best, int(torch.where(split, torch.clamp(C // s, min=1) * s, 0).max()))
-    hi = min(T, math.isqrt(C), K)  # N >= M: a chunk of M queries has M N <= C and N <= K
+    n = torch.arange(max(1, u.n_min), Lc + 1, dtype=torch.int64)
+    qmax = torch.clamp(u.tokens(n), max=T)
+    q = torch.minimum(qmax, X // n)
+    whole = torch.where(q >= q0, q * n, 0)
+    split = qmax * n > X  # the planner splits a request of qmax queries: pieces of max(1, X // n) queries
+    if n.numel():
+        best = max(best, int(whole.max()))
+        if bool(split.any()):
+            best = max(best, int(torch.where(split, torch.clamp(X // n, min=1) * n, 0).max()))
+    # with C = 1 a chunk has N >= M keys, so M <= isqrt(X) and M <= K
+    hi = min(T, math.isqrt(X), K) if u.c == 1 else T
     if hi >= 2 * q0 and S >= 2:
         m = torch.arange(2 * q0, hi + 1, dtype=torch.int64)
         for r in range(2, min(S, hi // q0) + 1):
-            # r requests, M = m queries: the longest s_max <= L with N = max(m, s_max + (r-1) q0) keys (the other
-            # requests as short as allowed), and r requests of at most s_max keys must hold the m queries
-            smax = torch.clamp(C // m - (r - 1) * q0, max=min(L, K - (r - 1) * q0))
-            ok = (r * q0 <= m) & (smax >= q0) & (smax * r >= m)
+            others = (r - 1) * u.n_min
+            nmax = torch.clamp(X // m - others, max=min(Lc, K - others))
+            ok = (r * q0 <= m) & (nmax >= max(1, u.n_min)) & (u.tokens(nmax) * r >= m)
             if bool(ok.any()):
-                best = max(best, int(torch.where(ok, m * smax, 0).max()))
+                best = max(best, int(torch.where(ok, m * nmax, 0).max()))
     return best
 
 
@@ -173,8 +217,8 @@ def prefill_logits_cells(lim: IndexerLimits) -> int:
 
 def logits_elems(lim: IndexerLimits) -> int:
     """Elements (of ``IndexerLimits.logits_dtype``) of the flat ``logits`` field: the larger of the biggest prefill
-    chunk (:func:`prefill_logits_cells`) and one decode sub-batch, ``decode_batch_rows x max_model_len``."""
-    return max(prefill_logits_cells(lim), lim.decode_batch_rows * lim.max_model_len)
+    chunk (:func:`prefill_logits_cells`) and one decode sub-batch, ``decode_batch_rows x max_keys``."""
+    return max(prefill_logits_cells(lim), lim.decode_batch_rows * lim.max_keys)
 
 
 # name -> (shape function of the limits, dtype function of the limits); a shape of None means "absent".
@@ -186,7 +230,7 @@ FIELDS = {
     "logits": (lambda lim: (logits_elems(lim),), lambda lim: lim.logits_dtype),
     # decode only, one sub-batch at a time
     "qk": (
-        lambda lim: (lim.n_heads, lim.decode_batch_rows, lim.max_model_len) if lim.with_qk else None,
+        lambda lim: (lim.n_heads, lim.decode_batch_rows, lim.max_keys) if lim.with_qk else None,
         lambda lim: torch.float32,
     ),
     # Non-uniform decode (requests with fewer than next_n new tokens) packs queries, weights and top-k rows

@@ -9,7 +9,7 @@ from buffers import Buffers, BufferTooSmall, IndexerLimits, allocate, plan
 from ._runtime.dispatch import BACKENDS, BackendUnavailable, available
 from .fp8 import FP8_MAX, QUANT_MAX, fn_to_fnuz, fp8_max, quant_max, quantize_k, quantize_q
 from .indexer import check_step, indexer_decode, indexer_prefill, sparse_attn_indexer
-from .kcache import cache_layout, cache_views, new_kv_cache, slots_from_block_table
+from .kcache import cache_layout, cache_views, compressed_slot_mapping, new_kv_cache, slots_from_block_table
 from .metadata import (
     ChunkPlan,
     DecodeMetadata,
@@ -32,5 +32,5 @@ __all__ = [
     "BACKENDS", "FP8_MAX", "QUANT_MAX", "BackendUnavailable", "BufferTooSmall", "Buffers", "IndexerLimits",
     "allocate", "available", "cache_layout", "cache_views", "fn_to_fnuz", "fp8_max", "fp8_mqa_logits",
     "fp8_paged_mqa_logits", "gather_k_cache", "new_kv_cache", "plan", "quant_max", "quantize_k", "quantize_q",
-    "row_limits", "slots_from_block_table", "top_k_per_row", "write_k_cache",
+    "row_limits", "slots_from_block_table", "compressed_slot_mapping", "top_k_per_row", "write_k_cache",
 ]

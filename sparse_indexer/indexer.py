@@ -480,6 +480,9 @@ def _run_step(plan, metadata: IndexerMetadata, buffers: Buffers, q_fp8: torch.Te
         n, t = metadata.num_tokens, q_fp8.shape[0]
         if prefill and decode and t > n:
             topk_out[n:t].fill_(-1)
+        if prefill:  # prefill rows of chunks without keys (compressed caches): no kernel, all -1
+            for a, b in metadata.empty_rows:
+                topk_out[a:b].fill_(-1)
         for c, k_fp8, k_scale, logits in plan.chunks:
             _chunk_ops(run, backend, dev, q_fp8, weights, kv_cache, c, k_fp8, k_scale, logits)
             run("top_k_per_row", backend, dev, (logits, *c.topk_bounds),

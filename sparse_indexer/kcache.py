@@ -11,7 +11,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["HEAD_DIMS", "CacheLayout", "cache_layout", "cache_views", "new_kv_cache", "slots_from_block_table"]
+__all__ = ["HEAD_DIMS", "CacheLayout", "cache_layout", "cache_views", "compressed_slot_mapping", "new_kv_cache",
+           "slots_from_block_table"]
 
 HEAD_DIMS = (64, 128)
 """The indexer head dims the ops take (docs/spec.md §1)."""
@@ -119,3 +120,54 @@ def slots_from_block_table(block_table: torch.Tensor, positions: torch.Tensor, b
     pos = positions.long()
     blk = block_table.long().gather(1, (pos.clamp(min=0) // block_size))
     return torch.where(pos >= 0, blk * block_size + pos.clamp(min=0) % block_size, -1)
+
+
+def compressed_slot_mapping(block_table: torch.Tensor, seq_lens, query_lens, block_size: int, *,
+                            compress_ratio: int = 1, token_slots: torch.Tensor | None = None) -> torch.Tensor:
+    """The step's ``slot_mapping`` ``[sum(query_lens)]`` int64 for a cache of ``compress_ratio`` (``C``) tokens per
+    key (docs/spec.md §4a): the slot of the key each new token writes, -1 where it writes none.
+
+    Token ``j`` of request ``r`` sits at position ``p = seq_lens[r] - query_lens[r] + j``. With ``C = 1`` it
+    writes key ``p``; with ``C > 1`` only a token ending a group, ``(p + 1) % C == 0``, writes one: key ``e = p //
+    C`` (what the model's compressor produced from tokens ``[C e, C e + C)``), at slot ``block_table[r, e //
+    block_size] * block_size + e % block_size``; every other token maps to -1. ``block_size`` counts keys per
+    page (tokens per page ``// C``). ``token_slots`` (optional, ``[sum(query_lens)]``): the tokens' own slots in
+    the engine's token-level caches; a token whose own slot is negative (padding, a replayed token) writes no key
+    (-1), as vLLM's ``get_compressed_slot_mapping`` has it.
+
+    ``block_table`` ``[num_reqs, max_blocks]`` int32 (on any device; the result is on its device), ``seq_lens``
+    and ``query_lens`` host ints (or CPU tensors) in tokens.
+    """
+    seq = [int(x) for x in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
+    qry = [int(x) for x in (query_lens.tolist() if isinstance(query_lens, torch.Tensor) else query_lens)]
+    if len(seq) != len(qry) or block_table.dim() != 2 or block_table.shape[0] < len(seq):
+        raise ValueError(f"compressed_slot_mapping: {len(seq)} seq_lens, {len(qry)} query_lens and a block table of "
+                         f"shape {tuple(block_table.shape)} (one row per request at least)")
+    if isinstance(compress_ratio, bool) or not isinstance(compress_ratio, int) or compress_ratio < 1:
+        raise ValueError(f"compress_ratio must be an int >= 1, got {compress_ratio!r}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    for r, (s, q) in enumerate(zip(seq, qry)):
+        if not 0 <= q <= s:
+            raise ValueError(f"request {r}: query_len {q} must be in [0, seq_len {s}]")
+    dev = block_table.device
+    t = sum(qry)
+    if not t:
+        return torch.empty(0, dtype=torch.int64, device=dev)
+    q = torch.tensor(qry, dtype=torch.long)
+    req = torch.repeat_interleave(torch.arange(len(qry)), q)
+    first = torch.cumsum(q, 0) - q
+    pos = torch.tensor(seq, dtype=torch.long)[req] - q[req] + (torch.arange(t) - first[req])
+    writes = (pos + 1) % compress_ratio == 0
+    ent = pos // compress_ratio
+    if int(ent.max()) // block_size >= block_table.shape[1]:
+        raise ValueError(f"a request needs key {int(ent.max())}, past the {block_table.shape[1]} blocks of "
+                         f"block_table (block_size {block_size})")
+    req_d, ent_d = req.to(dev), ent.to(dev)
+    blk = block_table.long()[req_d, ent_d // block_size]
+    out = torch.where(writes.to(dev), blk * block_size + ent_d % block_size, -1)
+    if token_slots is not None:
+        if token_slots.shape != (t,):
+            raise ValueError(f"token_slots must be [{t}], got {tuple(token_slots.shape)}")
+        out = torch.where(token_slots.to(dev) < 0, -1, out)
+    return out

@@ -96,7 +96,8 @@ class PrefillChunk:
 
     Attributes:
         token_start, token_end: rows of the step's tokens (``q_fp8``, ``topk_out``) this chunk scores.
-        num_k_tokens: keys gathered for the chunk (``cu_seq_lens[-1]``).
+        num_k_tokens: keys gathered for the chunk (``cu_seq_lens[-1]``; compressed entries with
+            ``compress_ratio > 1``).
         gather: ``False`` when the keys are already in the buffers (a later query piece of a split request).
         block_table: ``[R_c, max_blocks]`` int32 — the chunk's requests.
         cu_seq_lens: ``[R_c + 1]`` int32 — gathered key offsets.
@@ -178,8 +179,9 @@ class DecodeMetadata:
         num_reqs: ``B``.
         next_n: decode slots per request.
         uniform: every request has exactly ``next_n`` new tokens: queries reshape to ``[B, next_n, H, D]``.
-        width: ``W``, columns of the decode logits view (static: ``max_model_len``).
-        context_lens: ``[B]`` int32 (uniform) or ``[B, next_n]`` int32 (packed; padded slots hold 0).
+        width: ``W``, columns of the decode logits view (static: ``limits.max_keys``).
+        context_lens: ``[B]`` int32 (uniform: row ``j`` sees ``context_lens[b] - next_n + j + 1`` keys) or
+            ``[B, next_n]`` int32 (each row's keys: packed, where padded slots hold 0, or compressed windows).
         block_table: ``[B, max_blocks]`` int32.
         row_starts, row_ends: ``[B * next_n]`` int32 — top-k windows ``[0, limit)`` of every slot.
         pack_src: ``[B * next_n]`` int64 or ``None`` — token row feeding each packed slot (padding repeats a
@@ -235,6 +237,9 @@ class IndexerMetadata:
     prefill_chunks: tuple[PrefillChunk, ...]
     limits: IndexerLimits
     num_blocks: int | None = None  # the cache size block ids and slots were checked against (None: unchecked)
+    # prefill token rows no chunk scores ([start, end) spans): chunks without any key (compress_ratio > 1, every
+    # request shorter than C tokens); the step fills their topk_out rows with -1
+    empty_rows: tuple[tuple[int, int], ...] = ()
     # what the step proved about this record once (sparse_indexer.indexer._StepPlan per buffers record, backend
     # and step kind): every layer of the step shares the record, so only the layer's own tensors are checked per
     # layer (host overhead per layer). Not an argument; a copy (attrs.evolve) starts empty.
@@ -252,6 +257,10 @@ class IndexerMetadata:
     def __attrs_post_init__(self):
         # checked once per step here, so the step's per-layer ops need not (docs/spec.md §7)
         C.tensor("slot_mapping", self.slot_mapping, ndim=1, dtypes=(torch.int64, torch.int32), contiguous=True)
+        for a, b in self.empty_rows:
+            if not self.num_decode_tokens <= a <= b <= self.num_tokens:
+                raise ValueError(f"empty_rows span [{a}, {b}) must lie in the prefill rows [{self.num_decode_tokens}, "
+                                 f"{self.num_tokens})")
         dev = self.slot_mapping.device
         parts = ([("decode", self.decode.block_table)] if self.decode is not None else []) + [
             ("prefill chunk", c.block_table) for c in self.prefill_chunks]
@@ -285,14 +294,15 @@ def _i32(xs, device) -> torch.Tensor:
 
 
 def pack_decode(seq_lens: torch.Tensor, decode_lens: torch.Tensor, next_n: int,
-                num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                num_rows: int, compress_ratio: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The packed ``[B, next_n]`` decode grid of requests with ``decode_lens[b] <= next_n`` tokens each, with device
     tensor ops only (no host sync; :func:`build_metadata` and the vLLM shim both build their decode metadata with it).
 
-    ``seq_lens [B]`` and ``decode_lens [B]`` (integer, one device): request ``b`` has ``seq_lens[b]`` keys, its last
-    ``decode_lens[b]`` tokens are this step's (consecutive token rows, request after request). Token ``j <
-    decode_lens[b]`` of request ``b`` becomes slot ``b * next_n + j`` with the window ``[0, seq_lens[b] -
-    decode_lens[b] + j + 1)`` (docs/spec.md §7); slots past a request's tokens have empty windows and repeat its
+    ``seq_lens [B]`` and ``decode_lens [B]`` (integer, one device): request ``b`` has ``seq_lens[b]`` tokens, its
+    last ``decode_lens[b]`` tokens are this step's (consecutive token rows, request after request). Token ``j <
+    decode_lens[b]`` of request ``b`` becomes slot ``b * next_n + j`` with the window ``[0, (seq_lens[b] -
+    decode_lens[b] + j + 1) // compress_ratio)`` (docs/spec.md §7; the token's position is ``seq_lens[b] -
+    decode_lens[b] + j``); slots past a request's tokens have empty windows and repeat its
     last token (row 0 for a request without tokens). ``num_rows`` token rows are unpacked; rows past the real
     tokens (padding) read the first empty slot, whose top-k row is all -1.
 
@@ -305,6 +315,8 @@ def pack_decode(seq_lens: torch.Tensor, decode_lens: torch.Tensor, next_n: int,
     full = seq_lens.long()
     j = torch.arange(next_n, device=dev)[None, :]
     lim = torch.where(j < dl[:, None], (full - dl)[:, None] + j + 1, 0).clamp(min=0)
+    if compress_ratio != 1:
+        lim = torch.div(lim, compress_ratio, rounding_mode="floor")
     ends = torch.cumsum(dl, 0)
     starts = ends - dl
     pack_src = torch.where(dl[:, None] > 0, starts[:, None] + torch.minimum(j, (dl - 1).clamp(min=0)[:, None]), 0)
@@ -318,18 +330,20 @@ def pack_decode(seq_lens: torch.Tensor, decode_lens: torch.Tensor, next_n: int,
 
 
 def _check_blocks_and_slots(seq: list[int], qry: list[int], bt: torch.Tensor, sm: torch.Tensor, bs: int,
-                            num_blocks: int | None) -> None:
+                            num_blocks: int | None, c: int = 1) -> None:
     """Host checks of the block ids and slots of one step (``bt``, ``sm``: CPU tensors), docs/spec.md §7.
 
-    With ``num_blocks``: every block id a request uses (its first ``ceil(seq_len / block_size)`` entries) lies in
-    ``[0, num_blocks)`` and every slot below ``num_blocks * block_size``. Always: every slot is negative (no write)
-    or the slot the block table gives the token's position (token ``j`` of request ``i`` sits at position ``p =
-    seq_len - query_len + j``, slot ``block_table[i, p // bs] * bs + p % bs``) through a block id ``>= 0``. A slot
-    anywhere else would write a key where no request reads it, or over another token's key. The slot check reads
-    one block-table entry per token; the block-range check, the used part of the table (``num_blocks`` only)."""
+    With ``num_blocks``: every block id a request uses (its first ``ceil(keys / block_size)`` entries, ``keys =
+    seq_len // c``) lies in ``[0, num_blocks)`` and every slot below ``num_blocks * block_size``. Always: every
+    slot is negative (no write) or the slot of the token's key: token ``j`` of request ``i`` sits at position
+    ``p = seq_len - query_len + j``; with ``c = compress_ratio`` 1 its key is entry ``e = p``, with ``c > 1`` it
+    writes entry ``e = p // c`` only when ``(p + 1) % c == 0`` (any other token's slot must be negative); the
+    slot is ``block_table[i, e // bs] * bs + e % bs`` through a block id ``>= 0``. A slot anywhere else would
+    write a key where no request reads it, or over another key. The slot check reads one block-table entry per
+    token; the block-range check, the used part of the table (``num_blocks`` only)."""
     n_req = len(seq)
     if num_blocks is not None and n_req:
-        nblk = torch.tensor([(s + bs - 1) // bs for s in seq], dtype=torch.long)
+        nblk = torch.tensor([(s // c + bs - 1) // bs for s in seq], dtype=torch.long)
         width = int(nblk.max())
         if width:
             # per row over the widest row's blocks first (one pass); only rows out of range there are read again
@@ -341,9 +355,9 @@ def _check_blocks_and_slots(seq: list[int], qry: list[int], bt: torch.Tensor, sm
                     continue
                 rlo, rhi = row.aminmax()
                 if int(rlo) < 0 or int(rhi) >= num_blocks:
-                    c = int(((row < 0) | (row >= num_blocks)).nonzero()[0, 0])
-                    raise ValueError(f"block_table[{r}, {c}] = {int(row[c])} (a block request {r} uses) is outside "
-                                     f"[0, num_blocks={num_blocks})")
+                    col = int(((row < 0) | (row >= num_blocks)).nonzero()[0, 0])
+                    raise ValueError(f"block_table[{r}, {col}] = {int(row[col])} (a block request {r} uses) is "
+                                     f"outside [0, num_blocks={num_blocks})")
     if not sm.numel():
         return
     sm = sm.long()
@@ -354,19 +368,30 @@ def _check_blocks_and_slots(seq: list[int], qry: list[int], bt: torch.Tensor, sm
     req = torch.repeat_interleave(torch.arange(n_req), q)  # the request of each token
     first = torch.cumsum(q, 0) - q
     pos = torch.tensor(seq, dtype=torch.long)[req] - q[req] + (torch.arange(sm.numel()) - first[req])
-    blk = bt[req, pos // bs].long()
     writes = sm >= 0
-    bad = writes & ((blk < 0) | (sm != blk * bs + pos % bs))
+    if c > 1:
+        keyless = writes & ((pos + 1) % c != 0)
+        if bool(keyless.any()):
+            t = int(keyless.nonzero()[0, 0])
+            raise ValueError(
+                f"slot_mapping[{t}] = {int(sm[t])}, but token {t} (request {int(req[t])}'s position {int(pos[t])}) "
+                f"ends no group of compress_ratio={c} tokens: only positions p with (p + 1) % {c} == 0 write a key "
+                "(compressed_slot_mapping makes the slots); every other token's slot must be negative")
+    ent = pos // c
+    blk = bt[req, ent // bs].long()
+    bad = writes & ((blk < 0) | (sm != blk * bs + ent % bs))
     if bool(bad.any()):
         t = int(bad.nonzero()[0, 0])
-        r, p = int(req[t]), int(pos[t])
+        r, p, e = int(req[t]), int(pos[t]), int(ent[t])
+        what = f"is request {r}'s position {p}" if c == 1 else f"writes request {r}'s key {e} (position {p})"
         if int(blk[t]) < 0:
-            raise ValueError(f"block_table[{r}, {p // bs}] = {int(blk[t])} (the block of request {r}'s position {p}, "
-                             f"which slot_mapping[{t}] writes) is negative")
+            key = f"position {p}" if c == 1 else f"key {e} (position {p})"
+            raise ValueError(f"block_table[{r}, {e // bs}] = {int(blk[t])} (the block of request {r}'s {key}, which "
+                             f"slot_mapping[{t}] writes) is negative")
         raise ValueError(
-            f"slot_mapping[{t}] = {int(sm[t])}, but token {t} is request {r}'s position {p}, whose slot is "
-            f"block_table[{r}, {p // bs}] * {bs} + {p % bs} = {int(blk[t]) * bs + p % bs} (or negative: no write): a "
-            "key written elsewhere is read by no request, or overwrites another token's key")
+            f"slot_mapping[{t}] = {int(sm[t])}, but token {t} {what}, whose slot is "
+            f"block_table[{r}, {e // bs}] * {bs} + {e % bs} = {int(blk[t]) * bs + e % bs} (or negative: no write): a "
+            "key written elsewhere is read by no request, or overwrites another key")
 
 
 def build_metadata(seq_lens, query_lens, block_table: torch.Tensor, slot_mapping: torch.Tensor,
@@ -374,25 +399,35 @@ def build_metadata(seq_lens, query_lens, block_table: torch.Tensor, slot_mapping
                    num_blocks: int | None = None, decode_width: int | None = None) -> IndexerMetadata:
     """Plan one step on the host.
 
+    Lengths are in tokens whatever ``limits.compress_ratio`` (``C``) is; with ``C > 1`` the record holds the
+    compressed windows (docs/spec.md §4a): a request of ``L`` tokens has ``L // C`` keys, its token at position
+    ``p`` sees keys ``[0, (p + 1) // C)``.
+
     Args:
-        seq_lens: per request, its context length including this step's new tokens (host ints or CPU tensor).
+        seq_lens: per request, its context length in tokens including this step's new tokens (host ints or CPU
+            tensor).
         query_lens: per request, this step's new tokens. Requests with ``query_len <= next_n`` are decode
             requests and must all come first (decode-first order, as the tokens).
-        block_table: ``[num_reqs, max_blocks]`` int32, the requests' K-cache blocks.
+        block_table: ``[num_reqs, max_blocks]`` int32, the requests' K-cache blocks (``block_size`` keys each).
         slot_mapping: ``[sum(query_lens)]`` int64 (int32 accepted; the record keeps int64) cache slots of the new
-            tokens: negative (-1: do not write) or the slot the block table gives the token's position, checked on
-            the host whenever the values are there to read (``num_blocks`` given, or ``block_table`` and
-            ``slot_mapping`` on the CPU).
-        limits: the engine's :class:`IndexerLimits` (``next_n``, caps of the prefill chunks, ``max_model_len``).
+            tokens' keys: negative (-1: do not write) or the slot the block table gives the token's key (``C >
+            1``: only tokens with ``(p + 1) % C == 0`` write one, key ``p // C``;
+            :func:`sparse_indexer.compressed_slot_mapping` makes them), checked on the host whenever the values
+            are there to read (``num_blocks`` given, or ``block_table`` and ``slot_mapping`` on the CPU).
+        limits: the engine's :class:`IndexerLimits` (``next_n``, ``compress_ratio``, caps of the prefill chunks,
+            ``max_model_len``).
         device: where the metadata tensors live (default: ``block_table``'s device).
         num_blocks: the K cache's block count: every block id in use and every slot are checked against it, and
             the step checks that its cache holds at least that many blocks. Without it the step can check ids
             only for CPU caches (on a GPU that would synchronise); pass it.
-        decode_width: columns of the decode logits (default and most ``limits.max_model_len``).
+        decode_width: columns of the decode logits (default and most ``limits.max_keys``).
 
     Raises ``ValueError`` on inconsistent input (naming the request) before producing anything: every
     ``query_len <= seq_len``, decode requests first, the limits (tokens, requests, ``max_model_len``, the block
     table's width, ``decode_width``), and block ids and slots as above.
+
+    Prefill chunks whose requests have no key at all (every request shorter than ``C`` tokens) run no kernel:
+    their rows are the record's ``empty_rows``, which the step fills with -1.
 
     **One step only.** The record describes this step's lengths, windows and slots. Reusing it for the next
     step is an error that nothing can detect when the new tensors have the same shapes (a decode step where every
@@ -413,8 +448,8 @@ def build_metadata(seq_lens, query_lens, block_table: torch.Tensor, slot_mapping
     if block_table.shape[0] < n_req:
         raise ValueError(f"block_table has {block_table.shape[0]} rows but there are {n_req} requests")
     device = torch.device(device) if device is not None else block_table.device
-    nn, bs = limits.next_n, limits.block_size
-    width = limits.max_model_len if decode_width is None else int(decode_width)
+    nn, bs, cr = limits.next_n, limits.block_size, limits.compress_ratio
+    width = limits.max_keys if decode_width is None else int(decode_width)
     num_tokens = sum(qry)
     if slot_mapping.shape[0] != num_tokens:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries but sum(query_lens) = {num_tokens}")
@@ -441,17 +476,18 @@ def build_metadata(seq_lens, query_lens, block_table: torch.Tensor, slot_mapping
     for i, s in enumerate(seq):
         if s > limits.max_model_len:
             raise ValueError(f"request {i}: seq_len {s} > max_model_len={limits.max_model_len}")
-        if s > block_table.shape[1] * bs:
-            raise ValueError(f"request {i}: seq_len {s} needs more than the {block_table.shape[1]} blocks of "
+        if s // cr > block_table.shape[1] * bs:
+            keys = f"{s // cr} keys" if cr > 1 else f"seq_len {s}"
+            raise ValueError(f"request {i}: {keys} need more than the {block_table.shape[1]} blocks of "
                              f"block_table (block_size {bs})")
-    if width > limits.max_model_len:
-        raise ValueError(f"decode_width {width} > max_model_len={limits.max_model_len} (the decode logits are planned "
-                         "max_model_len wide)")
-    if num_decodes and width < max(seq[:num_decodes]):
-        raise ValueError(f"decode_width {width} < longest decode context {max(seq[:num_decodes])}")
+    if width > limits.max_keys:
+        raise ValueError(f"decode_width {width} > max_keys={limits.max_keys} (the decode logits are planned "
+                         "max_model_len // compress_ratio wide)")
+    if num_decodes and width < max(seq[:num_decodes]) // cr:
+        raise ValueError(f"decode_width {width} < the longest decode context's {max(seq[:num_decodes]) // cr} keys")
 
     if num_blocks is not None or (block_table.device.type == "cpu" and slot_mapping.device.type == "cpu"):
-        _check_blocks_and_slots(seq, qry, block_table[:n_req].cpu(), slot_mapping.cpu(), bs, num_blocks)
+        _check_blocks_and_slots(seq, qry, block_table[:n_req].cpu(), slot_mapping.cpu(), bs, num_blocks, cr)
 
     num_decode_tokens = sum(qry[:num_decodes])
     bt = block_table.to(device)
@@ -465,10 +501,17 @@ def build_metadata(seq_lens, query_lens, block_table: torch.Tensor, slot_mapping
         uniform = all(d == nn for d in d_lens)
         pack_src = unpack_src = None
         if uniform:
-            ctx = _i32(d_seq, device)
-            row_ends = _i32([max(0, d_seq[b] - nn + j + 1) for b in range(nd) for j in range(nn)], device)
+            ends = [max(0, d_seq[b] - nn + j + 1) // cr for b in range(nd) for j in range(nn)]
+            row_ends = _i32(ends, device)
+            # [B] context lengths (row j sees L - next_n + j + 1 keys); compressed windows need one per row
+            # ([B, next_n]; [B] at next_n 1, where the two agree)
+            if cr == 1:
+                ctx = _i32(d_seq, device)
+            else:
+                ctx = _i32(ends, device) if nn == 1 else _i32(ends, device).view(nd, nn)
         else:  # built on the host's CPU, then copied (one copy per tensor, as for the other fields)
-            lim, pack_src, unpack_src = pack_decode(torch.tensor(d_seq), torch.tensor(d_lens), nn, num_decode_tokens)
+            lim, pack_src, unpack_src = pack_decode(torch.tensor(d_seq), torch.tensor(d_lens), nn, num_decode_tokens,
+                                                    cr)
             ctx, row_ends = lim.to(device), lim.reshape(-1).to(device, copy=True)  # two tensors, as above
             pack_src, unpack_src = pack_src.to(device), unpack_src.to(device)
         dec_bt = bt[:num_decodes] if nd == num_decodes else bt[torch.tensor(dec, device=device)]
@@ -478,9 +521,10 @@ def build_metadata(seq_lens, query_lens, block_table: torch.Tensor, slot_mapping
             row_ends=row_ends, pack_src=pack_src, unpack_src=unpack_src,
         )
 
-    chunks = []
+    chunks, empty = [], []
     p_seq, p_qry = seq[num_decodes:], qry[num_decodes:]
-    plans = plan_prefill_chunks(p_seq, p_qry, limits.prefill_k_tokens, limits.prefill_logits_elems)
+    p_keys = [s // cr for s in p_seq]
+    plans = plan_prefill_chunks(p_keys, p_qry, limits.prefill_k_tokens, limits.prefill_logits_elems)
     q_offsets = [num_decode_tokens]
     for q in p_qry:
         q_offsets.append(q_offsets[-1] + q)
@@ -490,12 +534,17 @@ def build_metadata(seq_lens, query_lens, block_table: torch.Tensor, slot_mapping
         cu = [0]
         ks, ke = [], []
         for r in reqs:
+            first = p_seq[r] - p_qry[r]  # position of the request's first new token
             for j in range(p_qry[r]):
                 ks.append(cu[-1])
-                ke.append(cu[-1] + p_seq[r] - p_qry[r] + j + 1)
-            cu.append(cu[-1] + p_seq[r])
+                ke.append(cu[-1] + (first + j + 1) // cr)
+            cu.append(cu[-1] + p_keys[r])
         ks, ke = ks[cp.query_start : cp.query_end], ke[cp.query_start : cp.query_end]
         t0 = q_offsets[cp.req_start] + cp.query_start
+        if cu[-1] == 0:  # no key in the chunk: every row is -1, no kernel runs (as vLLM drops such chunks)
+            empty.append((t0, t0 + len(ks)))
+            prev = cp
+            continue
         gather = not (prev is not None and prev.req_start == cp.req_start and prev.req_end == cp.req_end)
         a, b = num_decodes + cp.req_start, num_decodes + cp.req_end
         win = {}
@@ -506,11 +555,25 @@ def build_metadata(seq_lens, query_lens, block_table: torch.Tensor, slot_mapping
         chunks.append(PrefillChunk(
             token_start=t0, token_end=t0 + len(ks), num_k_tokens=cu[-1], gather=gather, block_table=bt[a:b],
             cu_seq_lens=_i32(cu, device), cu_seqlen_ks=_i32(ks, device), cu_seqlen_ke=_i32(ke, device), **win,
-            seq_lens=tuple(p_seq[r] for r in reqs),
+            seq_lens=tuple(p_keys[r] for r in reqs),
         ))
         prev = cp
     return IndexerMetadata(
         num_decodes=num_decodes, num_decode_tokens=num_decode_tokens, num_prefills=n_req - num_decodes,
         num_prefill_tokens=num_tokens - num_decode_tokens, slot_mapping=slot_mapping.to(device, torch.int64),
         decode=decode, prefill_chunks=tuple(chunks), limits=limits, num_blocks=num_blocks,
+        empty_rows=_merge_rows(empty),
     )
+
+
+def _merge_rows(spans: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Adjacent ``[start, end)`` row spans merged (one fill per run of key-less chunks)."""
+    out: list[tuple[int, int]] = []
+    for a, b in spans:
+        if b <= a:
+            continue
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return tuple(out)

@@ -29,7 +29,7 @@ from buffers import BufferPlan, IndexerLimits, carve, plan
 from buffers.arena import aligned_arena
 from buffers.plan import prefill_extremes
 
-from ..kcache import new_kv_cache, slots_from_block_table
+from ..kcache import compressed_slot_mapping, new_kv_cache
 
 __all__ = ["ProfileReport", "plan_capacity", "profile_step", "step_needs", "worst_case_steps"]
 
@@ -144,9 +144,9 @@ def profile_step(limits: IndexerLimits, device: torch.device | str = "cpu", back
                  *, seed: int = 0) -> ProfileReport:
     """Run the worst-case prefill and decode steps of ``limits`` once and report the memory they touched.
 
-    Allocates (outside the measured region) the arena, a K cache holding ``max_model_len`` tokens for every
+    Allocates (outside the measured region) the arena, a K cache holding ``max_keys`` keys for every
     request, the inputs and ``topk_out``; then measures only :func:`sparse_indexer.sparse_attn_indexer`.
-    Large limits need a GPU: the K cache alone is ``max_num_seqs * max_model_len * (D + 4)`` bytes.
+    Large limits need a GPU: the K cache alone is ``max_num_seqs * max_keys * (D + 4)`` bytes.
     """
     from ..indexer import sparse_attn_indexer
     from ..metadata import build_metadata
@@ -159,8 +159,7 @@ def profile_step(limits: IndexerLimits, device: torch.device | str = "cpu", back
     bufs = carve(p, arena)
     g = torch.Generator(device="cpu").manual_seed(seed)
     h, d, bs = limits.n_heads, limits.head_dim, limits.block_size
-    L = limits.max_model_len
-    blocks_per_req = (L + bs - 1) // bs
+    blocks_per_req = (limits.max_keys + bs - 1) // bs
     max_reqs = limits.max_num_seqs
     kv = new_kv_cache(max_reqs * blocks_per_req, bs, d, device=device)
     block_table = torch.arange(max_reqs * blocks_per_req, dtype=torch.int32, device=device).view(
@@ -174,9 +173,8 @@ def profile_step(limits: IndexerLimits, device: torch.device | str = "cpu", back
     runs = []
     for name, seq, qry in worst_case_steps(limits):
         n = len(seq)
-        pos = torch.cat([torch.arange(s - q_, s) for s, q_ in zip(seq, qry)]) if n else torch.empty(0)
-        req = torch.cat([torch.full((q_,), r) for r, q_ in enumerate(qry)]) if n else torch.empty(0)
-        slots = slots_from_block_table(block_table[:n].cpu()[req.long()], pos.long()[:, None], bs)[:, 0].to(device)
+        slots = compressed_slot_mapping(block_table[:n].cpu(), seq, qry, bs,
+                                        compress_ratio=limits.compress_ratio).to(device)
         md = build_metadata(seq, qry, block_table[:n], slots, limits, device=device, num_blocks=kv.shape[0])
         runs.append((name, md))
     # warm up (first-call costs such as kernel compilation are not the step's memory)

@@ -44,7 +44,7 @@ def test_bf16_halves_logits_and_the_plan_shrinks_by_it(base):
 def test_bf16_decode_budget_counts_two_bytes():
     lim = IndexerLimits(**DEEPSEEK, logits_dtype=torch.bfloat16, max_decode_logits_bytes=2 * 163840 * 2 * 10)
     assert lim.decode_batch == 10
-    with pytest.raises(ValueError, match="next_n \\* max_model_len \\* 2"):
+    with pytest.raises(ValueError, match="next_n \\* max_keys \\* 2"):
         IndexerLimits(**DEEPSEEK, logits_dtype=torch.bfloat16, max_decode_logits_bytes=100)
 
 
