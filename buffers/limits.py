@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-__all__ = ["IndexerLimits", "FP8_DTYPES", "LOGITS_DTYPES", "MiB", "DEFAULT_PREFILL_K_TOKENS",
+__all__ = ["CacheFormat", "IndexerLimits", "FP8_DTYPES", "SCALE_ENCODINGS", "BYTE_ORDERS", "LOGITS_DTYPES", "MiB", "DEFAULT_PREFILL_K_TOKENS",
            "DEFAULT_MAX_LOGITS_BYTES"]
 
 MiB = 1 << 20
@@ -17,6 +17,52 @@ DEFAULT_PREFILL_K_TOKENS = 131072
 DEFAULT_MAX_LOGITS_BYTES = 2048 * MiB
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 LOGITS_DTYPES = (torch.float32, torch.bfloat16)
+
+
+SCALE_ENCODINGS = ("float32", "ue8m0x4")
+BYTE_ORDERS = ("flat", "preshuffled")
+
+
+def _fp8(inst, attribute, value):
+    if value not in FP8_DTYPES:
+        raise ValueError(f"CacheFormat.fp8_dtype must be one of {FP8_DTYPES}, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class CacheFormat:
+    """How a paged K cache's bytes encode its keys (docs/spec.md §4): what the ops that read a cache must be told,
+    since the bytes carry no format.
+
+    Attributes:
+        fp8_dtype: the FP8 format of the values (``torch.float8_e4m3fn``, the default, or ``float8_e4m3fnuz``).
+            It may differ from the queries' format (DeepSeek-V4's writers emit e4m3fn bytes on every platform,
+            also where the queries are e4m3fnuz, gfx942).
+        scale: the 4 scale bytes of each key: ``"float32"`` (one float32, the default) or ``"ue8m0x4"`` (four
+            equal UE8M0 exponents: scale ``2 ** (byte - 127)``; vLLM's writers on SM100).
+        order: the byte order inside a block: ``"flat"`` (all values token after token, then all scales; the
+            default) or ``"preshuffled"`` (values in 16 x 16 tiles, byte of ``(t, d)`` at ``(t // 16) * 16 * D +
+            (d // 16) * 256 + (t % 16) * 16 + d % 16``, scales flat; aiter's gfx942/gfx950 caches, vLLM's ROCm
+            C = 1, 2 caches with more than one entry per block).
+    """
+
+    fp8_dtype: torch.dtype = attrs.field(default=torch.float8_e4m3fn, validator=_fp8)
+    scale: str = attrs.field(default="float32")
+    order: str = attrs.field(default="flat")
+
+    @scale.validator
+    def _scale(self, attribute, value):
+        if value not in SCALE_ENCODINGS:
+            raise ValueError(f"CacheFormat.scale must be one of {SCALE_ENCODINGS}, got {value!r}")
+
+    @order.validator
+    def _order(self, attribute, value):
+        if value not in BYTE_ORDERS:
+            raise ValueError(f"CacheFormat.order must be one of {BYTE_ORDERS}, got {value!r}")
+
+    @property
+    def is_default(self) -> bool:
+        """e4m3fn values, float32 scales, flat order: what :func:`sparse_indexer.write_k_cache` writes by default."""
+        return self.fp8_dtype == torch.float8_e4m3fn and self.scale == "float32" and self.order == "flat"
 
 
 def _positive(inst, attribute, value):
@@ -71,7 +117,11 @@ class IndexerLimits:
             ``next_n`` tokens down the prefill path (those whose query length differs from the first decode's),
             so the vLLM shim plans with 1. Fewer queries per request let a chunk hold more requests, so more
             gathered keys (docs/spec.md §9).
-        fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e4m3fnuz``.
+        fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e4m3fnuz``: the queries' format (and the cache's,
+            unless ``cache_format`` says otherwise).
+        cache_format: the K cache's :class:`CacheFormat`, or ``None`` (default): ``fp8_dtype`` values, float32
+            scales, flat order, what the step's own cache write produces. The prefill gather copies keys in
+            ``cache_format.fp8_dtype`` (the plan's ``k_fp8`` dtype). :attr:`cache` is the resolved format.
         with_qk: also plan the ``qk`` buffer ``[H, max_num_seqs * next_n, max_keys]`` float32, needed only
             by backends that materialise per-head scores (aiter's paged stage1).
         logits_dtype: dtype of the ``logits`` field: ``torch.float32`` (default) or ``torch.bfloat16`` (half the
@@ -106,6 +156,8 @@ class IndexerLimits:
     )
     min_prefill_query_len: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
     fp8_dtype: torch.dtype = attrs.field(default=torch.float8_e4m3fn, validator=_one_of(*FP8_DTYPES))
+    cache_format: CacheFormat | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(CacheFormat)))
     with_qk: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     world_size: int = attrs.field(default=1, validator=_positive)
     logits_dtype: torch.dtype = attrs.field(default=torch.float32, validator=_one_of(*LOGITS_DTYPES))
@@ -144,6 +196,11 @@ class IndexerLimits:
                 f"IndexerLimits.max_decode_logits_bytes={self.max_decode_logits_bytes} must hold one decode "
                 f"request's logits, next_n * max_keys * {self.logits_dtype.itemsize} = {one} bytes"
             )
+
+    @property
+    def cache(self) -> CacheFormat:
+        """The K cache's format: ``cache_format``, or ``CacheFormat(fp8_dtype=fp8_dtype)``."""
+        return self.cache_format if self.cache_format is not None else CacheFormat(fp8_dtype=self.fp8_dtype)
 
     @property
     def max_keys(self) -> int:

@@ -225,7 +225,7 @@ def logits_elems(lim: IndexerLimits) -> int:
 # A top-k backend that needs scratch declares its width in the backend registry (topk_scratch below). Every size
 # is the largest that some step allowed by the limits uses (tests/buffers/test_plan_tight.py).
 FIELDS = {
-    "k_fp8": (lambda lim: (prefill_extremes(lim).keys, lim.head_dim), lambda lim: lim.fp8_dtype),
+    "k_fp8": (lambda lim: (prefill_extremes(lim).keys, lim.head_dim), lambda lim: lim.cache.fp8_dtype),
     "k_scale": (lambda lim: (prefill_extremes(lim).keys,), lambda lim: torch.float32),
     "logits": (lambda lim: (logits_elems(lim),), lambda lim: lim.logits_dtype),
     # decode only, one sub-batch at a time

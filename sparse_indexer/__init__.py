@@ -4,7 +4,7 @@ Pure functions over caller-owned tensors: they write only into the outputs and :
 are given. See ``docs/spec.md`` for the math and layouts.
 """
 
-from buffers import Buffers, BufferTooSmall, IndexerLimits, allocate, plan
+from buffers import Buffers, BufferTooSmall, CacheFormat, IndexerLimits, allocate, plan
 
 from ._runtime.dispatch import BACKENDS, BackendUnavailable, available
 from .fp8 import FP8_MAX, QUANT_MAX, fn_to_fnuz, fp8_max, quant_max, quantize_k, quantize_q
@@ -29,7 +29,8 @@ __version__ = "0.1.0"
 __all__ = [
     "ChunkPlan", "DecodeMetadata", "IndexerMetadata", "PrefillChunk", "build_metadata", "check_step",
     "indexer_decode", "indexer_prefill", "plan_prefill_chunks", "sparse_attn_indexer",
-    "BACKENDS", "FP8_MAX", "QUANT_MAX", "BackendUnavailable", "BufferTooSmall", "Buffers", "IndexerLimits",
+    "BACKENDS", "FP8_MAX", "QUANT_MAX", "BackendUnavailable", "BufferTooSmall", "Buffers", "CacheFormat",
+    "IndexerLimits",
     "allocate", "available", "cache_layout", "cache_views", "fn_to_fnuz", "fp8_max", "fp8_mqa_logits",
     "fp8_paged_mqa_logits", "gather_k_cache", "new_kv_cache", "plan", "quant_max", "quantize_k", "quantize_q",
     "row_limits", "slots_from_block_table", "compressed_slot_mapping", "top_k_per_row", "write_k_cache",
