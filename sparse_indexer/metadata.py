@@ -377,7 +377,7 @@ def _check_blocks_and_slots(seq: list[int], qry: list[int], bt: torch.Tensor, sm
                 f"slot_mapping[{t}] = {int(sm[t])}, but token {t} (request {int(req[t])}'s position {int(pos[t])}) "
                 f"ends no group of compress_ratio={c} tokens: only positions p with (p + 1) % {c} == 0 write a key "
                 "(compressed_slot_mapping makes the slots); every other token's slot must be negative")
-    ent = pos // c
+    ent = torch.where(writes, pos // c, 0)  # (a token that writes nothing may sit past the table's last key)
     blk = bt[req, ent // bs].long()
     bad = writes & ((blk < 0) | (sm != blk * bs + ent % bs))
     if bool(bad.any()):

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import sparse_indexer as si
 from buffers import IndexerLimits, allocate, plan
-from buffers.plan import prefill_extremes
+from buffers.plan import compressed_prefill_logits, prefill_extremes
 from sparse_indexer.commands.profile import plan_capacity, step_needs, worst_case_steps
 from sparse_indexer.indexer import check_step
 
@@ -22,24 +22,27 @@ H, D = 1, 64
 @st.composite
 def limits_st(draw, big: bool = False):
     """Engine limits: small ones (real buffers are allocated and the step's own checks run) or large ones up to
-    1M context (sizes only)."""
+    1M context (sizes only); compress ratio 1 (V3.2), 2 or 4 (V4's compressed indexer: 4 tokens per key)."""
     nn = draw(st.integers(1, 4))
+    cr = draw(st.sampled_from([1, 2, 4]))
     if big:
-        L = draw(st.integers(1, 1 << 20))
+        L = draw(st.integers(cr, 1 << 20))
         S = draw(st.integers(1, 512))
         T = draw(st.integers(S, 4096))
         C = draw(st.integers(1 << 20, 1 << 28))  # a smaller cap splits long requests into thousands of chunks
         bs = 1 << 14
     else:
-        L = draw(st.integers(1, 600))
+        L = draw(st.integers(cr, 600))
         S = draw(st.integers(1, 12))
         T = draw(st.integers(S, 700))
         C = draw(st.integers(1, 40000))
         bs = draw(st.sampled_from([16, 64]))
-    K = draw(st.integers(L, 6 * L))
-    budget = draw(st.one_of(st.none(), st.integers(nn * L * 4, S * nn * L * 4 + 8)))
+    Lc = L // cr
+    K = draw(st.integers(Lc, 6 * Lc))
+    budget = draw(st.one_of(st.none(), st.integers(nn * Lc * 4, S * nn * Lc * 4 + 8)))
     return IndexerLimits(max_model_len=L, max_num_batched_tokens=T, max_num_seqs=S, next_n=nn, n_heads=H,
-                         head_dim=D, topk=16, block_size=bs, prefill_k_tokens=K, max_logits_bytes=4 * C,
+                         head_dim=D, topk=16, block_size=bs, compress_ratio=cr, prefill_k_tokens=K,
+                         max_logits_bytes=4 * C,
                          max_decode_logits_bytes=budget, with_qk=draw(st.booleans()),
                          world_size=draw(st.sampled_from([1, 2, 3])))  # > 1: cp_scratch (context parallel)
 
@@ -70,7 +73,7 @@ def step_st(draw, lim: IndexerLimits):
 
 def metadata(lim: IndexerLimits, seq, qry):
     bs = lim.block_size
-    nblk = (lim.max_model_len + bs - 1) // bs
+    nblk = max(1, (lim.max_keys + bs - 1) // bs)
     table = torch.zeros(max(1, len(seq)), nblk, dtype=torch.int32)  # every request reads block 0: only sizes matter
     return si.build_metadata(seq, qry, table, torch.full((sum(qry),), -1, dtype=torch.int64), lim, num_blocks=1)
 
@@ -137,32 +140,58 @@ def test_worst_case_steps_reach_every_field_large(lim):
     check_reached(lim, real=False)
 
 
-def brute_force(lim: IndexerLimits) -> tuple[int, int]:
-    """Chunk maxima by enumerating every chunk the planner can form (tiny limits only): whole-request chunks
-    of r requests with (M, N) and one-request pieces."""
-    L, T, S, nn = lim.max_model_len, lim.max_num_batched_tokens, lim.max_num_seqs, lim.next_n
-    K, C, q0 = lim.prefill_k_tokens, lim.prefill_logits_elems, nn + 1
-    keys = logits = 0
-    for r in range(1, S + 1):
-        for m in range(r * q0, T + 1):
-            for n in range(m, min(r * L, K) + 1):
-                if m * n <= C:
-                    keys, logits = max(keys, n), max(logits, m * n)
-    for s in range(q0, L + 1):
-        for q in range(q0, min(s, T) + 1):
-            if q * s > C:
-                keys, logits = max(keys, s), max(logits, max(1, C // s) * s)
-    return keys, logits
+def brute_force(lim: IndexerLimits) -> tuple[int, int, int]:
+    """Chunk maxima by enumerating every chunk the planner can form (tiny limits only): the reachable ``(M, N,
+    longest window)`` of whole-request chunks of up to ``max_num_seqs`` requests ``(q, s)`` with ``q0 <= q <= s
+    <= L`` (``n = s // C`` keys each), inside the caps, and the one-request pieces of a request whose ``q n``
+    exceeds the logits cap. Returns ``(keys, logits, compressed logits)``."""
+    L, T, S, c = lim.max_model_len, lim.max_num_batched_tokens, lim.max_num_seqs, lim.compress_ratio
+    K, X, q0 = lim.prefill_k_tokens, lim.prefill_logits_elems, lim.min_prefill_queries
+    reqs = {(q, s // c) for s in range(1, L + 1) for q in range(q0, min(s, T) + 1)}
+    keys = logits = comp = 0
+    level = {(0, 0, 0)}
+    for _ in range(S):
+        nxt = set()
+        for m, n, w in level:
+            for q, k in reqs:
+                m2, n2 = m + q, n + k
+                if m2 <= T and n2 <= K and m2 * n2 <= X:
+                    nxt.add((m2, n2, max(w, k)))
+        level = nxt
+        for m, n, w in level:
+            keys, logits, comp = max(keys, n), max(logits, m * n), max(comp, m * w)
+    for q, k in reqs:
+        if q * k > X:
+            keys, logits = max(keys, k), max(logits, max(1, X // k) * k)
+    return keys, logits, comp
 
 
 @settings(max_examples=150, deadline=None)
-@given(L=st.integers(1, 40), S=st.integers(1, 4), extra=st.integers(0, 40), nn=st.integers(1, 3),
-       kx=st.integers(0, 60), C=st.integers(1, 300))
-def test_prefill_extremes_match_brute_force(L, S, extra, nn, kx, C):
+@given(L=st.integers(1, 24), S=st.integers(1, 3), extra=st.integers(0, 30), nn=st.integers(1, 3),
+       kx=st.integers(0, 40), C=st.integers(1, 300), cr=st.sampled_from([1, 2, 4]))
+def test_prefill_extremes_match_brute_force(L, S, extra, nn, kx, C, cr):
+    L = max(L, cr)
     lim = IndexerLimits(max_model_len=L, max_num_batched_tokens=S + extra, max_num_seqs=S, next_n=nn,
-                        prefill_k_tokens=L + kx, max_logits_bytes=4 * C)
+                        compress_ratio=cr, prefill_k_tokens=L // cr + kx, max_logits_bytes=4 * C)
     e = prefill_extremes(lim)
-    assert (e.keys, e.logits) == brute_force(lim)
+    keys, logits, comp = brute_force(lim)
+    assert (e.keys, e.logits) == (keys, logits)
+    # compressed logits: an upper bound (split pieces are counted whole), exact without split pieces
+    assert compressed_prefill_logits(lim) >= comp
+
+
+def test_v4_prefill_of_one_long_prompt_fits_the_plan():
+    """DeepSeek-V4's compressed indexer (4 tokens per key): one 8192-token prompt has 8192 queries but 2048 keys,
+    more query rows than keys; the plan holds its chunk and the step runs without BufferTooSmall."""
+    lim = IndexerLimits(max_model_len=8192, max_num_batched_tokens=8192, max_num_seqs=2, next_n=1, n_heads=H,
+                        head_dim=D, topk=512, block_size=64, compress_ratio=4)
+    p = plan(lim)
+    md = metadata(lim, [8192], [8192])
+    assert [c.num_k_tokens for c in md.prefill_chunks] == [2048]
+    assert sum(c.num_tokens for c in md.prefill_chunks) == 8192
+    cap, need = plan_capacity(p), step_needs(md)
+    assert all(need[k] <= cap[k] for k in need), (need, cap)
+    run_checks(lim, md, allocate(p))
 
 
 def test_min_prefill_query_len_plans_one_token_prefills():
