@@ -20,7 +20,7 @@ H, D = 1, 64
 
 
 @st.composite
-def limits_st(draw, big: bool = False):
+def limits_st(draw, big: bool = False, compressed_logits: bool = False):
     """Engine limits: small ones (real buffers are allocated and the step's own checks run) or large ones up to
     1M context (sizes only); compress ratio 1 (V3.2), 2 or 4 (V4's compressed indexer: 4 tokens per key)."""
     nn = draw(st.integers(1, 4))
@@ -44,7 +44,8 @@ def limits_st(draw, big: bool = False):
                          head_dim=D, topk=16, block_size=bs, compress_ratio=cr, prefill_k_tokens=K,
                          max_logits_bytes=4 * C,
                          max_decode_logits_bytes=budget, with_qk=draw(st.booleans()),
-                         world_size=draw(st.sampled_from([1, 2, 3])))  # > 1: cp_scratch (context parallel)
+                         world_size=1 if compressed_logits else draw(st.sampled_from([1, 2, 3])),  # > 1: cp_scratch
+                         compressed_prefill_logits=compressed_logits)
 
 
 @st.composite
@@ -101,6 +102,18 @@ def test_no_step_needs_more_than_the_plan(data, lim):
             if cap[name]:
                 assert n <= cap[name], (name, n, cap[name], seq, qry)
         run_checks(lim, md, bufs)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), lim=limits_st(compressed_logits=True))
+def test_no_step_needs_more_than_the_plan_compressed_logits(data, lim):
+    """With compressed prefill logits (``[M, longest window]``) the plan is an upper bound (split pieces count in
+    full): no step needs more."""
+    cap = plan_capacity(plan(lim))
+    for _ in range(3):
+        seq, qry = data.draw(step_st(lim))
+        need = step_needs(metadata(lim, seq, qry))
+        assert all(n <= cap[k] for k, n in need.items() if cap[k]), (need, cap, seq, qry)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
