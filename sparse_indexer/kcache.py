@@ -11,8 +11,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["HEAD_DIMS", "CacheLayout", "cache_layout", "cache_views", "compressed_slot_mapping", "new_kv_cache",
-           "slots_from_block_table"]
+__all__ = ["HEAD_DIMS", "CacheLayout", "cache_layout", "cache_views", "compressed_slot_mapping", "encode_ue8m0x4",
+           "decode_ue8m0", "new_kv_cache", "preshuffled_offsets", "read_keys", "slots_from_block_table", "write_keys"]
 
 HEAD_DIMS = (64, 128)
 """The indexer head dims the ops take (docs/spec.md §1)."""
@@ -159,7 +159,7 @@ def compressed_slot_mapping(block_table: torch.Tensor, seq_lens, query_lens, blo
     first = torch.cumsum(q, 0) - q
     pos = torch.tensor(seq, dtype=torch.long)[req] - q[req] + (torch.arange(t) - first[req])
     writes = (pos + 1) % compress_ratio == 0
-    ent = pos // compress_ratio
+    ent = torch.where(writes, pos // compress_ratio, 0)  # (a token that writes nothing needs no block)
     if int(ent.max()) // block_size >= block_table.shape[1]:
         raise ValueError(f"a request needs key {int(ent.max())}, past the {block_table.shape[1]} blocks of "
                          f"block_table (block_size {block_size})")
@@ -171,3 +171,82 @@ def compressed_slot_mapping(block_table: torch.Tensor, seq_lens, query_lens, blo
             raise ValueError(f"token_slots must be [{t}], got {tuple(token_slots.shape)}")
         out = torch.where(token_slots.to(dev) < 0, -1, out)
     return out
+
+
+# --- cache formats (docs/spec.md §4, buffers.CacheFormat): decoding what other writers store ---------------------
+
+UE8M0_NAN = 0xFF
+"""The UE8M0 byte that means NaN (the OCP MX scale format); every other byte ``e`` is ``2 ** (e - 127)``."""
+
+
+def decode_ue8m0(e: torch.Tensor) -> torch.Tensor:
+    """float32 scales of UE8M0 exponent bytes ``e`` (uint8, any shape), exactly: ``2 ** (e - 127)`` (``e = 0``:
+    the subnormal ``2 ** -127``), NaN for ``e = 255`` (also what ``pack_ue8m0_x4`` stores for a NaN or
+    infinite float32 scale)."""
+    ei = e.to(torch.int32)
+    bits = torch.where(ei == 0, 0x00400000, ei << 23)
+    bits = torch.where(ei == UE8M0_NAN, 0x7FC00000, bits)
+    return bits.view(torch.float32)
+
+
+def encode_ue8m0x4(scale: torch.Tensor) -> torch.Tensor:
+    """The 4 scale bytes of ``scale`` (float32, any shape) in the ``"ue8m0x4"`` encoding, as int32 words (vLLM's
+    ``pack_ue8m0_x4``: the float32 exponent field repeated in each byte, ``((bits >> 23) & 0xFF) * 0x01010101``).
+    Exact for powers of two (``quantize_k(..., scale_fmt="ue8m0")``); any other scale loses its mantissa."""
+    e = (scale.contiguous().view(torch.int32) >> 23) & 0xFF
+    return e * 0x01010101
+
+
+def preshuffled_offsets(block_size: int, head_dim: int, device=None) -> torch.Tensor:
+    """``[block_size, head_dim]`` int64: byte offset of value ``(t, d)`` inside a block of the ``"preshuffled"``
+    order (16 x 16 tiles: ``(t // 16) * 16 * D + (d // 16) * 256 + (t % 16) * 16 + d % 16``, docs/spec.md §4);
+    ``ValueError`` unless both are multiples of 16."""
+    if block_size % 16 or head_dim % 16:
+        raise ValueError(f"the preshuffled order needs block_size and head_dim multiples of 16, got {block_size}, "
+                         f"{head_dim}")
+    t = torch.arange(block_size, device=device)[:, None]
+    d = torch.arange(head_dim, device=device)[None, :]
+    return (t // 16) * 16 * head_dim + (d // 16) * 256 + (t % 16) * 16 + d % 16
+
+
+def read_keys(kv_cache: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, fp8_dtype: torch.dtype,
+              scale: str = "float32", order: str = "flat") -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys in slots ``(blk, off)`` (int64 block ids and offsets inside the block, equal shapes ``S``) of a cache
+    in the format ``(fp8_dtype, scale, order)`` (a ``buffers.CacheFormat``'s fields): their values ``[*S, D]`` in
+    ``fp8_dtype`` (token order ``d = 0..D-1`` whatever the byte order) and float32 scales ``[*S]`` (``"ue8m0x4"``:
+    decoded from the first of the four bytes, :func:`decode_ue8m0`; the other three are not read).
+
+    A copy (advanced indexing); the reference backends' reader of every format."""
+    lay = cache_layout(kv_cache)
+    kv = as_3d(kv_cache)
+    nb, bs, d = lay.num_blocks, lay.block_size, lay.head_dim
+    raw = kv.as_strided((nb, bs * (d + 4)), (lay.block_stride, 1), kv.storage_offset())
+    if order == "flat":
+        values = raw[:, : bs * d].view(nb, bs, d).view(fp8_dtype)[blk, off]
+    else:
+        offs = preshuffled_offsets(bs, d, kv.device)
+        values = raw[blk.unsqueeze(-1), offs[off]].view(fp8_dtype)
+    if scale == "float32":
+        scales = raw[:, bs * d :].view(torch.float32)[blk, off]
+    else:
+        scales = decode_ue8m0(raw[:, bs * d :].view(nb, bs, 4)[blk, off, 0])
+    return values, scales
+
+
+def write_keys(kv_cache: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, values: torch.Tensor,
+               scales: torch.Tensor, scale: str = "float32", order: str = "flat") -> None:
+    """Store keys (``values [S, D]`` FP8 in token order, ``scales [S]`` float32) in slots ``(blk, off)`` (int64
+    ``[S]``) of a cache in the scale encoding ``scale`` and byte order ``order`` (:func:`read_keys`'s inverse;
+    ``"ue8m0x4"`` is exact for power-of-two scales only: :func:`encode_ue8m0x4`)."""
+    lay = cache_layout(kv_cache)
+    kv = as_3d(kv_cache)
+    nb, bs, d = lay.num_blocks, lay.block_size, lay.head_dim
+    raw = kv.as_strided((nb, bs * (d + 4)), (lay.block_stride, 1), kv.storage_offset())
+    if order == "flat":
+        raw[:, : bs * d].view(nb, bs, d).view(values.dtype)[blk, off] = values
+    else:
+        raw[blk[:, None], preshuffled_offsets(bs, d, kv.device)[off]] = values.view(torch.uint8)
+    if scale == "float32":
+        raw[:, bs * d :].view(torch.float32)[blk, off] = scales
+    else:
+        raw[:, bs * d :].view(torch.int32)[blk, off] = encode_ue8m0x4(scales)
