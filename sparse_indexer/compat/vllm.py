@@ -22,17 +22,25 @@ converts vLLM's ``DeepseekV32IndexerMetadata`` (decode and prefill-chunk fields)
 :class:`~sparse_indexer.IndexerMetadata` (:func:`metadata_from_vllm`) and runs
 :func:`sparse_indexer.sparse_attn_indexer` on buffers from the workspace. Its ``fake`` returns the top-k buffer
 and touches no workspace.
+
+DeepSeek-V4 and V4.1 call the same op on compressed indexer caches (``compress_ratio`` ``C`` in 1, 2, 4: one key
+per ``C`` tokens, written by the model's compressor before the op, so ``skip_k_cache_insert=True`` and
+``k=None``). vLLM's metadata then holds compressed lengths, windows and slots (its builder divides by ``C``), and
+the op's ``max_model_len`` and ``total_seq_lens`` are already ``// C``. The shim keeps one
+:class:`IndexerLimits` (``compress_ratio=C``) and plan per ratio, and the cache's byte format per
+:func:`v4_cache_format`.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import attrs
 import torch
 
-from buffers import Buffers, BufferTooSmall, IndexerLimits, plan
+from buffers import Buffers, BufferTooSmall, CacheFormat, IndexerLimits, plan
 from buffers.limits import MiB
 from buffers.plan import BufferPlan
 
@@ -41,9 +49,14 @@ from ..metadata import DecodeMetadata, IndexerMetadata, PrefillChunk, pack_decod
 from ..ops.fp8_paged_mqa_logits import row_limits
 
 __all__ = [
-    "VllmIndexer", "WorkspaceTooSmall", "buffers_from_workspace", "held_bytes", "metadata_from_vllm", "reserve",
-    "workspace_specs",
+    "COMPRESS_RATIOS", "VllmIndexer", "WorkspaceTooSmall", "buffers_from_workspace", "held_bytes",
+    "metadata_from_vllm", "reserve", "v4_cache_format", "workspace_specs",
 ]
+
+# compress ratios of the indexer layers vLLM runs through the op: 1 (DeepSeek-V3.2, V4.1), 2 (V4.1), 4 (V4's
+# compressed sparse attention layers). V4's heavily compressed layers (128) attend every compressed entry and
+# never call the op.
+COMPRESS_RATIOS = (1, 2, 4)
 
 
 class WorkspaceTooSmall(BufferTooSmall):
@@ -153,36 +166,44 @@ def buffers_from_workspace(limits: IndexerLimits | BufferPlan, manager=None) -> 
 
 
 # ------------------------------------------------------------------------------------------------ metadata
-def _decode_from_vllm(d, num_decode_tokens: int, width: int, next_n: int) -> DecodeMetadata:
+def _decode_from_vllm(d, num_decode_tokens: int, width: int, next_n: int, compress_ratio: int = 1,
+                      uncompressed_seq_lens: torch.Tensor | None = None) -> DecodeMetadata:
     """vLLM's ``DeepSeekV32IndexerDecodeMetadata`` -> ours, with device tensor ops only (no host sync: the
     conversion runs inside a captured CUDA graph and is replayed with the new contents of vLLM's buffers).
 
     The layouts vLLM 0.33's ``DeepseekV32IndexerMetadataBuilder`` produces (``num_decode_tokens`` = ``T_d``,
-    decode requests ``B``, ``d_b`` = ``decode_lens``):
+    decode requests ``B``, ``d_b`` = ``decode_lens``, ``L_b`` the context in tokens, ``C`` = ``compress_ratio``;
+    every length is in keys, ``// C``, which vLLM applies after the layouts below):
 
-    * native: ``seq_lens [B, n]`` with ``n = max d_b`` and ``seq_lens[b, j] = clamp(L_b - n + j + 1, 0)``
-      (``[B, 1]`` = ``L_b`` at one token); older versions pass ``[B]`` (row ``j`` then sees ``L_b - n + j + 1``
-      keys). Uniform when ``B * n == T_d`` and not ``requires_padding``: token ``t`` is slot ``t`` of the
-      ``[B, n]`` grid.
+    * native: ``seq_lens [B, n]`` int32 with ``n = max d_b`` and ``seq_lens[b, j] = clamp(L_b - n + j + 1, 0) //
+      C`` (``[B, 1]`` = ``L_b // C`` at one token); older versions pass ``[B]`` (row ``j`` then sees ``L_b - n +
+      j + 1`` keys; ``C = 1`` only). Uniform when ``B * n == T_d`` and not ``requires_padding``: token ``t`` is
+      slot ``t`` of the ``[B, n]`` grid. With ``C > 1`` and one token per request vLLM's ``seq_lens`` has
+      ``T_d`` rows (``[T_d, 1]``, rows past the ``B`` requests 0) while ``block_table`` has ``B``.
     * flattened (no native kernel for the step's decode length, e.g. off CUDA at next_n > 2, or adaptive
-      verification): one row per token, ``seq_lens [T_d, 1]``,
+      verification): one row per token, ``seq_lens [T_d, 1]`` = ``(L_b - d_b + j + 1) // C``,
       ``block_table`` repeated per token, ``decode_lens`` all ones.
     * padded for a FULL CUDA graph: padding requests (``d_b = 0``, ``L_b = 0``, ``seq_lens`` rows 0) at the
-      end, padding tokens counted in ``T_d`` (their ``slot_mapping`` is -1), ``requires_padding`` set.
+      end, padding tokens counted in ``T_d`` (their ``slot_mapping`` is -1), ``requires_padding`` set (also at
+      one token per request).
     * padded tokens without padding requests (FULL graphs of batches that are not uniform decodes): ``T_d``
       larger than the real tokens.
 
     One slot per request (``n == 1``: native one-token decodes, flattened) is always uniform: row ``t`` is token
-    ``t`` for the first ``min(B, T_d)`` rows, since requests without a token (padding, window 0) come after those
-    with one; so the packing buffers, absent when ``next_n == 1``, are never needed there.
+    ``t`` for the first ``min(rows, T_d)`` rows (``rows``: of ``seq_lens`` and of ``block_table``), since
+    requests without a token (padding, window 0) come after those with one; so the packing buffers, absent when
+    ``next_n == 1``, are never needed there.
 
-    Otherwise (``n > 1`` with ``requires_padding``, or ``B * n != T_d``) the real tokens ``t < S = sum(d_b)`` are packed
-    left-aligned into the ``[B, n]`` grid: token ``j < d_b`` of request ``b`` is slot ``b * n + j`` with
-    window ``L_b - d_b + j + 1`` (docs/spec.md §7), ``L_b = seq_lens[b, -1]``. Slots ``j >= d_b`` have empty
-    windows (their top-k rows are all -1). The result describes ``min(T_d, B * n)`` token rows (``S <= B * n``:
-    the rest can only be padding, left to the caller); each padding token ``S <= t < B * n`` is unpacked from
-    the first empty slot, which exists because ``S < B * n`` then, so its ``topk_out`` row is -1 and no index
-    reaches past the last request. Decode lengths above ``n`` are not checked (that would need a host sync).
+    Otherwise (``n > 1`` with ``requires_padding``, or ``B * n != T_d``) the real tokens ``t < S = sum(d_b)`` are
+    packed left-aligned into the ``[B, n]`` grid: token ``j < d_b`` of request ``b`` is slot ``b * n + j`` with
+    window ``(L_b - d_b + j + 1) // C`` (docs/spec.md §7). vLLM's grid holds the windows of ``d_b = n``, so the
+    packed windows come from the uncompressed ``L_b``: ``seq_lens[b, -1]`` when ``C == 1``,
+    ``uncompressed_seq_lens[b]`` (vLLM's ``DeepseekV32IndexerMetadata.seq_lens``, ``[>= B]`` int32, in
+    tokens, padding requests 0) when ``C > 1``. Slots ``j >= d_b`` have empty windows (their top-k rows are all
+    -1). The result describes ``min(T_d, B * n)`` token rows (``S <= B * n``: the rest can only be padding, left
+    to the caller); each padding token ``S <= t < B * n`` is unpacked from the first empty slot, which exists
+    because ``S < B * n`` then, so its ``topk_out`` row is -1 and no index reaches past the last request. Decode
+    lengths above ``n`` are not checked (that would need a host sync).
     """
     seq_lens, bt = d.seq_lens, d.block_table
     if getattr(d, "indices", None) is not None:
@@ -199,12 +220,23 @@ def _decode_from_vllm(d, num_decode_tokens: int, width: int, next_n: int) -> Dec
         nn = next_n
     else:
         nn = num_decode_tokens // b
+    if seq_lens.dim() == 1 and compress_ratio > 1 and nn > 1:
+        raise ValueError(f"decode.seq_lens [B] with compress_ratio={compress_ratio} and {nn} tokens per request: "
+                         "compressed windows need one length per token ([B, n] or [T, 1])")
+    if nn == 1:
+        # one token per row: token t is row t (requests without a token, vLLM's padding, come last); rows of
+        # seq_lens past the block table's (compressed one-token decodes) are padding tokens
+        b = min(b, bt.shape[0], num_decode_tokens)
+        ctx = seq_lens[:b].to(torch.int32)
+        return DecodeMetadata(
+            num_reqs=b, next_n=1, uniform=True, width=width, context_lens=ctx, block_table=bt[:b],
+            row_starts=torch.zeros(b, dtype=torch.int32, device=dev),
+            row_ends=row_limits(ctx, 1).to(torch.int32), pack_src=None, unpack_src=None,
+        )
     if bt.shape[0] < b:
         raise ValueError(f"decode.block_table has {bt.shape[0]} rows for {b} decode rows")
-    if nn == 1 or (not d.requires_padding and b * nn == num_decode_tokens):
-        # one token per row: token t is row t (requests without a token, vLLM's padding, come last)
-        b = min(b, num_decode_tokens) if nn == 1 else b
-        ctx = seq_lens[:b].to(torch.int32)
+    if not d.requires_padding and b * nn == num_decode_tokens:
+        ctx = seq_lens.to(torch.int32)
         return DecodeMetadata(
             num_reqs=b, next_n=nn, uniform=True, width=width, context_lens=ctx, block_table=bt[:b],
             row_starts=torch.zeros(b * nn, dtype=torch.int32, device=dev),
@@ -214,8 +246,15 @@ def _decode_from_vllm(d, num_decode_tokens: int, width: int, next_n: int) -> Dec
     rows = min(num_decode_tokens, b * nn)
     if d.decode_lens.shape != (b,):
         raise ValueError(f"decode.decode_lens has shape {tuple(d.decode_lens.shape)}, expected [{b}]")
-    full = seq_lens[:, -1] if seq_lens.dim() == 2 else seq_lens
-    lim, pack_src, unpack_src = pack_decode(full, d.decode_lens, nn, rows)
+    if compress_ratio == 1:
+        full = seq_lens[:, -1] if seq_lens.dim() == 2 else seq_lens
+    else:
+        if uncompressed_seq_lens is None or uncompressed_seq_lens.dim() != 1 or uncompressed_seq_lens.shape[0] < b:
+            shape = None if uncompressed_seq_lens is None else tuple(uncompressed_seq_lens.shape)
+            raise ValueError(f"padded compressed decode (compress_ratio={compress_ratio}) needs the metadata's "
+                             f"seq_lens in tokens, [>= {b}], got {shape}")
+        full = uncompressed_seq_lens[:b]
+    lim, pack_src, unpack_src = pack_decode(full, d.decode_lens, nn, rows, compress_ratio)
     return DecodeMetadata(
         num_reqs=b, next_n=nn, uniform=False, width=width, context_lens=lim, block_table=bt[:b],
         row_starts=torch.zeros(b * nn, dtype=torch.int32, device=dev),
@@ -226,7 +265,8 @@ def _decode_from_vllm(d, num_decode_tokens: int, width: int, next_n: int) -> Dec
 def _chunk_from_vllm(c) -> PrefillChunk:
     """vLLM's ``DeepseekV32IndexerPrefillChunkMetadata`` -> our :class:`PrefillChunk` (same conventions:
     ``token_start/token_end`` are absolute rows of the step, ``cu_seqlen_ks/ke`` index the chunk's gathered
-    keys, ``cu_seq_lens`` the gather offsets, ``skip_kv_gather`` a later query piece of a split request)."""
+    keys, ``cu_seq_lens`` the gather offsets, ``skip_kv_gather`` a later query piece of a split request; with a
+    compressed cache every key count and window is in compressed entries already)."""
     local = getattr(c, "local_cu_seq_lens", None)
     if local is not None and local is not c.cu_seq_lens:
         raise NotImplementedError("vLLM context-parallel prefill chunks (local_cu_seq_lens) are not supported")
@@ -245,7 +285,9 @@ def _chunk_from_vllm(c) -> PrefillChunk:
 def metadata_from_vllm(md, limits: IndexerLimits) -> IndexerMetadata:
     """Our :class:`IndexerMetadata` from one layer's vLLM ``DeepseekV32IndexerMetadata`` (any object with its
     field names: ``slot_mapping``, ``num_decodes``, ``num_decode_tokens``, ``num_prefills``,
-    ``num_prefill_tokens``, ``decode``, ``prefill.chunks``). Decode logits use ``W = limits.max_model_len``.
+    ``num_prefill_tokens``, ``decode``, ``prefill.chunks``; ``seq_lens`` (``[num_reqs]`` int32, tokens) for a
+    padded compressed decode). ``limits.compress_ratio`` is the cache's ``C`` (the builder's
+    ``kv_cache_spec.tokens_per_state``); decode logits use ``W = limits.max_keys``.
 
     Reads host integers and makes device tensors only, so it can run inside a captured CUDA graph. Padding
     from vLLM's FULL CUDA graphs gets no rows: padding decode tokens are unpacked from an empty slot
@@ -253,32 +295,44 @@ def metadata_from_vllm(md, limits: IndexerLimits) -> IndexerMetadata:
     ``num_prefill_tokens``, covered by no chunk) fall beyond our ``num_tokens``, so the step fills their
     ``topk_out`` rows with -1. Their ``slot_mapping`` entries are -1 (no cache write).
 
+    With ``C > 1`` vLLM drops every prefill chunk without a key (all its requests shorter than ``C`` tokens),
+    also between two others: the rows before or between the remaining chunks that no chunk covers are such
+    tokens, whose windows are empty; they become the record's ``empty_rows`` (-1 rows). Rows after the last
+    chunk are left to the step's padding fill, -1 as well.
+
     Raises:
-        ValueError: the chunks do not cover consecutive rows from ``num_decode_tokens`` on, or the decode part
-            holds more tokens than its ``[B, n]`` grid.
+        ValueError: the chunks do not cover increasing rows from ``num_decode_tokens`` on (consecutive rows when
+            ``C == 1``, where vLLM drops no chunk), or the decode part holds more tokens than its ``[B, n]`` grid
+            and prefill rows follow.
         NotImplementedError: vLLM features the shim does not implement (varlen decode ``indices``, context
             parallelism).
     """
     nd, npf = int(md.num_decode_tokens), int(md.num_prefill_tokens)
+    cr = limits.compress_ratio
     decode = None
     decode_rows = 0
     if int(md.num_decodes) > 0 and nd > 0:
         if md.decode is None:
             raise ValueError("num_decodes > 0 but the metadata has no decode part")
-        decode = _decode_from_vllm(md.decode, nd, limits.max_model_len, limits.next_n)
+        decode = _decode_from_vllm(md.decode, nd, limits.max_keys, limits.next_n, cr, getattr(md, "seq_lens", None))
         decode_rows = min(nd, decode.num_rows)
     chunks: tuple[PrefillChunk, ...] = ()
     if int(md.num_prefills) > 0:
         if md.prefill is None:
             raise ValueError("num_prefills > 0 but the metadata has no prefill part")
         chunks = tuple(_chunk_from_vllm(c) for c in md.prefill.chunks)
-    # prefill rows: the chunks' rows, consecutive from the decode tokens on; the rest of vLLM's prefill tokens
-    # are FULL-graph padding (requests with no tokens), left to the step's -1 fill
+    # prefill rows: the chunks' rows, in order from the decode tokens on; gaps are dropped key-less chunks
+    # (compressed caches only); the rest of vLLM's prefill tokens are FULL-graph padding (requests with no
+    # tokens) or key-less tokens, left to the step's -1 fill
     end = nd
+    gaps = []
     for c in chunks:
-        if c.token_start != end:
+        if c.token_start < end or (cr == 1 and c.token_start != end):
             raise ValueError(f"prefill chunk rows [{c.token_start}, {c.token_end}) do not start at row {end} "
-                             f"(the end of the previous chunk or of the {nd} decode tokens)")
+                             f"(the end of the previous chunk or of the {nd} decode tokens)"
+                             + ("" if cr == 1 else " or after it"))
+        if c.token_start > end:
+            gaps.append((end, c.token_start))
         end = c.token_end
     if end > nd + npf:
         raise ValueError(f"prefill chunks end at row {end} > num_decode_tokens + num_prefill_tokens = {nd + npf}")
@@ -288,7 +342,7 @@ def metadata_from_vllm(md, limits: IndexerLimits) -> IndexerMetadata:
     return IndexerMetadata(
         num_decodes=int(md.num_decodes), num_decode_tokens=decode_rows, num_prefills=int(md.num_prefills),
         num_prefill_tokens=end - nd, slot_mapping=md.slot_mapping.to(torch.int64), decode=decode,
-        prefill_chunks=chunks, limits=limits,
+        prefill_chunks=chunks, limits=limits, empty_rows=tuple(gaps),
     )
 
 
@@ -310,6 +364,40 @@ def _layer_name(prefix) -> str:
     return _resolve_layer_name(prefix)
 
 
+def _is_rocm() -> bool:
+    return torch.version.hip is not None
+
+
+def _uses_mx_scales(device: torch.device) -> bool:
+    """vLLM's ``mqa_logits_use_mx_scales()``: CUDA (not ROCm) devices of capability family 100 (SM100, SM103),
+    whose MQA logits kernels take UE8M0-scaled inputs, so vLLM's V4 writers store each key's scale as four
+    equal UE8M0 bytes."""
+    if device.type != "cuda" or _is_rocm() or not _cuda_available():
+        return False
+    return torch.cuda.get_device_capability(device)[0] == 10
+
+
+def v4_cache_format(compress_ratio: int, block_size: int, device: torch.device,
+                    q_dtype: torch.dtype) -> CacheFormat | None:
+    """The byte format of an indexer cache written by vLLM 0.33's DeepSeek-V4/V4.1 writers (the compressor's
+    fused quantize-and-insert kernels), as :class:`buffers.CacheFormat`; ``None`` where that is the format the
+    step assumes by default (``CacheFormat(fp8_dtype=q_dtype)``).
+
+    * values: ``float8_e4m3fn`` on every platform (also where the queries are ``e4m3fnuz``, gfx942);
+    * scales: ``"ue8m0x4"`` (four equal UE8M0 bytes) where vLLM's MQA logits take MX scales (CUDA SM100),
+      else one ``float32``;
+    * byte order: ``"preshuffled"`` (16 x 16 tiles) on ROCm for ``C`` 1 and 2 with more than one entry per block
+      (the V4.1 writer shuffles exactly then); ``"flat"`` for ``C = 4`` (V4's block-flat layout) and elsewhere.
+
+    ``compress_ratio`` ``C``, ``block_size`` the cache's entries per block (``kv_cache.shape[1]``), ``device`` the
+    cache's, ``q_dtype`` the queries' FP8 dtype.
+    """
+    order = "preshuffled" if _is_rocm() and compress_ratio in (1, 2) and block_size > 1 else "flat"
+    scale = "ue8m0x4" if _uses_mx_scales(device) else "float32"
+    fmt = CacheFormat(fp8_dtype=torch.float8_e4m3fn, scale=scale, order=order)
+    return None if fmt == CacheFormat(fp8_dtype=q_dtype) else fmt
+
+
 @attrs.frozen(kw_only=True)
 class VllmIndexer:
     """Drop-in for vLLM's ``rocm_aiter_sparse_attn_indexer`` (same argument list; register ``__call__`` as the
@@ -317,11 +405,17 @@ class VllmIndexer:
 
     The op's arguments fix most :class:`IndexerLimits` (``max_model_len``, ``total_seq_lens`` ->
     ``prefill_k_tokens``, ``topk_tokens``, ``head_dim``, heads and fp8 format of ``q_fp8``, the cache's
-    block size, ``topk_indices_buffer.shape[0]`` -> ``max_num_batched_tokens``); the rest are engine limits
-    given here.
+    block size, ``topk_indices_buffer.shape[0]`` -> ``max_num_batched_tokens``, ``compress_ratio``); the rest are
+    engine limits given here. Layers of different compress ratios (DeepSeek-V4.1 mixes 1 and 2, each K-cache
+    group with its own vLLM metadata object) get limits and a plan each; a profiling run reserves the largest
+    plan seen so far, so vLLM's workspace ends up holding every ratio's buffers.
 
     Attributes:
         max_num_seqs, next_n, max_logits_bytes, with_qk: the remaining :class:`IndexerLimits`.
+        model_max_model_len: the model's context length in tokens (vLLM's ``model_config.max_model_len``), or
+            ``None``. The op passes ``max_model_len // C``; with this the limits get the exact length, without
+            it the longest length with that many keys, ``(max_model_len // C) * C + C - 1`` (the same keys, so
+            the same buffers).
         backend: passed to every op (``None`` = auto).
         attn_metadata: returns the forward context's ``attn_metadata`` (default: vLLM's
             ``get_forward_context().attn_metadata``); not a dict means a profiling run.
@@ -332,53 +426,77 @@ class VllmIndexer:
     next_n: int = 1
     max_logits_bytes: int = 512 * MiB
     with_qk: bool = False
+    model_max_model_len: int | None = None
     backend: str | None = None
     attn_metadata: Callable[[], Any] = _forward_context_metadata
     manager: Any = None
-    # the last conversion of vLLM's metadata: every layer of a step shares the same metadata object, so the
-    # conversion (small device tensors) runs once per step, not once per layer. The capture state is part of
-    # the key: a conversion made outside a CUDA graph capture (a warm-up with the same object) must not be
-    # reused inside it, or the graph would replay stale tensors instead of converting the new metadata.
-    _last: dict = attrs.field(factory=dict, init=False, repr=False, eq=False)
+    # conversions of vLLM's metadata objects, most recent last: every layer of a step that shares a K-cache group
+    # passes the same metadata object, so its conversion (small device tensors) runs once per step, not once per
+    # layer, also when layers of several groups (compress ratios) alternate. Key: (id of vLLM's object, capture
+    # state, id of the limits) -> (the object, the limits, our record); the object and limits are held so that
+    # their ids stay theirs. The capture state is part of the key: a conversion made outside a CUDA graph
+    # capture (a warm-up with the same object) must not be reused inside it, or the graph would replay stale
+    # tensors instead of converting the new metadata.
+    _converted: OrderedDict = attrs.field(factory=OrderedDict, init=False, repr=False, eq=False)
     # per-call records that only change with the op's shapes or the workspace (host overhead: a per-layer call
     # costs what a direct sparse_attn_indexer call costs): "limits" maps the arguments that fix the
-    # IndexerLimits to (limits, plan); "buffers" maps a workspace slot to (plan, its workspace tensor, the
-    # Buffers record of views of it), kept only while the workspace is locked (it cannot grow or move then)
+    # IndexerLimits to (limits, plan); "buffers" maps (workspace slot, id of a plan) to (plan, its workspace
+    # tensor, the Buffers record of views of it), kept only while the workspace is locked (it cannot grow or
+    # move then)
     _memo: dict = attrs.field(factory=lambda: {"limits": {}, "buffers": {}}, init=False, repr=False, eq=False)
 
+    # conversions kept (a step has one metadata object per K-cache group with an indexer: one to three)
+    MAX_CONVERTED = 8
+
     def _metadata(self, vllm_md, limits: IndexerLimits) -> IndexerMetadata:
+        """:func:`metadata_from_vllm`, once per (metadata object, capture state, limits)."""
         capturing = _cuda_available() and torch.cuda.is_current_stream_capturing()
-        last = self._last
-        if (last.get("src") is not vllm_md or last.get("capturing") != capturing
-                or (last.get("limits") is not limits and last.get("limits") != limits)):
-            last.clear()
-            last.update(src=vllm_md, capturing=capturing, limits=limits, md=metadata_from_vllm(vllm_md, limits))
-        return last["md"]
+        memo = self._converted
+        key = (id(vllm_md), capturing, id(limits))
+        hit = memo.get(key)
+        if hit is not None and hit[0] is vllm_md and hit[1] is limits:
+            memo.move_to_end(key)
+            return hit[2]
+        md = metadata_from_vllm(vllm_md, limits)
+        memo[key] = (vllm_md, limits, md)
+        while len(memo) > self.MAX_CONVERTED:
+            memo.popitem(last=False)
+        return md
 
     def _limits_and_plan(self, kv_cache: torch.Tensor, q_fp8: torch.Tensor, topk_tokens: int, head_dim: int,
-                         max_model_len: int, total_seq_lens: int,
-                         topk_indices_buffer: torch.Tensor) -> tuple[IndexerLimits, BufferPlan]:
+                         max_model_len: int, total_seq_lens: int, topk_indices_buffer: torch.Tensor,
+                         compress_ratio: int = 1,
+                         skip_k_cache_insert: bool = False) -> tuple[IndexerLimits, BufferPlan]:
         """:meth:`limits` and its plan, made once per distinct set of the arguments they read."""
-        key = (kv_cache.shape[1], q_fp8.shape[1], q_fp8.dtype, topk_tokens, head_dim, max_model_len, total_seq_lens,
-               topk_indices_buffer.shape[0])
+        args = (kv_cache, q_fp8, topk_tokens, head_dim, max_model_len, total_seq_lens, topk_indices_buffer)
+        kw = {"compress_ratio": compress_ratio, "skip_k_cache_insert": skip_k_cache_insert}
+        key = (kv_cache.shape[1], kv_cache.device, q_fp8.shape[1], q_fp8.dtype, topk_tokens, head_dim, max_model_len,
+               total_seq_lens, topk_indices_buffer.shape[0], compress_ratio, bool(skip_k_cache_insert))
         memo = self._memo["limits"]
         try:
             hit = memo.get(key)
         except TypeError:  # an unhashable argument: no memo (limits() converts or rejects it)
-            lim = self.limits(kv_cache, q_fp8, topk_tokens, head_dim, max_model_len, total_seq_lens,
-                              topk_indices_buffer)
+            lim = self.limits(*args, **kw)
             return lim, plan(lim)
         if hit is None:
-            lim = self.limits(kv_cache, q_fp8, topk_tokens, head_dim, max_model_len, total_seq_lens,
-                              topk_indices_buffer)
+            lim = self.limits(*args, **kw)
             if len(memo) >= 64:  # (distinct shapes are few; a bound all the same)
                 memo.clear()
             hit = memo[key] = (lim, plan(lim))
         return hit
 
+    def _largest_plan(self, p: BufferPlan) -> BufferPlan:
+        """The plan with the most bytes among ``p`` and every plan made so far (one per compress ratio and
+        shape): what a profiling run reserves, so the locked workspace holds any of them."""
+        best = p
+        for _, q in self._memo["limits"].values():
+            if q.total_bytes > best.total_bytes:
+                best = q
+        return best
+
     def _buffers(self, p: BufferPlan) -> Buffers:
-        """:func:`buffers_from_workspace`; the record is kept per workspace slot while vLLM's workspace is locked
-        and reused while the slot holds the same workspace tensor (the views would be the same bytes)."""
+        """:func:`buffers_from_workspace`; the record is kept per workspace slot and plan while vLLM's workspace
+        is locked and reused while the slot holds the same workspace tensor (the views would be the same bytes)."""
         m = _manager(self.manager)
         slots = getattr(m, "_current_workspaces", None)
         get_id = getattr(m, "_get_workspace_id", None)
@@ -388,34 +506,52 @@ class VllmIndexer:
             memo.clear()  # (the workspace may grow: no views of an old one are kept)
             return buffers_from_workspace(p, m)
         wid = get_id()
-        hit = memo.get(wid)
+        key = (wid, id(p))
+        hit = memo.get(key)
         if hit is not None and hit[0] is p and hit[1] is slots[wid]:
             return hit[2]
         bufs = buffers_from_workspace(p, m)
-        memo[wid] = (p, slots[wid], bufs)
+        if len(memo) >= 64:
+            memo.clear()
+        memo[key] = (p, slots[wid], bufs)
         return bufs
 
     @classmethod
     def from_vllm_config(cls, vllm_config, **kw) -> VllmIndexer:
-        """Limits from a ``VllmConfig``: ``scheduler_config.max_num_seqs``, 1 + speculative tokens, and
-        ``VLLM_SPARSE_INDEXER_MAX_LOGITS_MB``."""
+        """Limits from a ``VllmConfig``: ``scheduler_config.max_num_seqs``, 1 + speculative tokens,
+        ``model_config.max_model_len`` and ``VLLM_SPARSE_INDEXER_MAX_LOGITS_MB``."""
         import os
 
         spec = getattr(vllm_config, "speculative_config", None)
         n_spec = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
         mb = int(os.environ.get("VLLM_SPARSE_INDEXER_MAX_LOGITS_MB", "512"))
+        model = getattr(vllm_config, "model_config", None)
+        model_len = getattr(model, "max_model_len", None) if model is not None else None
+        kw.setdefault("model_max_model_len", int(model_len) if model_len else None)
         return cls(max_num_seqs=int(vllm_config.scheduler_config.max_num_seqs), next_n=1 + n_spec,
                    max_logits_bytes=mb * MiB, **kw)
 
     def limits(self, kv_cache: torch.Tensor, q_fp8: torch.Tensor, topk_tokens: int, head_dim: int,
-               max_model_len: int, total_seq_lens: int, topk_indices_buffer: torch.Tensor) -> IndexerLimits:
-        """The :class:`IndexerLimits` of one op call."""
+               max_model_len: int, total_seq_lens: int, topk_indices_buffer: torch.Tensor, *,
+               compress_ratio: int = 1, skip_k_cache_insert: bool = False) -> IndexerLimits:
+        """The :class:`IndexerLimits` of one op call. ``max_model_len`` and ``total_seq_lens`` are the op's, in
+        keys (``// compress_ratio``); the limits' ``max_model_len`` is in tokens (:attr:`model_max_model_len`
+        when it has ``max_model_len`` keys, else the longest length that has). A cache the model's compressor
+        wrote (``skip_k_cache_insert``) has the byte format of :func:`v4_cache_format`."""
+        cr = _compress_ratio(compress_ratio)
+        keys = int(max_model_len)
+        tokens = keys * cr + cr - 1
+        if self.model_max_model_len is not None and self.model_max_model_len // cr == keys:
+            tokens = int(self.model_max_model_len)
+        fmt = None
+        if skip_k_cache_insert:
+            fmt = v4_cache_format(cr, int(kv_cache.shape[1]), kv_cache.device, q_fp8.dtype)
         return IndexerLimits(
-            max_model_len=int(max_model_len), max_num_batched_tokens=int(topk_indices_buffer.shape[0]),
+            max_model_len=tokens, max_num_batched_tokens=int(topk_indices_buffer.shape[0]),
             max_num_seqs=self.max_num_seqs, next_n=self.next_n, n_heads=int(q_fp8.shape[1]),
-            head_dim=int(head_dim), topk=int(topk_tokens), block_size=int(kv_cache.shape[1]),
-            prefill_k_tokens=max(int(total_seq_lens), int(max_model_len)), max_logits_bytes=self.max_logits_bytes,
-            fp8_dtype=q_fp8.dtype, with_qk=self.with_qk,
+            head_dim=int(head_dim), topk=int(topk_tokens), block_size=int(kv_cache.shape[1]), compress_ratio=cr,
+            prefill_k_tokens=max(int(total_seq_lens), keys), max_logits_bytes=self.max_logits_bytes,
+            fp8_dtype=q_fp8.dtype, cache_format=fmt, with_qk=self.with_qk,
             # vLLM's builder on ROCm/CPU sends requests of 1..next_n tokens whose length differs from the first
             # decode's down the prefill path: its chunks may hold max_num_seqs one-token prefills
             min_prefill_query_len=1,
@@ -428,9 +564,12 @@ class VllmIndexer:
                  compress_ratio: int = 1, candidate_blocks: torch.Tensor | None = None,
                  candidate_block_size: int = 0, candidate_write: bool = False) -> torch.Tensor:
         """One indexer step of one layer, as vLLM's op: returns ``topk_indices_buffer`` with rows
-        ``[0, hidden_states.shape[0])`` written (request-local positions, -1 = none)."""
-        if compress_ratio != 1:
-            raise NotImplementedError(f"compress_ratio={compress_ratio} (compressed indexer caches) is not supported")
+        ``[0, hidden_states.shape[0])`` written (request-local positions, -1 = none; compressed-entry indices
+        when ``compress_ratio > 1``)."""
+        cr = _compress_ratio(compress_ratio)
+        if cr > 1 and not skip_k_cache_insert:
+            raise NotImplementedError(f"compress_ratio={cr} with skip_k_cache_insert=False: the keys of a compressed "
+                                      "cache come from the model's compressor, which writes them before the op")
         if candidate_blocks is not None:
             raise NotImplementedError("candidate_blocks (block candidate selection) is not supported")
         if quant_block_size != head_dim:
@@ -440,11 +579,11 @@ class VllmIndexer:
         if topk_indices_buffer.shape[1] != topk_tokens:
             raise ValueError(f"topk_indices_buffer has {topk_indices_buffer.shape[1]} columns, {topk_tokens=}")
         limits, p = self._limits_and_plan(kv_cache, q_fp8, topk_tokens, head_dim, max_model_len, total_seq_lens,
-                                          topk_indices_buffer)
+                                          topk_indices_buffer, cr, bool(skip_k_cache_insert))
         attn_metadata = self.attn_metadata()
         if not isinstance(attn_metadata, dict):
             # Profiling run: reserve here, in the real implementation (the fake runs under FakeTensor mode).
-            reserve(p, self.manager)
+            reserve(self._largest_plan(p), self.manager)
             return self.fake(hidden_states, k_cache_prefix, kv_cache, q_fp8, k, weights, quant_block_size,
                              scale_fmt, topk_tokens, head_dim, max_model_len, total_seq_lens, topk_indices_buffer)
         md = self._metadata(attn_metadata[_layer_name(k_cache_prefix)], limits)
@@ -465,3 +604,10 @@ class VllmIndexer:
              compress_ratio=1, candidate_blocks=None, candidate_block_size=0, candidate_write=False):
         """The op's fake (FakeTensor mode): returns ``topk_indices_buffer``; touches no workspace."""
         return topk_indices_buffer
+
+
+def _compress_ratio(c) -> int:
+    if isinstance(c, bool) or not isinstance(c, int) or c not in COMPRESS_RATIOS:
+        raise ValueError(f"compress_ratio={c!r} is not supported: the indexer op takes one of {COMPRESS_RATIOS} "
+                         "(DeepSeek-V4's ratio-128 layers have no indexer)")
+    return c
