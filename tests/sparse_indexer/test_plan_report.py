@@ -25,6 +25,9 @@ def test_every_plan_option_has_help_and_its_default():
         if isinstance(action, (argparse._HelpAction, argparse._StoreTrueAction)):
             continue
         assert action.help and "default" in action.help, action.option_strings
+        if action.default is None and "or --model's" in action.help:  # a model's value, else the one stated
+            assert re.search(r"default: \d+, or --model's", action.help), action.option_strings
+            continue
         assert "%(default)s" in action.help, action.option_strings
 
 
@@ -45,9 +48,25 @@ def test_next_n_default_is_explained():
 def test_vllm_figures():
     lim = IndexerLimits(max_model_len=163840, max_num_batched_tokens=8192, max_num_seqs=256, next_n=2)
     rows = dict(vllm_reservations(lim))
-    assert rows["prefill K gather (max_model_len*40 tokens x (D+4) B)"] == 163840 * 40 * 132  # 825 MiB
+    assert rows["prefill K gather (max_model_len*40 keys x (D+4) B)"] == 163840 * 40 * 132  # 825 MiB
     assert rows["decode logits (max_num_seqs*next_n*max_model_len x 4 B)"] == 320 * MiB
     assert rows["total (none shared)"] == sum(b for n, b in vllm_reservations(lim)[:-1])
+    # DeepSeek-V4-Flash at 1M context (factor 2 above 256K tokens, 4 tokens per key): 4,194,304 keys, 528 MiB;
+    # decode logits [256 * 2, 262144] float32
+    v4 = IndexerLimits(max_model_len=1 << 20, max_num_batched_tokens=8192, max_num_seqs=256, next_n=2, topk=512,
+                       compress_ratio=4)
+    rows = dict(vllm_reservations(v4))
+    assert rows["prefill K gather (max_model_len*16/4 keys x (D+4) B)"] == 4_194_304 * 132
+    assert rows["decode logits (max_num_seqs*next_n*max_model_len/4 x 4 B)"] == 512 * 262144 * 4
+
+
+def test_model_option_gives_v4_limits(capsys):
+    assert main(["plan", "--model", "deepseek-v4-flash", "--max-logits-mib", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "compress_ratio=4" in out and "topk=512" in out and "max_model_len=1048576" in out
+    assert "saves" in out  # one arena of 566 MiB against vLLM's 1553 MiB
+    assert main(["plan", "--model", "deepseek-v4-pro", "--topk", "2048"]) == 0
+    assert "topk=2048" in capsys.readouterr().out  # an explicit option wins over the model's
 
 
 @pytest.mark.parametrize("kw", [
