@@ -139,7 +139,7 @@ class _StepPlan:
     ``(chunk, k_fp8, k_scale, logits)`` and decode sub-batch
     ``(b0, b1, r0, r1, logits, qk, workspace, row_starts, row_ends, context_lens, block_table)``."""
 
-    __slots__ = ("buffers", "outs", "both", "chunks", "subs", "written", "layer")
+    __slots__ = ("buffers", "outs", "both", "chunks", "subs", "written", "layer", "write_kw", "gather_kw", "paged_kw")
 
     def __init__(self, metadata: IndexerMetadata, buffers: Buffers, prefill: bool, decode: bool, spans: bool = True):
         self.buffers = buffers
@@ -170,11 +170,15 @@ class _StepPlan:
         if self.subs and not dm.uniform:
             written += buffers.pack_views(dm.num_rows)
         self.written = tuple(written)
-        # what a layer's tensors must be (_layer_fast): device, fp8 dtype, tokens, rows of k, H, D, topk, block size
+        # what a layer's tensors must be (_layer_fast): device, the queries' fp8 dtype, tokens, rows of k, H, D,
+        # topk, block size
         lim = metadata.limits
-        self.layer = (buffers.device, buffers.fp8_dtype, metadata.num_tokens,
-                      max(metadata.num_tokens, metadata.slot_mapping.shape[0]), lim.n_heads, lim.head_dim, lim.topk,
-                      lim.block_size)
+        self.layer = (buffers.device, lim.fp8_dtype if lim.cache_format is not None else buffers.fp8_dtype,
+                      metadata.num_tokens, max(metadata.num_tokens, metadata.slot_mapping.shape[0]), lim.n_heads,
+                      lim.head_dim, lim.topk, lim.block_size)
+        # the cache format (limits.cache) as the ops' keyword arguments: the write's, the gather's and the paged
+        # logits' (empty where it is the plain one: the default format adds nothing to a call)
+        self.write_kw, self.gather_kw, self.paged_kw = _format_kwargs(lim)
 
     def layer_disjoint(self, outputs: tuple, inputs: tuple) -> bool:
         """Whether the layer's ``outputs`` are disjoint from everything (the buffer fields, the metadata tensors,
@@ -184,6 +188,18 @@ class _StepPlan:
         outs = []
         return (_clear_of(outputs, self.both, outs, True)  # outputs: against everything the step keeps
                 and _clear_of(inputs, self.outs, outs, False))  # inputs: against what the step writes
+
+
+def _format_kwargs(lim) -> tuple[dict, dict, dict]:
+    """The step's ops' keyword arguments for the cache format ``lim.cache`` (docs/spec.md §4): the cache write's
+    (``fp8_dtype``, and the scale encoding and byte order where not the plain ones), the gather's (scale
+    encoding, byte order) and the paged logits' (those, and ``cache_fp8_dtype`` when the queries are in another FP8
+    format than the cache)."""
+    fmt = lim.cache_format  # (not lim.cache, which builds a record: Dynamo cannot trace an attrs constructor)
+    if fmt is None:
+        return {"fp8_dtype": lim.fp8_dtype}, {}, {}
+    gather = C.format_kwargs(fmt, None)
+    return {"fp8_dtype": fmt.fp8_dtype, **gather}, gather, C.format_kwargs(fmt, lim.fp8_dtype)
 
 
 def _clear_of(tensors: tuple, ranges, outs: list, keep: bool) -> bool:
@@ -266,8 +282,18 @@ def _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, prefill: bo
         raise ValueError(f"q_fp8 has {t} rows but the metadata describes {metadata.num_tokens} tokens")
     if (h, d) != (lim.n_heads, lim.head_dim):
         raise ValueError(f"q_fp8 has H={h}, D={d} but the limits say H={lim.n_heads}, D={lim.head_dim}")
-    if q_fp8.dtype != buffers.fp8_dtype:
-        raise TypeError(f"q_fp8 is {q_fp8.dtype} but buffers.k_fp8 is {buffers.fp8_dtype}")
+    fmt = lim.cache_format  # (None: the plain format in lim.fp8_dtype; not lim.cache, which Dynamo cannot build)
+    cache_fp8 = lim.fp8_dtype if fmt is None else fmt.fp8_dtype
+    if buffers.fp8_dtype != cache_fp8:
+        raise TypeError(f"buffers.k_fp8 is {buffers.fp8_dtype} but the limits' cache format is {cache_fp8} (the "
+                        "prefill gather copies the cache's bytes: plan the buffers with these limits)")
+    if fmt is None:
+        if q_fp8.dtype != buffers.fp8_dtype:
+            raise TypeError(f"q_fp8 is {q_fp8.dtype} but buffers.k_fp8 is {buffers.fp8_dtype} (a cache in another FP8 "
+                            "format than the queries must be declared: IndexerLimits(cache_format=CacheFormat(...)))")
+    elif q_fp8.dtype != lim.fp8_dtype:
+        raise TypeError(f"q_fp8 is {q_fp8.dtype} but the limits declare {lim.fp8_dtype} queries "
+                        f"(IndexerLimits.fp8_dtype) against a {fmt.fp8_dtype} cache")
     if buffers.device != dev:
         raise ValueError(f"buffers live on {buffers.device} but q_fp8 is on {dev}")
     C.tensor("weights", weights, dtypes=torch.float32, device=dev, shape=(t, h), last_contiguous=True)
@@ -290,6 +316,8 @@ def _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, prefill: bo
     if lay.head_dim != d or lay.block_size != lim.block_size:
         raise ValueError(f"kv_cache has D={lay.head_dim}, block_size={lay.block_size}; expected D={d}, "
                          f"block_size={lim.block_size}")
+    if fmt is not None:
+        C.check_order(fmt, lay.block_size, lay.head_dim)
     if buffers.head_dim != d:
         raise ValueError(f"buffers.k_fp8 has D={buffers.head_dim} but q_fp8 has D={d}")
     # Plain eager with plain tensors: what only depends on (metadata, buffers) is proven once per step (the
@@ -316,6 +344,12 @@ def _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, prefill: bo
         if decode and metadata.decode is not None:
             ops += ("fp8_paged_mqa_logits", "top_k_per_row")
         _require_backend(backend, ops, dev)
+        why = None if fmt is None else _format_unsupported(backend, fmt, q_fp8.dtype, lay.block_size, dev)
+        if why is not None:
+            from ._runtime.dispatch import BackendUnavailable
+
+            raise BackendUnavailable(f"backend {backend!r} cannot run this step's cache format {fmt}: {why}; use "
+                                     "backend=None (auto) or 'reference'")
     if prefill:
         for c in metadata.prefill_chunks:
             buffers.k_view(c.num_k_tokens)
@@ -347,6 +381,34 @@ _grad_on = torch.is_grad_enabled
 _Tensor = torch.Tensor
 _K_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _F32, _I32, _U8 = torch.float32, torch.int32, torch.uint8
+
+
+def _format_unsupported(backend: str, fmt, q_dtype: torch.dtype, block_size: int, device) -> str | None:
+    """Why the explicitly named built-in ``backend`` cannot run a step whose cache is in ``fmt`` (queries in
+    ``q_dtype``), or ``None``: it can (or it is a registered backend, which raises ``NotImplementedError`` itself).
+    The reference reads and writes every format; Triton ``"ue8m0x4"`` scales in the flat order, the queries' FP8
+    format (its cache write: float32 scales only); aiter its preshuffled order; Gluon and CUDA the plain one. A step
+    must not start writing with a backend that would raise in a later op."""
+    plain_fp8 = fmt.fp8_dtype == q_dtype
+    if backend == "reference" or (fmt.scale == "float32" and fmt.order == "flat" and plain_fp8):
+        return None
+    if backend == "triton":
+        if not plain_fp8:
+            return f"its kernels read no mix of FP8 formats ({q_dtype} queries against a {fmt.fp8_dtype} cache)"
+        if fmt.order != "flat":
+            return "its kernels read the flat order"
+        return None  # (ue8m0x4 scales: read by its gather and paged logits; its cache write raises at once)
+    if backend == "aiter":
+        from .ops._aiter import gcn_arch, preshuffled
+
+        if plain_fp8 and fmt.scale == "float32" and preshuffled(block_size, q_dtype, gcn_arch(device)):
+            return None
+        return "it reads float32 scales, its own FP8 format and the preshuffled order only where its kernel does"
+    from . import backends
+
+    if backend in backends.BUILTIN:
+        return "it reads the plain format only (float32 scales, flat order, the queries' FP8 format)"
+    return None
 
 
 def _layer_fast(want: tuple, q_fp8, weights, k, topk_out, kv_cache) -> int | None:
@@ -470,9 +532,9 @@ def _run_step(plan, metadata: IndexerMetadata, buffers: Buffers, q_fp8: torch.Te
         kv_cache = as_3d(kv_cache)
     dev = q_fp8.device
     try:
-        if k is not None:
+        if k is not None:  # (in the cache's format, limits.cache: plan.write_kw holds its fp8_dtype)
             run("write_k_cache", backend, dev, (k, kv_cache, metadata.slot_mapping),
-                {"scale_fmt": scale_fmt, "fp8_dtype": q_fp8.dtype})
+                {"scale_fmt": scale_fmt, **plan.write_kw})
         # docs/spec.md §7 step 2 (fill topk_out[:T] with -1): rows [0, num_tokens) are all written below, by the
         # top-k of their prefill chunk or decode slot (windows <= topk come out as 0..len-1, -1...), so only the
         # padding tokens [num_tokens, T) of a padded batch (CUDA graphs) are filled here. Filling every row would
@@ -484,7 +546,7 @@ def _run_step(plan, metadata: IndexerMetadata, buffers: Buffers, q_fp8: torch.Te
             for a, b in metadata.empty_rows:
                 topk_out[a:b].fill_(-1)
         for c, k_fp8, k_scale, logits in plan.chunks:
-            _chunk_ops(run, backend, dev, q_fp8, weights, kv_cache, c, k_fp8, k_scale, logits)
+            _chunk_ops(run, backend, dev, q_fp8, weights, kv_cache, c, k_fp8, k_scale, logits, plan.gather_kw)
             run("top_k_per_row", backend, dev, (logits, *c.topk_bounds),
                 {"out": _rows(topk_out, c.token_start, c.token_end)})
         if plan.subs:
@@ -496,7 +558,7 @@ def _run_step(plan, metadata: IndexerMetadata, buffers: Buffers, q_fp8: torch.Te
             # reuses the same region at the start of buffers.logits (and of qk, topk_scratch). Rows are
             # independent, so the top-k is the one of a single batch.
             for b0, b1, r0, r1, logits, qk, ws, row_starts, row_ends, ctx, bt in plan.subs:
-                _sub_batch_ops(run, backend, dev, q, w, kv_cache, b0, b1, r0, r1, logits, qk, ctx, bt)
+                _sub_batch_ops(run, backend, dev, q, w, kv_cache, b0, b1, r0, r1, logits, qk, ctx, bt, plan.paged_kw)
                 kw = {"out": _rows(sel, r0, r1)} if ws is None else {"out": _rows(sel, r0, r1), "workspace": ws}
                 run("top_k_per_row", backend, dev, (logits, row_starts, row_ends), kw)
             if not dm.uniform:
@@ -507,10 +569,13 @@ def _run_step(plan, metadata: IndexerMetadata, buffers: Buffers, q_fp8: torch.Te
 
 
 def _chunk_ops(run, backend: str | None, dev: torch.device, q_fp8: torch.Tensor, weights: torch.Tensor,
-               kv3: torch.Tensor, c, k_fp8: torch.Tensor, k_scale: torch.Tensor, logits: torch.Tensor) -> None:
-    """One prefill chunk's gather (skipped when its keys are already there) and ``clean=False`` logits."""
+               kv3: torch.Tensor, c, k_fp8: torch.Tensor, k_scale: torch.Tensor, logits: torch.Tensor,
+               fmt_kw: dict | None = None) -> None:
+    """One prefill chunk's gather (skipped when its keys are already there; ``fmt_kw``: the cache format's keyword
+    arguments, :func:`_format_kwargs`) and ``clean=False`` logits."""
     if c.gather:
-        run("gather_k_cache", backend, dev, (kv3, c.block_table, c.cu_seq_lens), {"out_k": k_fp8, "out_scale": k_scale})
+        run("gather_k_cache", backend, dev, (kv3, c.block_table, c.cu_seq_lens),
+            {"out_k": k_fp8, "out_scale": k_scale, **fmt_kw} if fmt_kw else {"out_k": k_fp8, "out_scale": k_scale})
     t0, t1 = c.token_start, c.token_end
     run("fp8_mqa_logits", backend, dev,
         (_rows(q_fp8, t0, t1), k_fp8, k_scale, _rows(weights, t0, t1), c.cu_seqlen_ks, c.cu_seqlen_ke),
@@ -519,10 +584,13 @@ def _chunk_ops(run, backend: str | None, dev: torch.device, q_fp8: torch.Tensor,
 
 def _sub_batch_ops(run, backend: str | None, dev: torch.device, q: torch.Tensor, w: torch.Tensor, kv3: torch.Tensor,
                    b0: int, b1: int, r0: int, r1: int, logits: torch.Tensor, qk: torch.Tensor | None,
-                   context_lens: torch.Tensor, block_table: torch.Tensor) -> None:
+                   context_lens: torch.Tensor, block_table: torch.Tensor, fmt_kw: dict | None = None) -> None:
     """Paged ``clean=False`` logits of decode requests ``[b0, b1)`` (rows ``[r0, r1)``) into ``logits`` (and
-    ``qk``)."""
-    kw = {"out": logits, "clean": False} if qk is None else {"out": logits, "clean": False, "qk": qk}
+    ``qk``; not in a cache format other than the plain one, ``fmt_kw``: only aiter's stage1 kernel reads it)."""
+    if fmt_kw:
+        kw = {"out": logits, "clean": False, **fmt_kw}
+    else:
+        kw = {"out": logits, "clean": False} if qk is None else {"out": logits, "clean": False, "qk": qk}
     run("fp8_paged_mqa_logits", backend, dev, (_rows(q, b0, b1), kv3, _rows(w, r0, r1), context_lens, block_table), kw)
 
 
@@ -588,8 +656,13 @@ def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor | None, weights: to
         BufferTooSmall, ValueError, TypeError: before anything is written.
     """
     kv3, plan = _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, True, True, backend)
-    if k is not None and scale_fmt not in SCALE_FMTS:
-        raise ValueError(f"scale_fmt must be one of {SCALE_FMTS}, got {scale_fmt!r}")
+    if k is not None and scale_fmt != "ue8m0":
+        if scale_fmt not in SCALE_FMTS:
+            raise ValueError(f"scale_fmt must be one of {SCALE_FMTS}, got {scale_fmt!r}")
+        fmt = metadata.limits.cache_format
+        if fmt is not None and fmt.scale == "ue8m0x4":
+            raise ValueError(f"the limits' cache format stores ue8m0x4 scales, which hold powers of two only: the "
+                             f"step's cache write needs scale_fmt='ue8m0', got {scale_fmt!r}")
     # check_step proved every op's arguments (the layer's tensors, the buffer views) and the metadata's records
     # checked theirs when they were built, once per step: the ops run without their own checks (host time)
     _run_step(plan, metadata, buffers, q_fp8, weights, k, kv_cache if plan is None else kv3, topk_out, backend,

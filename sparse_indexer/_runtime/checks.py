@@ -13,6 +13,8 @@ import operator
 
 import torch
 
+from buffers.limits import CacheFormat
+
 from ..fp8 import FP8_DTYPES
 
 INDEX_DTYPES = (torch.int32,)
@@ -100,6 +102,48 @@ def cache_format(name: str, dtype: torch.dtype, cache_fp8_dtype, *, mix: bool = 
     if cache_fp8_dtype not in FP8_DTYPES:
         raise TypeError(f"cache_fp8_dtype must be one of {FP8_DTYPES} or None, got {cache_fp8_dtype!r}")
     return cache_fp8_dtype
+
+
+DEFAULT_FORMAT = CacheFormat()
+"""The format of a cache whose reader does not declare one: e4m3fn values, float32 scales, flat order."""
+
+
+def read_format(name: str, dtype: torch.dtype, fmt, cache_fp8_dtype, *, mix: bool = True) -> CacheFormat:
+    """The :class:`~buffers.CacheFormat` a reader reads a cache in (docs/spec.md §4): ``fmt`` (a declaration, a
+    ``CacheFormat``), else ``cache_fp8_dtype`` (the shorthand for ``CacheFormat(fp8_dtype=...)``), else the
+    default, which ``name`` (the reader's FP8 operand, of ``dtype``) must then match (:func:`cache_format`:
+    ``TypeError`` naming both). Both given and disagreeing: ``ValueError``."""
+    if fmt is None:
+        fp8 = cache_format(name, dtype, cache_fp8_dtype, mix=mix)
+        return DEFAULT_FORMAT if fp8 == DEFAULT_CACHE_FP8 else CacheFormat(fp8_dtype=fp8)
+    if type(fmt) is not CacheFormat:
+        raise TypeError(f"cache_format must be a CacheFormat (sparse_indexer.CacheFormat) or None, got "
+                        f"{type(fmt).__name__}")
+    if cache_fp8_dtype is not None and cache_fp8_dtype != fmt.fp8_dtype:
+        raise ValueError(f"cache_fp8_dtype={cache_fp8_dtype} disagrees with cache_format.fp8_dtype={fmt.fp8_dtype} "
+                         "(give one of them)")
+    return fmt
+
+
+def check_order(fmt: CacheFormat, block_size: int, head_dim: int) -> None:
+    """The ``"preshuffled"`` order lays a block out in 16 x 16 tiles: its block size must be a multiple of 16."""
+    if fmt.order == "preshuffled" and (block_size % 16 or head_dim % 16):
+        raise ValueError(f"a cache in the preshuffled order needs a block_size multiple of 16 (16 x 16 tiles), got "
+                         f"block_size={block_size}")
+
+
+def format_kwargs(fmt: CacheFormat, dtype: torch.dtype | None) -> dict:
+    """The keyword arguments the backends of a cache reader take for ``fmt`` (each only when it is not the
+    backends' default): ``cache_fp8_dtype`` when it differs from ``dtype`` (the reader's FP8 operand; ``None``: never
+    passed), ``cache_scale`` unless ``"float32"``, ``cache_order`` unless ``"flat"``. Empty for the plain case."""
+    kw = {}
+    if dtype is not None and fmt.fp8_dtype != dtype:
+        kw["cache_fp8_dtype"] = fmt.fp8_dtype
+    if fmt.scale != "float32":
+        kw["cache_scale"] = fmt.scale
+    if fmt.order != "flat":
+        kw["cache_order"] = fmt.order
+    return kw
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:

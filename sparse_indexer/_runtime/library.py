@@ -6,17 +6,18 @@ Each op is a *mutating* op that returns ``None`` and lists exactly the tensors i
 op                         schema (after ``sparse_indexer::``)                                 writes
 =========================  ==================================================================  =================
 ``write_k_cache``          ``(k, kv_cache!, slot_mapping, str? scale_fmt, ScalarType fp8_dtype,  ``kv_cache``
-                           str backend)``
+                           str cache_scale="float32", str cache_order="flat", *, str backend)``
 ``gather_k_cache``         ``(kv_cache, block_table, cu_seq_lens, out_k!, out_scale!,         ``out_k``,
-                           str backend)``                                                      ``out_scale``
+                           str cache_scale="float32", str cache_order="flat", *, str backend)`` ``out_scale``
 ``fp8_mqa_logits``         ``(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out!,   ``out``
                            bool clean, bool compressed=False, *, str backend)``
 ``fp8_paged_mqa_logits``   ``(q, kv_cache, weights, context_lens, block_table, out!,          ``out``
                            bool clean, Tensor? indices=None, ScalarType?                      (and ``qk``)
-                           cache_fp8_dtype=None, *, str backend)``;
+                           cache_fp8_dtype=None, str cache_scale="float32", str
+                           cache_order="flat", *, str backend)``;
                            ``fp8_paged_mqa_logits_with_qk``: ``indices`` required (may be
                            ``None``), then ``str backend, qk!`` (aiter stage1's scratch; no
-                           ``cache_fp8_dtype``: a call that mixes formats passes no ``qk``)
+                           cache format: a call in any but the plain format passes no ``qk``)
 ``top_k_per_row``          ``(logits, row_starts, row_ends, out!, str backend)``;             ``out``
                            ``top_k_per_row_with_workspace`` adds ``workspace!`` (the split-   (and
                            row top-k's global scratch)                                         ``workspace``)
@@ -74,17 +75,29 @@ def _run(name: str, backend: str, device: torch.device, *args, **kwargs) -> None
     _dispatch.call(name, None if backend == "auto" else backend, device, *args, **kwargs)
 
 
+def _format_extra(extra: dict, cache_scale: str, cache_order: str) -> dict:
+    """``extra`` with the cache's scale encoding and byte order added where they are not the backends' defaults
+    (``"float32"``, ``"flat"``: a plain call passes neither)."""
+    if cache_scale != "float32":
+        extra["cache_scale"] = cache_scale
+    if cache_order != "flat":
+        extra["cache_order"] = cache_order
+    return extra
+
+
 @torch.library.custom_op(f"{NAMESPACE}::write_k_cache", mutates_args=("kv_cache",))
 def _write_k_cache(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor, scale_fmt: Optional[str],
-                   fp8_dtype: torch.dtype, backend: str) -> None:
-    _run("write_k_cache", backend, k.device, k, kv_cache, slot_mapping, scale_fmt=scale_fmt, fp8_dtype=fp8_dtype)
+                   fp8_dtype: torch.dtype, cache_scale: str = "float32", cache_order: str = "flat", *,
+                   backend: str) -> None:
+    _run("write_k_cache", backend, k.device, k, kv_cache, slot_mapping, scale_fmt=scale_fmt, fp8_dtype=fp8_dtype,
+         **_format_extra({}, cache_scale, cache_order))
 
 
 @torch.library.custom_op(f"{NAMESPACE}::gather_k_cache", mutates_args=("out_k", "out_scale"))
 def _gather_k_cache(kv_cache: Tensor, block_table: Tensor, cu_seq_lens: Tensor, out_k: Tensor, out_scale: Tensor,
-                    backend: str) -> None:
+                    cache_scale: str = "float32", cache_order: str = "flat", *, backend: str) -> None:
     _run("gather_k_cache", backend, kv_cache.device, kv_cache, block_table, cu_seq_lens, out_k=out_k,
-         out_scale=out_scale)
+         out_scale=out_scale, **_format_extra({}, cache_scale, cache_order))
 
 
 @torch.library.custom_op(f"{NAMESPACE}::fp8_mqa_logits", mutates_args=("out",))
@@ -108,8 +121,9 @@ def _paged_extra(indices, cache_fp8_dtype) -> dict:
 @torch.library.custom_op(f"{NAMESPACE}::fp8_paged_mqa_logits", mutates_args=("out",))
 def _fp8_paged_mqa_logits(q: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor, block_table: Tensor,
                           out: Tensor, clean: bool, indices: Optional[Tensor] = None,
-                          cache_fp8_dtype: Optional[torch.dtype] = None, *, backend: str) -> None:
-    extra = _paged_extra(indices, cache_fp8_dtype)
+                          cache_fp8_dtype: Optional[torch.dtype] = None, cache_scale: str = "float32",
+                          cache_order: str = "flat", *, backend: str) -> None:
+    extra = _format_extra(_paged_extra(indices, cache_fp8_dtype), cache_scale, cache_order)
     _run("fp8_paged_mqa_logits", backend, q.device, q, kv_cache, weights, context_lens, block_table, out=out,
          clean=clean, **extra)
 
@@ -121,7 +135,8 @@ def _fp8_paged_mqa_logits(q: Tensor, kv_cache: Tensor, weights: Tensor, context_
 def _fp8_paged_mqa_logits_with_qk(q: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor,
                                   block_table: Tensor, out: Tensor, clean: bool, indices: Optional[Tensor],
                                   backend: str, qk: Tensor) -> None:
-    # (no cache_fp8_dtype: a call that mixes formats passes no qk, which only aiter's stage1 kernel reads)
+    # (no cache format: a call in any format but the plain one passes no qk, which only aiter's stage1 kernel
+    # reads)
     extra = {} if indices is None else {"indices": indices}
     _run("fp8_paged_mqa_logits", backend, q.device, q, kv_cache, weights, context_lens, block_table, out=out,
          clean=clean, qk=qk, **extra)

@@ -26,7 +26,10 @@ def fp8_mqa_logits(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, 
 
     Args:
         q: ``[M, H, D]`` fp8 (e4m3fn or e4m3fnuz) queries, their scale folded into ``weights``.
-        k_fp8: ``[N, D]`` fp8 keys, same format as ``q``.
+        k_fp8: ``[N, D]`` fp8 keys, usually in ``q``'s format; another FP8 format is an explicit mix (the
+            tensors carry their formats), each operand read exactly in its own (e4m3fnuz queries against the
+            e4m3fn keys of a DeepSeek-V4 cache on gfx942): only the reference backend computes a mix (the others
+            raise ``NotImplementedError``, so ``auto`` runs the reference).
         k_scale: ``[N]`` float32 key scales.
         weights: ``[M, H]`` float32 (signed) head weights.
         cu_seqlen_ks: ``[M]`` int32, first key of each query's window (``ks``; DeepGEMM's name: per-query
@@ -71,7 +74,7 @@ def fp8_mqa_logits(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, 
     C.fp8("q", q, ndim=3, last_contiguous=True)
     m, h, d = q.shape
     dev = q.device
-    C.tensor("k_fp8", k_fp8, ndim=2, dtypes=q.dtype, device=dev, shape=(None, d), last_contiguous=True)
+    C.fp8("k_fp8", k_fp8, ndim=2, device=dev, shape=(None, d), last_contiguous=True)  # (its own format: a mix is explicit)
     n = k_fp8.shape[0]
     C.tensor("k_scale", k_scale, dtypes=torch.float32, device=dev, shape=(n,), contiguous=True)
     C.tensor("weights", weights, dtypes=torch.float32, device=dev, shape=(m, h), last_contiguous=True)

@@ -32,6 +32,9 @@ def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, ou
 
     aiter writes float32 ``[M, N]``; a bfloat16 ``out`` receives it rounded by the copy, and compressed rows
     (``compressed=True``) are gathered from it (``out[m, j] = logits[m, ks[m] + j]``, in row tiles)."""
+    if k_fp8.dtype != q.dtype:
+        raise NotImplementedError(f"aiter's fp8_mqa_logits: {q.dtype} queries against {k_fp8.dtype} keys (a mix of "
+                                  "FP8 formats)")
     m, h, d = q.shape
     n = k_fp8.shape[0]
     if m == 0 or out.shape[1] == 0:

@@ -368,8 +368,8 @@ def _unsupported(q, k_fp8, out) -> str | None:
     m, h, d = q.shape
     if h != HEADS or d != HEAD_DIM:
         return f"H = {HEADS} and D = {HEAD_DIM} only, got H = {h}, D = {d}"
-    if q.dtype != torch.float8_e4m3fn:
-        return f"e4m3fn operands only, got {q.dtype}"
+    if q.dtype != torch.float8_e4m3fn or k_fp8.dtype != torch.float8_e4m3fn:
+        return f"e4m3fn operands only, got {q.dtype} queries and {k_fp8.dtype} keys"
     if q.device.type != "cuda":
         return f"a CUDA device, got {q.device}"
     if q.stride(1) != d or (m > 1 and q.stride(0) != h * d):

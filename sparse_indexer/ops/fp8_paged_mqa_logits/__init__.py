@@ -6,6 +6,8 @@ import torch
 
 from ..._runtime import checks as C
 from ..._runtime import library
+from buffers.limits import CacheFormat
+
 from ...kcache import as_3d, cache_layout, view_3d
 from ..fp8_mqa_logits import LOGITS_DTYPES
 from .reference import row_limits
@@ -18,7 +20,8 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
                          out: torch.Tensor | None = None, clean: bool = True, backend: str | None = None,
                          check_values: bool | None = None, qk: torch.Tensor | None = None,
                          indices: torch.Tensor | None = None, logits_dtype: torch.dtype | None = None,
-                         cache_fp8_dtype: torch.dtype | None = None, _checked: bool = False) -> torch.Tensor:
+                         cache_fp8_dtype: torch.dtype | None = None, cache_format: CacheFormat | None = None,
+                         _checked: bool = False) -> torch.Tensor:
     """Score ``next_n`` query tokens of each of ``B`` requests against its cached keys.
 
     Row ``r = b * next_n + j`` holds key positions ``p < limit[r]`` (request-local, read through
@@ -52,7 +55,15 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
             formats otherwise: the cache bytes carry no format, docs/spec.md §4). A format other than ``q``'s is an
             explicit mix (e4m3fnuz queries against e4m3fn keys, as DeepSeek-V4 on gfx942): each operand is read
             exactly in its own format; only the reference backend computes mixed formats today (the others raise
-            ``NotImplementedError``, so ``auto`` runs the reference).
+            ``NotImplementedError``, so ``auto`` runs the reference). The shorthand of
+            ``cache_format=CacheFormat(fp8_dtype=...)``.
+        cache_format: the cache's whole :class:`~buffers.CacheFormat` (FP8 format, scale encoding, byte order), or
+            ``None`` (``cache_fp8_dtype``'s rule). A declaration: ``q`` may then be in another FP8 format (a mix,
+            as with ``cache_fp8_dtype``). ``cache_fp8_dtype`` given too must agree with it (``ValueError``). The
+            ``"preshuffled"`` order needs a block size that is a multiple of 16 (``ValueError``). The reference
+            backend reads every format; Triton reads ``"ue8m0x4"`` scales (flat order, ``q``'s FP8 format); aiter
+            the preshuffled order where its kernel does; the others raise ``NotImplementedError`` for anything but
+            the plain case, so ``auto`` falls back.
 
     Returns:
         ``out``.
@@ -60,7 +71,15 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     ``_checked=True`` is for :func:`sparse_indexer.sparse_attn_indexer` alone (see :func:`top_k_per_row`).
     """
     if _checked:
-        if indices is not None:
+        if cache_format is not None:  # (the step: a format other than the plain one, as backend keyword arguments)
+            extra = C.format_kwargs(cache_format, q.dtype)
+            if indices is not None:
+                extra["indices"] = indices
+            if qk is not None and not extra.keys() - {"indices"}:
+                extra["qk"] = qk
+            library.call("fp8_paged_mqa_logits", backend, q.device, q, as_3d(kv_cache), weights, context_lens,
+                         block_table, out=out, clean=bool(clean), **extra)
+        elif indices is not None:
             extra = {"indices": indices} if qk is None else {"indices": indices, "qk": qk}
             library.call("fp8_paged_mqa_logits", backend, q.device, q, as_3d(kv_cache), weights, context_lens,
                          block_table, out=out, clean=bool(clean), **extra)
@@ -73,19 +92,19 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
         return out
     ts = (out, qk, q, kv_cache, weights, context_lens, block_table, indices)  # outputs first: _checks.Layouts
     if out is not None and _plain_eager():
-        proven, facts = _LAYOUTS.match(ts, (logits_dtype, cache_fp8_dtype))
+        proven, facts = _LAYOUTS.match(ts, (logits_dtype, cache_fp8_dtype, cache_format))
         if proven and not kv_cache.storage_offset() & 3:
             # the layout of a call that passed every check below: only aliasing (matched), the cache's
             # alignment (above) and the values
-            dev, lay, capacity, next_n, cpu, mixed, memo = facts
+            dev, lay, capacity, next_n, cpu, fmt_kw, memo = facts
             if C.values_wanted(check_values, cpu) and context_lens.numel():
                 _values(context_lens, block_table, indices, next_n, out.shape[1], capacity, lay)
             kw = {"out": out, "clean": bool(clean)}
-            if mixed is not None:
-                kw["cache_fp8_dtype"] = mixed
+            if fmt_kw:
+                kw.update(fmt_kw)
             if indices is not None:
                 kw["indices"] = indices
-            if qk is not None and mixed is None:  # (qk: aiter's stage1 only, which reads no mix)
+            if qk is not None and not fmt_kw:  # (qk: aiter's stage1 only, which reads the plain format only)
                 kw["qk"] = qk
             _run("fp8_paged_mqa_logits", backend, dev,
                  (q, view_3d(kv_cache), weights, context_lens, block_table),
@@ -94,10 +113,13 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     C.fp8("q", q, ndim=4, last_contiguous=True)
     b, next_n, h, d = q.shape
     dev = q.device
-    fmt = C.cache_format("q", q.dtype, cache_fp8_dtype)
-    mixed = fmt if fmt != q.dtype else None  # passed on only for a mix (the backends' format is q's otherwise)
+    fmt = C.read_format("q", q.dtype, cache_format, cache_fp8_dtype)
+    # the format's backend keyword arguments, only where it is not the plain case (a mix: the FP8 format; then the
+    # scale encoding and the byte order); the backends read the cache in q's format otherwise
+    fmt_kw = C.format_kwargs(fmt, q.dtype)
     kv3 = as_3d(kv_cache)
     lay = cache_layout(kv3)
+    C.check_order(fmt, lay.block_size, lay.head_dim)
     C.tensor("kv_cache", kv_cache, device=dev)
     if lay.head_dim != d:
         raise ValueError(f"kv_cache holds D={lay.head_dim} but q has D={d}")
@@ -123,17 +145,16 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     if C.want_value_checks(check_values, context_lens, block_table, indices) and context_lens.numel():
         _values(context_lens, block_table, indices, next_n, w, capacity, lay)
     extra = {} if indices is None else {"indices": indices}
-    if mixed is not None:
-        extra["cache_fp8_dtype"] = mixed
+    extra.update(fmt_kw)
     if qk is not None:
         C.tensor("qk", qk, dtypes=torch.float32, device=dev, shape=(h, b * next_n, w), last_contiguous=True)
         C.no_alias("qk", qk, q=q, kv_cache=kv_cache, weights=weights, context_lens=context_lens,
                    block_table=block_table, logits_out=out, indices=indices)
-        if mixed is None:  # (qk: aiter's stage1 only, which reads no mix)
+        if not fmt_kw:  # (qk: aiter's stage1 only, which reads the plain format only)
             extra["qk"] = qk
     if given and library.runs_directly(dev, ts):
-        _LAYOUTS.remember(ts, 2, (logits_dtype, cache_fp8_dtype), (dev, lay, capacity, next_n, dev.type == "cpu",
-                                                                   mixed, {}))
+        _LAYOUTS.remember(ts, 2, (logits_dtype, cache_fp8_dtype, cache_format),
+                          (dev, lay, capacity, next_n, dev.type == "cpu", fmt_kw, {}))
     library.call("fp8_paged_mqa_logits", backend, dev, q, kv3, weights, context_lens, block_table,
                  out=out, clean=bool(clean), **extra)
     return out

@@ -54,16 +54,23 @@ def mask_outside(out: torch.Tensor, limits: torch.Tensor) -> None:
 
 
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean, qk=None,
-                         indices=None, cache_fp8_dtype=None) -> None:
+                         indices=None, cache_fp8_dtype=None, cache_scale="float32", cache_order="flat") -> None:
     """See :func:`sparse_indexer.fp8_paged_mqa_logits`; ``kv_cache`` is the 3-D view, arguments checked.
 
     ``qk``: ``[H, B * next_n, W]`` float32 scratch (``Buffers.qk_view``), needed off gfx942/gfx950 only.
     aiter's kernels write float32 logits: a bfloat16 ``out`` raises ``NotImplementedError`` (auto then runs
     Triton). ``indices`` (row -> request map): the block-table rows are gathered first (``[B, max_blocks]``
-    int32, a small allocation), since aiter takes one block-table row per query entry.
+    int32, a small allocation), since aiter takes one block-table row per query entry. A declared format is read
+    only where it is this backend's own (float32 scales; the preshuffled order exactly where its gfx942/gfx950
+    kernel reads it); anything else raises ``NotImplementedError`` (auto falls back).
     """
     if cache_fp8_dtype is not None and cache_fp8_dtype != q.dtype:
         raise NotImplementedError(f"{q.dtype} queries against a {cache_fp8_dtype} cache (a declared mix of formats)")
+    if cache_scale != "float32":
+        raise NotImplementedError(f"aiter's paged logits read float32 scales, not {cache_scale!r}")
+    if cache_order == "preshuffled" and not preshuffled(kv_cache.shape[1], q.dtype, gcn_arch(q.device)):
+        raise NotImplementedError("aiter's paged logits read the preshuffled order only on gfx942 (e4m3fnuz) / gfx950 "
+                                  "(e4m3fn) with a block_size multiple of 16")
     b, nn, h, _ = q.shape
     w = out.shape[1]
     if out.dtype != torch.float32:

@@ -574,7 +574,7 @@ def _plan(q, out, context_lens, block_table, next_n: int, b: int, cl_2d: bool, c
 
 
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean, indices=None,
-                         config=None, cache_fp8_dtype=None) -> None:
+                         config=None, cache_fp8_dtype=None, cache_scale="float32", cache_order="flat") -> None:
     """See :func:`sparse_indexer.fp8_paged_mqa_logits`; ``kv_cache`` is the 3-D view, arguments are checked.
 
     Handles ``H = 64``, ``D = 128``, ``block_size = 64``, ``next_n`` 1..4, float8_e4m3fn ``q`` (contiguous), a
@@ -585,6 +585,9 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
     cached."""
     if cache_fp8_dtype is not None and cache_fp8_dtype != q.dtype:
         raise NotImplementedError(f"{q.dtype} queries against a {cache_fp8_dtype} cache (a declared mix of formats)")
+    if cache_scale != "float32" or cache_order != "flat":
+        raise NotImplementedError(f"gluon fp8_paged_mqa_logits reads float32 scales in the flat order, got "
+                                  f"{cache_scale!r}, {cache_order!r}")
     why = unsupported_reason(q, kv_cache, weights, context_lens, block_table, out, indices)
     if why is not None:
         raise NotImplementedError(why)
@@ -629,7 +632,7 @@ per call), which its 3% of device time repays only where the GPU, not the host, 
 
 
 def _auto_when(q, kv_cache, weights, context_lens, block_table, *, out, clean, indices=None, config=None,
-               cache_fp8_dtype=None) -> bool:
+               cache_fp8_dtype=None, cache_scale="float32", cache_order="flat") -> bool:
     """``auto`` takes this backend for this call (sparse_indexer/_runtime/dispatch.py): large problems only, shapes only
     (``q.numel() >> 13`` is ``B * next_n`` at the H = 64, D = 128 this kernel runs; other shapes it refuses)."""
     return (q.numel() >> 13) * block_table.shape[1] >= AUTO_MIN_KEY_BLOCKS

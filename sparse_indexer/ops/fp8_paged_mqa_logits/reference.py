@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ...kcache import cache_views
+from ...kcache import cache_views, read_keys
 from ..fp8_mqa_logits.reference import TILE_ELEMS
 
 
@@ -23,19 +23,23 @@ def row_limits(context_lens: torch.Tensor, next_n: int) -> torch.Tensor:
 
 
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean, indices=None,
-                         cache_fp8_dtype=None) -> None:
+                         cache_fp8_dtype=None, cache_scale="float32", cache_order="flat") -> None:
     """See :func:`sparse_indexer.fp8_paged_mqa_logits`; ``kv_cache`` is the 3-D view, arguments are checked.
     Scores are float32; a bfloat16 ``out`` receives them rounded once. ``indices``: entry ``b`` reads
     block-table row ``indices[b]``. ``cache_fp8_dtype``: the cache's values are read in this format (default:
-    ``q``'s), each operand upcast exactly from its own format."""
+    ``q``'s), each operand upcast exactly from its own format. ``cache_scale``, ``cache_order``: the scale
+    encoding and byte order of the cache (``buffers.CacheFormat``), read by :func:`sparse_indexer.kcache.read_keys`."""
     b, next_n, h, d = q.shape
     w = out.shape[1]
     if b == 0 or w == 0:
         return
     if indices is not None:
         block_table = block_table.index_select(0, indices.long())
-    values, scales = cache_views(kv_cache, q.dtype if cache_fp8_dtype is None else cache_fp8_dtype)
-    nb, bs, _ = values.shape
+    fp8 = q.dtype if cache_fp8_dtype is None else cache_fp8_dtype
+    plain = cache_scale == "float32" and cache_order == "flat"
+    if plain:
+        values, scales = cache_views(kv_cache, fp8)
+    nb, bs = kv_cache.shape[0], kv_cache.shape[1]
     max_blocks = block_table.shape[1]
     lim = row_limits(context_lens, next_n).view(b, next_n, 1)
     qf = q.float().reshape(b, next_n * h, d)
@@ -48,8 +52,12 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
         blk = block_table[:, bi].long().clamp(0, nb - 1) if max_blocks else torch.zeros(
             b, c1 - c0, dtype=torch.long, device=q.device)
         off = (pos % bs)[None, :]
-        k = values[blk, off].float()  # [B, c, D]
-        ksc = scales[blk, off]  # [B, c]
+        if plain:
+            k = values[blk, off].float()  # [B, c, D]
+            ksc = scales[blk, off]  # [B, c]
+        else:
+            kb, ksc = read_keys(kv_cache, blk, off.expand_as(blk), fp8, cache_scale, cache_order)
+            k = kb.float()
         s = torch.bmm(qf, k.transpose(1, 2)).view(b, next_n, h, c1 - c0).relu_()
         val = (s * wts.unsqueeze(-1)).sum(2) * ksc[:, None, :]  # [B, next_n, c]
         inside = pos.view(1, 1, -1) < lim

@@ -48,6 +48,31 @@ def _token_row(k, q, wts, ksc, pos, lim, row_ptr):
 
 
 @triton.jit
+def _ue8m0(w):
+    """float32 scales of int32 words whose first (low) byte is a UE8M0 exponent ``e`` (the ``"ue8m0x4"`` encoding:
+    four equal bytes), exactly: ``2 ** (e - 127)``, the subnormal ``2 ** -127`` for ``e = 0``, NaN for 255."""
+    e = w & 0xFF
+    bits = tl.where(e == 0, 0x00400000, tl.where(e == 255, 0x7FC00000, e << 23))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scales(sbase, idx, mask, MASKED: tl.constexpr, UE8M0: tl.constexpr):
+    """Key scales of keys ``idx`` of a block whose scale region starts at the byte pointer ``sbase`` (``MASKED``:
+    0 where ``mask`` is false): float32, or with ``UE8M0`` the first byte of each key's 4 decoded (:func:`_ue8m0`)."""
+    if UE8M0:
+        if MASKED:
+            return _ue8m0(tl.load(sbase.to(tl.pointer_type(tl.int32)) + idx, mask=mask, other=0))
+        else:
+            return _ue8m0(tl.load(sbase.to(tl.pointer_type(tl.int32)) + idx))
+    else:
+        if MASKED:
+            return tl.load(sbase.to(tl.pointer_type(tl.float32)) + idx, mask=mask, other=0.0)
+        else:
+            return tl.load(sbase.to(tl.pointer_type(tl.float32)) + idx)
+
+
+@triton.jit
 def _tile_block(bt_row, tt, t_hi, BS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Cache block of tile ``tt`` of a request, 0 when ``tt >= t_hi`` (the read is clamped into the row)."""
     idx = tl.maximum(tl.minimum(tt, t_hi - 1), 0) * BLOCK_N // BS
@@ -56,12 +81,12 @@ def _tile_block(bt_row, tt, t_hi, BS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _tile_scales(kv_ptr, bt_row, tt, t_hi, stride_blk, offs_n, BS: tl.constexpr, D: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
-    """Key scales ``[BLOCK_N]`` of tile ``tt`` (zero when ``tt >= t_hi``); the tile lies inside one block."""
+                 BLOCK_N: tl.constexpr, UE8M0: tl.constexpr):
+    """Key scales ``[BLOCK_N]`` of tile ``tt`` (unused when ``tt >= t_hi``); the tile lies inside one block."""
     p0 = tt * BLOCK_N
     blk = _tile_block(bt_row, tt, t_hi, BS, BLOCK_N).to(tl.int64)
-    return tl.load((kv_ptr + blk * stride_blk + BS * D).to(tl.pointer_type(tl.float32)) + p0 % BS + offs_n,
-                   mask=offs_n < tl.where(tt < t_hi, BLOCK_N, 0), other=0.0)
+    return _scales(kv_ptr + blk * stride_blk + BS * D, p0 % BS + offs_n,
+                   offs_n < tl.where(tt < t_hi, BLOCK_N, 0), True, UE8M0)
 
 
 @triton.jit
@@ -100,6 +125,7 @@ def _paged_logits_kernel(
     BS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, CL_2D: tl.constexpr, CLEAN: tl.constexpr,
     FILL_N: tl.constexpr, SPLIT: tl.constexpr, KSC_PF: tl.constexpr, HAS_IDX: tl.constexpr,
+    UE8M0: tl.constexpr,  # key scales as 4 UE8M0 bytes (the "ue8m0x4" encoding) instead of a float32
 ):
     pid = tl.program_id(0)
     # the byte cache read as q's fp8 type (a pointer cast here instead of a torch view per call: host time)
@@ -174,9 +200,9 @@ def _paged_logits_kernel(
         if KSC_PF > 0:
             # Key scales read KSC_PF tiles ahead by hand: the software pipeliner only prefetches the loads that
             # feed the dot (the keys), so a plain scale load would stall every tile for a full memory round trip.
-            ksc_a = _tile_scales(kv_ptr, bt_row, t_lo, t_hi, stride_blk, offs_n, BS, D, BLOCK_N)
+            ksc_a = _tile_scales(kv_ptr, bt_row, t_lo, t_hi, stride_blk, offs_n, BS, D, BLOCK_N, UE8M0)
             if KSC_PF == 2:
-                ksc_b = _tile_scales(kv_ptr, bt_row, t_lo + 1, t_hi, stride_blk, offs_n, BS, D, BLOCK_N)
+                ksc_b = _tile_scales(kv_ptr, bt_row, t_lo + 1, t_hi, stride_blk, offs_n, BS, D, BLOCK_N, UE8M0)
             blk_c = _tile_block(bt_row, t_lo + KSC_PF, t_hi, BS, BLOCK_N)
         for tt in range(t_lo, t_hi):
             p0 = tt * BLOCK_N
@@ -184,9 +210,8 @@ def _paged_logits_kernel(
             if KSC_PF > 0:
                 ksc = ksc_a
                 pn = (tt + KSC_PF) * BLOCK_N
-                ksc_n = tl.load((kv_ptr + blk_c.to(tl.int64) * stride_blk + BS * D).to(tl.pointer_type(tl.float32))
-                                + pn % BS + offs_n, mask=offs_n < tl.where(tt + KSC_PF < t_hi, BLOCK_N, 0),
-                                other=0.0)
+                ksc_n = _scales(kv_ptr + blk_c.to(tl.int64) * stride_blk + BS * D, pn % BS + offs_n,
+                                offs_n < tl.where(tt + KSC_PF < t_hi, BLOCK_N, 0), True, UE8M0)
                 blk_c = _tile_block(bt_row, tt + KSC_PF + 1, t_hi, BS, BLOCK_N)
                 if KSC_PF == 2:
                     # (an op, not a plain copy of a loop-carried value: the pipeliner gives up on distance-2 deps)
@@ -202,14 +227,14 @@ def _paged_logits_kernel(
                 base = kv_ptr + blk * stride_blk
                 off = p0 % BS + offs_n
                 k = tl.load(base + off[:, None] * D + offs_d[None, :])
-                ksc = tl.load((base + BS * D).to(tl.pointer_type(tl.float32)) + off)
+                ksc = _scales(base + BS * D, off, None, False, UE8M0)
             else:
                 valid = pos < b_lim
                 blk = tl.load(bt_row + pos // BS, mask=valid, other=0).to(tl.int64)
                 base = kv_ptr + blk * stride_blk
                 off = pos % BS
                 k = tl.load((base + off * D)[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-                ksc = tl.load((base + BS * D).to(tl.pointer_type(tl.float32)) + off, mask=valid, other=0.0)
+                ksc = _scales(base + BS * D, off, valid, True, UE8M0)
             if SPLIT:
                 _token_row(k, q0, w0, ksc, pos, l0, row0)
                 if NEXT_N > 1:
@@ -300,7 +325,7 @@ _PLANS: dict = {}  # specialization of the default configuration -> (LaunchConfi
 
 
 def _plan(args, q, context_lens, next_n: int, h: int, d: int, bs: int, b: int, cl_2d: bool, clean: bool,
-          config, has_idx: bool = False):
+          config, has_idx: bool = False, ue8m0: bool = False):
     """Constexprs and launch options, and the persistent grid (from the compiled kernel's occupancy)."""
     cfg = {**CONFIG, **CONFIG_BY_NEXT_N.get(next_n, {}), **(config or {})}
     block_n = cfg["BLOCK_N"]
@@ -309,7 +334,7 @@ def _plan(args, q, context_lens, next_n: int, h: int, d: int, bs: int, b: int, c
                   BLOCK_N=block_n, BLOCK_B=max(16, triton.next_power_of_2(b)), CL_2D=cl_2d, CLEAN=bool(clean),
                   FILL_N=cfg.get("FILL_N", max(128, 1024 // nn_pad)), SPLIT=bool(cfg.get("SPLIT", False)),
                   KSC_PF=int(cfg.get("KSC_PF", 0)) if bs >= block_n and not cfg.get("SPLIT", False) else 0,
-                  HAS_IDX=bool(has_idx), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  HAS_IDX=bool(has_idx), UE8M0=bool(ue8m0), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if cfg.get("maxnreg"):
         kwargs["maxnreg"] = cfg["maxnreg"]  # register cap per thread: more programs per SM
     if q.device.type != "cuda":
@@ -325,12 +350,17 @@ def _plan(args, q, context_lens, next_n: int, h: int, d: int, bs: int, b: int, c
 
 
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean, indices=None,
-                         config=None, cache_fp8_dtype=None) -> None:
+                         config=None, cache_fp8_dtype=None, cache_scale="float32", cache_order="flat") -> None:
     """See :func:`sparse_indexer.fp8_paged_mqa_logits`; ``kv_cache`` is the 3-D view, arguments are checked.
     ``config`` overrides :data:`CONFIG` (then nothing is cached). ``out`` float32 or bfloat16 (converted once, at
-    the store); ``indices``: entry ``b`` reads block-table row ``indices[b]``."""
+    the store); ``indices``: entry ``b`` reads block-table row ``indices[b]``. ``cache_scale``: float32 or
+    ``"ue8m0x4"`` scales (decoded exactly in the kernel); a mix of FP8 formats or the preshuffled order raise
+    ``NotImplementedError``."""
     if cache_fp8_dtype is not None and cache_fp8_dtype != q.dtype:
         raise NotImplementedError(f"{q.dtype} queries against a {cache_fp8_dtype} cache (a declared mix of formats)")
+    if cache_order != "flat":
+        raise NotImplementedError(f"triton fp8_paged_mqa_logits reads the flat order, not {cache_order!r}")
+    ue8m0 = cache_scale == "ue8m0x4"
     b, next_n, h, d = q.shape
     nb, bs, width = kv_cache.shape
     w = out.shape[1]
@@ -353,12 +383,13 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
             1]
     if config is None:
         key = (q.device, q.dtype, out.dtype, context_lens.dtype, block_table.dtype, next_n, h, d, bs,
-               (b - 1).bit_length(), cl_2d, clean, has_idx)  # (b - 1).bit_length(): BLOCK_B's power of two
+               (b - 1).bit_length(), cl_2d, clean, has_idx, ue8m0)  # (b - 1).bit_length(): BLOCK_B's power of two
         plan = _PLANS.get(key)
         if plan is None:
-            plan = _PLANS[key] = _plan(args, q, context_lens, next_n, h, d, bs, b, cl_2d, clean, None, has_idx)
+            plan = _PLANS[key] = _plan(args, q, context_lens, next_n, h, d, bs, b, cl_2d, clean, None, has_idx,
+                                       ue8m0)
     else:
-        plan = _plan(args, q, context_lens, next_n, h, d, bs, b, cl_2d, clean, config, has_idx)
+        plan = _plan(args, q, context_lens, next_n, h, d, bs, b, cl_2d, clean, config, has_idx, ue8m0)
     cfg, num_programs, per_sm = plan
     if per_sm is not None:
         LAST_LAUNCH["programs_per_sm"] = per_sm

@@ -6,6 +6,8 @@ import torch
 
 from ..._runtime import checks as C
 from ..._runtime import library
+from buffers.limits import CacheFormat
+
 from ...kcache import as_3d, cache_layout, view_3d
 
 __all__ = ["gather_k_cache"]
@@ -16,7 +18,7 @@ _HOST_LIST_ROWS = 64  # value checks of up to this many requests read cu_seq_len
 def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torch.Tensor, *,
                    out_k: torch.Tensor, out_scale: torch.Tensor, backend: str | None = None,
                    check_values: bool | None = None, cache_fp8_dtype: torch.dtype | None = None,
-                   _checked: bool = False) -> None:
+                   cache_format: CacheFormat | None = None, _checked: bool = False) -> None:
     """Gather the keys of ``R`` requests, concatenated, into ``out_k[:cu_seq_lens[R]]`` / ``out_scale``.
 
     Args:
@@ -33,24 +35,34 @@ def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_len
             device values: a sync on a GPU); default: on the CPU only.
         cache_fp8_dtype: the FP8 format the cache was written in (``write_k_cache``'s ``fp8_dtype``); ``None``:
             ``float8_e4m3fn``. ``out_k`` must be in that format (``TypeError`` naming both otherwise: the cache bytes
-            carry no format, docs/spec.md §4); convert afterwards with :func:`sparse_indexer.fn_to_fnuz`.
+            carry no format, docs/spec.md §4); convert afterwards with :func:`sparse_indexer.fn_to_fnuz`. The
+            shorthand of ``cache_format=CacheFormat(fp8_dtype=...)``.
+        cache_format: the cache's whole :class:`~buffers.CacheFormat`, or ``None`` (``cache_fp8_dtype``'s rule);
+            ``cache_fp8_dtype`` given too must agree with it (``ValueError``). Whatever the format, the output is
+            the plain one: ``out_k`` the values in token order (in ``cache_format.fp8_dtype``, which ``out_k``
+            must have), ``out_scale`` float32 scales (``"ue8m0x4"``: ``2 ** (byte - 127)`` of each key's first
+            scale byte). The ``"preshuffled"`` order needs a block size that is a multiple of 16. The reference
+            backend reads every format, Triton ``"ue8m0x4"`` scales, aiter the preshuffled order where its
+            kernels use it; otherwise ``NotImplementedError`` (``auto`` falls back).
         _checked: for :func:`sparse_indexer.sparse_attn_indexer` alone (see :func:`sparse_indexer.top_k_per_row`).
     """
     if _checked:
+        extra = {} if cache_format is None else C.format_kwargs(cache_format, None)
         library.call("gather_k_cache", backend, kv_cache.device, as_3d(kv_cache), block_table, cu_seq_lens,
-                     out_k=out_k, out_scale=out_scale)
+                     out_k=out_k, out_scale=out_scale, **extra)
         return
     ts = (out_k, out_scale, kv_cache, block_table, cu_seq_lens)  # (outputs first: _checks.Layouts)
     if _plain_eager():
-        proven, facts = _LAYOUTS.match(ts, cache_fp8_dtype)
+        proven, facts = _LAYOUTS.match(ts, (cache_fp8_dtype, cache_format))
         if proven and not kv_cache.storage_offset() & 3:
             # the layout of a call that passed every check below: only aliasing (matched), the cache's
             # alignment (above) and the values
-            dev, lay, cpu, memo = facts
+            dev, lay, cpu, fmt_kw, memo = facts
             if C.values_wanted(check_values, cpu):
                 _check_values(block_table, cu_seq_lens, out_k.shape[0], lay)
             _run("gather_k_cache", backend, dev,
                  (view_3d(kv_cache), block_table, cu_seq_lens),
+                 {"out_k": out_k, "out_scale": out_scale, **fmt_kw} if fmt_kw else
                  {"out_k": out_k, "out_scale": out_scale}, ts[:2], memo)
             return
     kv3 = as_3d(kv_cache)
@@ -60,10 +72,13 @@ def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_len
     r = block_table.shape[0]
     C.tensor("cu_seq_lens", cu_seq_lens, dtypes=C.INDEX_DTYPES, device=dev, shape=(r + 1,), contiguous=True)
     C.fp8("out_k", out_k, ndim=2, device=dev, shape=(None, lay.head_dim), contiguous=True)
-    fmt = C.cache_format("out_k", out_k.dtype, cache_fp8_dtype, mix=False)
-    if fmt != out_k.dtype:
-        raise TypeError(f"out_k is {out_k.dtype} but the cache holds {fmt}: gather_k_cache copies the cache's bytes, "
-                        "so out_k must be in the cache's format (convert afterwards: sparse_indexer.fn_to_fnuz)")
+    fmt = C.read_format("out_k", out_k.dtype, cache_format, cache_fp8_dtype, mix=False)
+    if fmt.fp8_dtype != out_k.dtype:
+        raise TypeError(f"out_k is {out_k.dtype} but the cache holds {fmt.fp8_dtype}: gather_k_cache copies the "
+                        "cache's bytes, so out_k must be in the cache's format (convert afterwards: "
+                        "sparse_indexer.fn_to_fnuz)")
+    C.check_order(fmt, lay.block_size, lay.head_dim)
+    fmt_kw = C.format_kwargs(fmt, None)  # (scale encoding and byte order, where not the plain ones)
     C.tensor("out_scale", out_scale, dtypes=torch.float32, device=dev, shape=(out_k.shape[0],), contiguous=True)
     C.no_alias("out_k", out_k, kv_cache=kv_cache, block_table=block_table, cu_seq_lens=cu_seq_lens,
                out_scale=out_scale)
@@ -71,8 +86,9 @@ def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_len
     if C.want_value_checks(check_values, block_table, cu_seq_lens):
         _check_values(block_table, cu_seq_lens, out_k.shape[0], lay)
     if library.runs_directly(dev, ts):
-        _LAYOUTS.remember(ts, 2, cache_fp8_dtype, (dev, lay, dev.type == "cpu", {}))
-    library.call("gather_k_cache", backend, dev, kv3, block_table, cu_seq_lens, out_k=out_k, out_scale=out_scale)
+        _LAYOUTS.remember(ts, 2, (cache_fp8_dtype, cache_format), (dev, lay, dev.type == "cpu", fmt_kw, {}))
+    library.call("gather_k_cache", backend, dev, kv3, block_table, cu_seq_lens, out_k=out_k, out_scale=out_scale,
+                 **fmt_kw)
 
 
 _LAYOUTS = C.Layouts()  # the last fully checked call's layout (host overhead per call)

@@ -29,9 +29,18 @@ def gather_k_cache_preshuffled(kv_cache, block_table, cu_seq_lens, *, out_k, out
     out_scale[:total] = scales[blk, off]
 
 
-def gather_k_cache(kv_cache, block_table, cu_seq_lens, *, out_k, out_scale) -> None:
-    """See :func:`sparse_indexer.gather_k_cache`."""
-    if preshuffled(kv_cache.shape[1], out_k.dtype, gcn_arch(kv_cache.device)):
+def gather_k_cache(kv_cache, block_table, cu_seq_lens, *, out_k, out_scale, cache_scale="float32",
+                   cache_order="flat") -> None:
+    """See :func:`sparse_indexer.gather_k_cache`. A declared format (``cache_scale``, ``cache_order``) is read
+    only where it is this backend's own: float32 scales, and the preshuffled order exactly where
+    :func:`preshuffled` says so; anything else raises ``NotImplementedError`` (auto falls back)."""
+    shuffle = preshuffled(kv_cache.shape[1], out_k.dtype, gcn_arch(kv_cache.device))
+    if cache_scale != "float32":
+        raise NotImplementedError(f"the aiter gather_k_cache reads float32 scales, not {cache_scale!r}")
+    if cache_order == "preshuffled" and not shuffle:
+        raise NotImplementedError("the aiter gather_k_cache reads the preshuffled order only where its paged kernel "
+                                  "does (gfx942 e4m3fnuz / gfx950 e4m3fn, block_size a multiple of 16)")
+    if shuffle:
         gather_k_cache_preshuffled(kv_cache, block_table, cu_seq_lens, out_k=out_k, out_scale=out_scale)
     else:
         reference.gather_k_cache(kv_cache, block_table, cu_seq_lens, out_k=out_k, out_scale=out_scale)

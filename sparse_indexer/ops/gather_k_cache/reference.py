@@ -4,21 +4,27 @@ from __future__ import annotations
 
 import torch
 
-from ...kcache import cache_views
+from ...kcache import cache_views, read_keys
 
 
-def gather_k_cache(kv_cache, block_table, cu_seq_lens, *, out_k, out_scale) -> None:
-    """See :func:`sparse_indexer.gather_k_cache`; ``kv_cache`` is the 3-D view, arguments are checked."""
+def gather_k_cache(kv_cache, block_table, cu_seq_lens, *, out_k, out_scale, cache_scale="float32",
+                   cache_order="flat") -> None:
+    """See :func:`sparse_indexer.gather_k_cache`; ``kv_cache`` is the 3-D view, arguments are checked.
+    ``cache_scale``, ``cache_order``: the cache's scale encoding and byte order (``buffers.CacheFormat``); the
+    output is always the plain one (values in token order, float32 scales)."""
     r = block_table.shape[0]
     total = int(cu_seq_lens[-1]) if r else 0
     if total == 0:
         return
-    values, scales = cache_views(kv_cache, out_k.dtype)
-    bs = values.shape[1]
+    bs = kv_cache.shape[1]
     t = torch.arange(total, device=out_k.device)
     req = torch.searchsorted(cu_seq_lens[1:].long(), t, right=True)  # request of each row
     pos = t - cu_seq_lens.long()[req]  # request-local position
     blk = block_table.long()[req, pos // bs]
     off = pos % bs
-    out_k[:total] = values[blk, off]
-    out_scale[:total] = scales[blk, off]
+    if cache_scale == "float32" and cache_order == "flat":
+        values, scales = cache_views(kv_cache, out_k.dtype)
+        out_k[:total] = values[blk, off]
+        out_scale[:total] = scales[blk, off]
+    else:
+        out_k[:total], out_scale[:total] = read_keys(kv_cache, blk, off, out_k.dtype, cache_scale, cache_order)

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from ..._runtime.launch import Launcher
 from ..._runtime.triton_compat import fix_interpreter
+from ..fp8_paged_mqa_logits.triton import _ue8m0
 
 fix_interpreter()  # Triton 3.6's interpreter under NumPy >= 2.4 (sparse_indexer/_runtime/triton_compat.py)
 
@@ -35,6 +36,7 @@ def _gather_k_cache_kernel(
     BS: tl.constexpr,
     D: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    UE8M0: tl.constexpr,  # key scales as 4 UE8M0 bytes (the "ue8m0x4" encoding), written out as float32
 ):
     j = tl.program_id(0)
     r = tl.program_id(1)
@@ -53,16 +55,26 @@ def _gather_k_cache_kernel(
         vals = tl.load(words + src, mask=pm[:, None])
         row = beg + p
         tl.store(out_k_ptr + row[:, None] * DW + w[None, :], vals, mask=pm[:, None])
-        sptr = (cache_ptr + base + BS * D + off * 4).to(tl.pointer_type(tl.float32))
-        tl.store(out_scale_ptr + row, tl.load(sptr, mask=pm), mask=pm)
+        if UE8M0:
+            sw = tl.load((cache_ptr + base + BS * D + off * 4).to(tl.pointer_type(tl.int32)), mask=pm)
+            tl.store(out_scale_ptr + row, _ue8m0(sw), mask=pm)
+        else:
+            sptr = (cache_ptr + base + BS * D + off * 4).to(tl.pointer_type(tl.float32))
+            tl.store(out_scale_ptr + row, tl.load(sptr, mask=pm), mask=pm)
 
 
 _LAUNCH = Launcher(_gather_k_cache_kernel)
-_CONFIGS: dict = {}  # (block_size, D) -> LaunchConfig
+_CONFIGS: dict = {}  # (block_size, D, ue8m0) -> LaunchConfig
 
 
-def gather_k_cache(kv_cache, block_table, cu_seq_lens, *, out_k, out_scale) -> None:
-    """See :func:`sparse_indexer.gather_k_cache`; ``kv_cache`` is the 3-D view, arguments are checked."""
+def gather_k_cache(kv_cache, block_table, cu_seq_lens, *, out_k, out_scale, cache_scale="float32",
+                   cache_order="flat") -> None:
+    """See :func:`sparse_indexer.gather_k_cache`; ``kv_cache`` is the 3-D view, arguments are checked.
+    ``cache_scale``: float32 or ``"ue8m0x4"`` (decoded exactly into float32 ``out_scale``); the preshuffled order
+    raises ``NotImplementedError``."""
+    if cache_order != "flat":
+        raise NotImplementedError(f"the Triton gather_k_cache reads the flat order, not {cache_order!r}")
+    ue8m0 = cache_scale == "ue8m0x4"
     r, max_blocks = block_table.shape
     nb, bs, width = kv_cache.shape
     d = width - 4
@@ -73,9 +85,9 @@ def gather_k_cache(kv_cache, block_table, cu_seq_lens, *, out_k, out_scale) -> N
     if r == 0 or max_blocks == 0:
         return
     block_stride = kv_cache.stride()[0] if nb > 1 else bs * width  # CacheLayout.block_stride of the checked view
-    cfg = _CONFIGS.get((bs, d))
+    cfg = _CONFIGS.get((bs, d, ue8m0))
     if cfg is None:
-        cfg = _CONFIGS[(bs, d)] = _LAUNCH.config(BS=bs, D=d, BLOCK_T=_BLOCK_T, num_warps=4)
+        cfg = _CONFIGS[(bs, d, ue8m0)] = _LAUNCH.config(BS=bs, D=d, BLOCK_T=_BLOCK_T, UE8M0=ue8m0, num_warps=4)
     _LAUNCH.launch_with((triton.cdiv(max_blocks * bs, _BLOCK_T), r), cfg,
                         (out_k.view(torch.int32), out_scale, kv_cache, block_table, cu_seq_lens,
                          block_table.stride()[0], block_stride), 5)

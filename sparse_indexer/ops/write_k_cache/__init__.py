@@ -7,6 +7,8 @@ import torch
 from ..._runtime import checks as C
 from ..._runtime import library
 from ...fp8 import FP8_DTYPES, SCALE_FMTS
+from buffers.limits import CacheFormat
+
 from ...kcache import as_3d, cache_layout, view_3d
 
 __all__ = ["write_k_cache"]
@@ -14,7 +16,8 @@ __all__ = ["write_k_cache"]
 
 def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
                   scale_fmt: str | None = "ue8m0", fp8_dtype: torch.dtype = torch.float8_e4m3fn,
-                  backend: str | None = None, check_values: bool | None = None, _checked: bool = False) -> None:
+                  backend: str | None = None, check_values: bool | None = None,
+                  cache_format: CacheFormat | None = None, _checked: bool = False) -> None:
     """Quantize ``k`` per token and write token ``i`` to cache slot ``slot_mapping[i]``.
 
     Args:
@@ -28,8 +31,24 @@ def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.T
         backend: ``None``/``"auto"`` (the best backend available on the device; the next one when it raises
             ``NotImplementedError`` for the case) or a backend's name (``sparse_indexer.backends.names()``).
         check_values: check slot values against the cache (a device sync on GPU); default: on CPU only.
+        cache_format: write the cache in this :class:`~buffers.CacheFormat` (``None``: ``fp8_dtype`` values, float32
+            scales, flat order). Its ``fp8_dtype`` must equal ``fp8_dtype`` unless that is left at its default
+            (``ValueError``); ``"ue8m0x4"`` scales need ``scale_fmt="ue8m0"`` (powers of two, exactly encoded;
+            ``ValueError``), the ``"preshuffled"`` order a block size that is a multiple of 16. Only the reference
+            backend writes every format (Triton: the plain one; aiter: its own preshuffled order), the others
+            raise ``NotImplementedError`` and ``auto`` falls back.
         _checked: for :func:`sparse_indexer.sparse_attn_indexer` alone (see :func:`sparse_indexer.top_k_per_row`).
     """
+    if cache_format is not None:
+        _write_format(cache_format, fp8_dtype, scale_fmt, kv_cache)
+        fp8_dtype = cache_format.fp8_dtype
+        fmt_kw = C.format_kwargs(cache_format, None)  # the scale encoding and byte order, where not the plain ones
+        if fmt_kw:  # (an FP8 format alone is what fp8_dtype says: the plain call below)
+            if not _checked:
+                _check(k, kv_cache, slot_mapping, scale_fmt, fp8_dtype, check_values)
+            library.call("write_k_cache", backend, k.device, k, as_3d(kv_cache), slot_mapping, scale_fmt=scale_fmt,
+                         fp8_dtype=fp8_dtype, **fmt_kw)
+            return
     if _checked:
         library.call("write_k_cache", backend, k.device, k, as_3d(kv_cache), slot_mapping, scale_fmt=scale_fmt,
                      fp8_dtype=fp8_dtype)
@@ -47,6 +66,38 @@ def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.T
                                                  slot_mapping), {"scale_fmt": scale_fmt, "fp8_dtype": fp8_dtype},
                  ts[:1], memo)
             return
+    kv3, lay = _check(k, kv_cache, slot_mapping, scale_fmt, fp8_dtype, check_values)
+    dev = k.device
+    if library.runs_directly(dev, ts):
+        _LAYOUTS.remember(ts, 1, (scale_fmt, fp8_dtype), (dev, lay.num_slots, dev.type == "cpu", {}))
+    library.call("write_k_cache", backend, dev, k, kv3, slot_mapping, scale_fmt=scale_fmt, fp8_dtype=fp8_dtype)
+
+
+_LAYOUTS = C.Layouts()  # the last fully checked call's layout (host overhead per call)
+_plain_eager = library.plain_eager
+_run = library.run_direct
+
+
+def _check_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    C.values_in("slot_mapping", slot_mapping, None, num_slots,
+                lambda: f"slots must be < num_blocks * block_size = {num_slots} (negative = skip)")
+
+
+def _write_format(fmt, fp8_dtype, scale_fmt, kv_cache) -> None:
+    """What a declared write format needs (see :func:`write_k_cache`'s ``cache_format``)."""
+    if type(fmt) is not CacheFormat:
+        raise TypeError(f"cache_format must be a CacheFormat or None, got {type(fmt).__name__}")
+    if fp8_dtype != fmt.fp8_dtype and fp8_dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_dtype={fp8_dtype} disagrees with cache_format.fp8_dtype={fmt.fp8_dtype} (give one)")
+    if fmt.scale == "ue8m0x4" and scale_fmt != "ue8m0":
+        raise ValueError(f"ue8m0x4 scale bytes hold powers of two only: write with scale_fmt='ue8m0', not "
+                         f"{scale_fmt!r}")
+    lay = cache_layout(as_3d(kv_cache))
+    C.check_order(fmt, lay.block_size, lay.head_dim)
+
+
+def _check(k, kv_cache, slot_mapping, scale_fmt, fp8_dtype, check_values):
+    """Every check of :func:`write_k_cache`; returns the cache's 3-D view and its layout."""
     C.tensor("k", k, ndim=2, dtypes=(torch.bfloat16, torch.float16, torch.float32), last_contiguous=True)
     dev = k.device
     kv3 = as_3d(kv_cache)
@@ -65,16 +116,4 @@ def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.T
     C.no_alias("kv_cache", kv_cache, k=k, slot_mapping=slot_mapping)
     if C.want_value_checks(check_values, k, slot_mapping):
         _check_values(slot_mapping, lay.num_slots)
-    if library.runs_directly(dev, ts):
-        _LAYOUTS.remember(ts, 1, (scale_fmt, fp8_dtype), (dev, lay.num_slots, dev.type == "cpu", {}))
-    library.call("write_k_cache", backend, dev, k, kv3, slot_mapping, scale_fmt=scale_fmt, fp8_dtype=fp8_dtype)
-
-
-_LAYOUTS = C.Layouts()  # the last fully checked call's layout (host overhead per call)
-_plain_eager = library.plain_eager
-_run = library.run_direct
-
-
-def _check_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
-    C.values_in("slot_mapping", slot_mapping, None, num_slots,
-                lambda: f"slots must be < num_blocks * block_size = {num_slots} (negative = skip)")
+    return kv3, lay

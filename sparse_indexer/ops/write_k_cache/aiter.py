@@ -40,9 +40,16 @@ def write_k_cache_preshuffled(k, kv_cache, slot_mapping, *, scale_fmt, fp8_dtype
     scales[blk, off] = k_scale[keep]
 
 
-def write_k_cache(k, kv_cache, slot_mapping, *, scale_fmt, fp8_dtype) -> None:
-    """See :func:`sparse_indexer.write_k_cache`; preshuffled when :func:`preshuffled` says so."""
-    if preshuffled(kv_cache.shape[1], fp8_dtype, gcn_arch(kv_cache.device)):
+def write_k_cache(k, kv_cache, slot_mapping, *, scale_fmt, fp8_dtype, cache_scale="float32",
+                  cache_order="flat") -> None:
+    """See :func:`sparse_indexer.write_k_cache`; preshuffled when :func:`preshuffled` says so. A declared format is
+    written only where it is this backend's own (float32 scales; the preshuffled order exactly where
+    :func:`preshuffled` says so); anything else raises ``NotImplementedError`` (auto falls back)."""
+    shuffle = preshuffled(kv_cache.shape[1], fp8_dtype, gcn_arch(kv_cache.device))
+    if cache_scale != "float32" or (cache_order == "preshuffled" and not shuffle):
+        raise NotImplementedError(f"the aiter write_k_cache writes float32 scales, preshuffled only on gfx942/gfx950 "
+                                  f"in their FP8 format: got {cache_scale!r}, {cache_order!r}")
+    if shuffle:
         write_k_cache_preshuffled(k, kv_cache, slot_mapping, scale_fmt=scale_fmt, fp8_dtype=fp8_dtype)
     else:
         reference.write_k_cache(k, kv_cache, slot_mapping, scale_fmt=scale_fmt, fp8_dtype=fp8_dtype)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import torch
 
 from ...fp8 import quantize_k
-from ...kcache import cache_views
+from ...kcache import cache_views, write_keys
 
 
 def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *, scale_fmt,
-                  fp8_dtype) -> None:
-    """See :func:`sparse_indexer.write_k_cache`; ``kv_cache`` is the 3-D view, arguments are checked."""
+                  fp8_dtype, cache_scale="float32", cache_order="flat") -> None:
+    """See :func:`sparse_indexer.write_k_cache`; ``kv_cache`` is the 3-D view, arguments are checked.
+    ``cache_scale``, ``cache_order``: the scale encoding and byte order to store (``buffers.CacheFormat``;
+    ``"ue8m0x4"`` only with power-of-two scales, checked by the public function)."""
     s = slot_mapping.shape[0]
     if s == 0:
         return
@@ -21,5 +23,8 @@ def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.T
     keep = slots >= 0
     slots = slots[keep]
     blk, off = slots // bs, slots % bs
-    values[blk, off] = k_fp8[keep]
-    scales[blk, off] = k_scale[keep]
+    if cache_scale == "float32" and cache_order == "flat":
+        values[blk, off] = k_fp8[keep]
+        scales[blk, off] = k_scale[keep]
+    else:
+        write_keys(kv_cache, blk, off, k_fp8[keep], k_scale[keep], cache_scale, cache_order)

@@ -129,8 +129,12 @@ def _config(bs: int, d: int, fp8_dtype, ue8m0: bool):
 
 
 def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *, scale_fmt,
-                  fp8_dtype) -> None:
-    """See :func:`sparse_indexer.write_k_cache`; ``kv_cache`` is the 3-D view, arguments are checked."""
+                  fp8_dtype, cache_scale="float32", cache_order="flat") -> None:
+    """See :func:`sparse_indexer.write_k_cache`; ``kv_cache`` is the 3-D view, arguments are checked. Writes
+    float32 scales in the flat order only (another format raises ``NotImplementedError``)."""
+    if cache_scale != "float32" or cache_order != "flat":
+        raise NotImplementedError(f"the Triton write_k_cache writes float32 scales in the flat order, got "
+                                  f"{cache_scale!r}, {cache_order!r}")
     s = slot_mapping.shape[0]
     nb, bs, width = kv_cache.shape
     d = width - 4

@@ -147,7 +147,7 @@ BAD = [
     ("q bf16", lambda a: {"q": a["q"].to(torch.bfloat16)}, TypeError, "q"),
     ("q 2-D", lambda a: {"q": a["q"][:, 0]}, ValueError, "q"),
     ("q strided", lambda a: {"q": a["q"].transpose(1, 2).contiguous().transpose(1, 2)}, ValueError, "q"),
-    ("k other fp8", lambda a: {"k_fp8": a["k_fp8"].view(torch.float8_e4m3fnuz)}, TypeError, "k_fp8"),
+    ("k not fp8", lambda a: {"k_fp8": a["k_fp8"].view(torch.uint8)}, TypeError, "k_fp8"),  # (another FP8: a mix)
     ("k wrong D", lambda a: {"k_fp8": torch.zeros(20, 128, dtype=torch.float8_e4m3fn)}, ValueError, "k_fp8"),
     ("k strided", lambda a: {"k_fp8": torch.zeros(64, 20, dtype=torch.float8_e4m3fn).T}, ValueError, "k_fp8"),
     ("k meta", lambda a: {"k_fp8": _meta(a["k_fp8"])}, ValueError, "k_fp8"),
