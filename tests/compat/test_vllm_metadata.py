@@ -112,9 +112,11 @@ def test_indexer_converts_each_steps_metadata_once():
     assert op._metadata(step2, lim) is not md
 
 
-@pytest.mark.parametrize("next_n", [1, 2, 3])
+@pytest.mark.parametrize("next_n,compress_ratio", [(1, 1), (2, 1), (3, 1), (1, 4), (2, 4)],
+                         ids=["n1", "n2", "n3", "v4_c4_n1", "v4_c4_n2"])
 @pytest.mark.parametrize("capture_step", [0, 1], ids=["capture_uniform", "capture_padded"])
-def test_padded_decode_replay_on_cpu(next_n, capture_step):
+def test_padded_decode_replay_on_cpu(next_n, compress_ratio, capture_step):
     """The CUDA-graph test's steps (vLLM's builder output, tests/compat/vllm_padded_decode.json) on the CPU: the
-    metadata of the captured step's flags over persistent tensors holding each new step gives the eager result."""
-    check_padded_decode_replay("cpu", next_n, capture_step)
+    metadata of the captured step's flags over persistent tensors holding each new step gives the eager result
+    (DeepSeek-V3.2, and DeepSeek-V4's compressed cache at compress ratio 4)."""
+    check_padded_decode_replay("cpu", next_n, capture_step, compress_ratio)

@@ -21,48 +21,68 @@ from tests import oracle
 SEVEN = 7  # what topk_out holds before a step: rows the step must not touch keep it
 
 
-def make_batch(seq_lens, query_lens, limits, *, seed=0, extra_rows=0, num_blocks=None, layout_only=False):
-    """A random step of requests with context ``seq_lens`` (this step's tokens included) and ``query_lens`` new
-    tokens each, ordered as vLLM orders them (decodes first).
+def make_batch(seq_lens, query_lens, limits, *, seed=0, extra_rows=0, num_blocks=None, layout_only=False,
+               prewritten=None):
+    """A random step of requests with context ``seq_lens`` (tokens, this step's tokens included) and
+    ``query_lens`` new tokens each, ordered as vLLM orders them (decodes first).
 
-    The cache (block-major, random permuted blocks, ``block_table [R, ceil(max_model_len / block_size)]``) holds
-    every request's earlier keys; ``keys[r]`` (``[seq_len, D]`` bfloat16) keeps its whole history for the model.
-    ``q_fp8``/``weights``/``k`` have ``extra_rows`` more rows than tokens (padding rows of a CUDA graph batch,
-    random contents); ``slot_mapping`` covers the real tokens only. ``layout_only``: block table and slots only
-    (no cache, keys or step tensors).
+    The cache (``limits.block_size`` keys per block, ``C = limits.compress_ratio`` tokens per key, so
+    ``C * block_size`` tokens per page) has random permuted blocks; ``block_table [R, ceil(max_model_len / (C *
+    block_size))]`` int32 gives each request ``ceil(seq_len / (C * block_size))`` pages, as vLLM's token-level
+    block table does. ``keys[r]`` (``[seq_len // C, D]`` bfloat16, one per key of the request: per token when
+    ``C == 1``, per compressed entry otherwise) keeps the request's whole history for the model.
+
+    ``prewritten`` (default: ``C > 1``): the cache already holds every key of the step, this step's too (what
+    DeepSeek-V4's compressor writes before the op), and ``k`` is ``None``. Otherwise it holds the earlier keys
+    and ``k`` the new tokens' (``[tokens + extra_rows, D]``). ``q_fp8``/``weights`` (and ``k``) have
+    ``extra_rows`` more rows than tokens (padding rows of a CUDA graph batch, random contents).
+
+    Slots: ``slot_mapping`` ``[tokens]`` int64 are the tokens' own slots in a token-level cache of the same page
+    table (``C * block_size`` tokens per page; what vLLM's model runner passes its builders), ``key_slots`` the
+    slots of the keys the tokens write (``compressed_slot_mapping``: -1 where a token ends no group of ``C``;
+    equal to ``slot_mapping`` when ``C == 1``). ``layout_only``: block table and slots only (no cache, keys or
+    step tensors).
     """
     g = torch.Generator().manual_seed(seed)
-    bs, d, h = limits.block_size, limits.head_dim, limits.n_heads
+    bs, d, h, cr = limits.block_size, limits.head_dim, limits.n_heads, limits.compress_ratio
+    page = bs * cr  # tokens per page
+    prewritten = cr > 1 if prewritten is None else prewritten
     n_req = len(seq_lens)
-    max_blocks = (limits.max_model_len + bs - 1) // bs
-    need = sum((s + bs - 1) // bs for s in seq_lens)
+    max_blocks = (limits.max_model_len + page - 1) // page
+    need = sum((s + page - 1) // page for s in seq_lens)
     num_blocks = num_blocks or need + 3
     perm = torch.randperm(num_blocks, generator=g)[:need].to(torch.int32)
     bt = torch.zeros(n_req, max_blocks, dtype=torch.int32)
     i = 0
     for r, s in enumerate(seq_lens):
-        nb = (s + bs - 1) // bs
+        nb = (s + page - 1) // page
         bt[r, :nb] = perm[i : i + nb]
         i += nb
     t = sum(query_lens)
     pos = torch.cat([torch.arange(s - q, s) for s, q in zip(seq_lens, query_lens)]).long()
     req = torch.cat([torch.full((q,), r) for r, q in enumerate(query_lens)]).long()
-    slot_mapping = bt.long()[req, pos // bs] * bs + pos % bs
+    slot_mapping = bt.long()[req, pos // page] * page + pos % page
+    key_slots = slot_mapping if cr == 1 else si.compressed_slot_mapping(bt, seq_lens, query_lens, bs,
+                                                                       compress_ratio=cr)
     rows = t + extra_rows
-    layout = SimpleNamespace(block_table=bt, slot_mapping=slot_mapping, seq_lens=list(seq_lens),
-                             query_lens=list(query_lens), num_tokens=t, rows=rows, fp8_dtype=limits.fp8_dtype)
+    layout = SimpleNamespace(block_table=bt, slot_mapping=slot_mapping, key_slots=key_slots, seq_lens=list(seq_lens),
+                             query_lens=list(query_lens), num_tokens=t, rows=rows, fp8_dtype=limits.fp8_dtype,
+                             compress_ratio=cr, prewritten=prewritten)
     if layout_only:
         return layout
     kv = si.new_kv_cache(num_blocks, bs, d)
-    keys = [torch.randn(s, d, generator=g).to(torch.bfloat16) for s in seq_lens]
-    for r, (s, q) in enumerate(zip(seq_lens, query_lens)):  # earlier context of every request
-        if s - q > 0:
-            slots = si.slots_from_block_table(bt[r : r + 1], torch.arange(s - q)[None], bs)[0]
-            si.write_k_cache(keys[r][: s - q], kv, slots, fp8_dtype=limits.fp8_dtype, backend="reference")
+    keys = [torch.randn(s // cr, d, generator=g).to(torch.bfloat16) for s in seq_lens]
+    for r, (s, q) in enumerate(zip(seq_lens, query_lens)):  # what the cache holds before the op
+        n_keys = s // cr if prewritten else s - q
+        if n_keys > 0:
+            slots = si.slots_from_block_table(bt[r : r + 1], torch.arange(n_keys)[None], bs)[0]
+            si.write_k_cache(keys[r][:n_keys], kv, slots, fp8_dtype=limits.fp8_dtype, backend="reference")
     q_fp8, q_scale = si.quantize_q(torch.randn(rows, h, d, generator=g), fp8_dtype=limits.fp8_dtype)
     weights = (torch.randn(rows, h, generator=g) * h**-0.5 * d**-0.5 * q_scale).float()
-    k = torch.cat([torch.cat([keys[r][s - q :] for r, (s, q) in enumerate(zip(seq_lens, query_lens))]),
-                   torch.randn(extra_rows, d, generator=g).to(torch.bfloat16)])
+    k = None
+    if not prewritten:
+        k = torch.cat([torch.cat([keys[r][s - q :] for r, (s, q) in enumerate(zip(seq_lens, query_lens))]),
+                       torch.randn(extra_rows, d, generator=g).to(torch.bfloat16)])
     layout.__dict__.update(kv=kv, q_fp8=q_fp8, weights=weights, k=k, keys=keys)
     return layout
 
@@ -71,15 +91,23 @@ def make_batch(seq_lens, query_lens, limits, *, seed=0, extra_rows=0, num_blocks
 def model_scores(batch) -> list[torch.Tensor]:
     """float64 scores of every real token over its causal window (docs/spec.md §3, §5), in token order: keys
     quantized by the oracle from ``batch.keys`` (ue8m0 scales, as the step writes them), queries decoded from
-    their FP8 bytes. Reads neither the cache nor anything the library computed."""
+    their FP8 bytes. The token at position ``p`` sees the first ``(p + 1) // C`` keys of its request
+    (``C = batch.compress_ratio``; an empty window gives an empty tensor). Reads neither the cache nor anything
+    the library computed."""
     out = []
     t = 0
+    cr = getattr(batch, "compress_ratio", 1)
     for r, (s, q) in enumerate(zip(batch.seq_lens, batch.query_lens)):
-        vals, scale, _ = oracle.quantize(batch.keys[r], batch.fp8_dtype, "ue8m0")
+        vals, scale = None, None
+        if batch.keys[r].shape[0]:
+            vals, scale, _ = oracle.quantize(batch.keys[r], batch.fp8_dtype, "ue8m0")
         for j in range(q):
-            lim = s - q + j + 1
-            qv = oracle.decode(batch.q_fp8[t])[None]  # [1, H, D]
-            out.append(oracle.scores(qv, vals[:lim], scale[:lim], batch.weights[t : t + 1])[0])
+            lim = (s - q + j + 1) // cr
+            if lim == 0:
+                out.append(torch.empty(0, dtype=torch.float64))
+            else:
+                qv = oracle.decode(batch.q_fp8[t])[None]  # [1, H, D]
+                out.append(oracle.scores(qv, vals[:lim], scale[:lim], batch.weights[t : t + 1])[0])
             t += 1
     return out
 
@@ -106,14 +134,16 @@ def check_against_model(topk: torch.Tensor, batch, topk_width: int) -> None:
 
 # ------------------------------------------------------------------------------------------------ our path
 def run_ours(batch, lim, md=None, *, backend="reference", rows=None):
-    """``build_metadata`` (from the real lengths) + ``sparse_attn_indexer`` on a copy of the cache; ``topk_out``
-    has ``max_num_batched_tokens`` rows, pre-filled with 7. Returns ``(topk_out, kv)``."""
-    md = md or si.build_metadata(batch.seq_lens, batch.query_lens, batch.block_table, batch.slot_mapping, lim)
+    """``build_metadata`` (from the real lengths in tokens and the key slots) + ``sparse_attn_indexer`` on a copy
+    of the cache (``k=None`` for a prewritten batch); ``topk_out`` has ``max_num_batched_tokens`` rows, pre-filled
+    with 7. Returns ``(topk_out, kv)``."""
+    md = md or si.build_metadata(batch.seq_lens, batch.query_lens, batch.block_table, batch.key_slots, lim)
     rows = batch.q_fp8.shape[0] if rows is None else rows
     kv = batch.kv.clone()
     out = torch.full((lim.max_num_batched_tokens, lim.topk), SEVEN, dtype=torch.int32)
-    si.sparse_attn_indexer(batch.q_fp8[:rows], batch.k[:rows], batch.weights[:rows], kv, md, si.allocate(lim),
-                           out, backend=backend)
+    k = None if batch.k is None else batch.k[:rows]
+    si.sparse_attn_indexer(batch.q_fp8[:rows], k, batch.weights[:rows], kv, md, si.allocate(lim), out,
+                           backend=backend)
     return out, kv
 
 

@@ -39,6 +39,9 @@ def env_problem() -> str | None:
     return None
 
 
+ARCHITECTURES = {1: "DeepseekV32ForCausalLM", 2: "DeepseekV41ForCausalLM", 4: "DeepseekV4ForCausalLM"}
+
+
 class Engine:
     """One engine configuration: vLLM's builder for it and the matching :class:`IndexerLimits`.
 
@@ -46,45 +49,63 @@ class Engine:
     parallel, compilation: defaults), except ``model_config`` and ``speculative_config``, whose real classes
     need a Hugging Face model: narrow namespaces with the fields the builder reads (``max_model_len`` and
     ``architectures``; ``num_speculative_tokens`` and ``enable_adaptive_verification``). The indexer cache's
-    ``MLAAttentionSpec`` as ``DeepseekV32IndexerCache.get_kv_cache_spec`` makes it.
+    ``MLAAttentionSpec`` as ``DeepseekV32IndexerCache.get_kv_cache_spec`` makes it, or with ``compress_ratio``
+    ``C > 1`` as DeepSeek-V4's ``DeepseekV4IndexerCache`` does (``tokens_per_state=C``, its page alignment):
+    ``block_size`` counts tokens per page, ``block_size // C`` compressed entries (the spec's ``num_states``).
 
     Our side: the limits :class:`~sparse_indexer.compat.vllm.VllmIndexer` derives from the op's arguments
-    (``prefill_k_tokens`` = vLLM's prefill workspace ``max_model_len * 8 * factor``, the same logits budget).
+    (``prefill_k_tokens`` = vLLM's prefill workspace ``max_model_len * 8 * factor // C`` keys, the same logits
+    budget, ``block_size // C`` keys per block). ``op_max_model_len`` and ``op_total_seq_lens`` are what the
+    model passes the op (``// C``), ``workspace_keys`` the builder's prefill key workspace.
     """
 
     def __init__(self, next_n: int, *, max_model_len: int = 96, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 64, block_size: int = 16, workspace_factor: int = 2,
-                 n_heads: int = 8, head_dim: int = 64, topk: int = 16):
+                 n_heads: int = 8, head_dim: int = 64, topk: int = 16, compress_ratio: int = 1,
+                 layer: str = "model.layers.0.self_attn.indexer.k_cache"):
         from vllm.config import AttentionConfig, DeviceConfig, SchedulerConfig, VllmConfig
         from vllm.platforms import current_platform
         from vllm.v1.attention.backends.mla import indexer as vi
         from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole
 
-        self.next_n = next_n
+        cr = compress_ratio
+        if block_size % cr:
+            raise ValueError(f"block_size {block_size} (tokens per page) must be a multiple of compress_ratio {cr}")
+        self.next_n, self.compress_ratio, self.layer = next_n, cr, layer
         cfg = VllmConfig(
             scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                              max_model_len=max_model_len, is_encoder_decoder=False),
             attention_config=AttentionConfig(sparse_mla_prefill_workspace_factor=workspace_factor),
             device_config=DeviceConfig(device="cpu"),
         )
-        cfg.model_config = SimpleNamespace(max_model_len=max_model_len, architectures=["DeepseekV32ForCausalLM"])
+        cfg.model_config = SimpleNamespace(max_model_len=max_model_len, architectures=[ARCHITECTURES[cr]])
         if next_n > 1:
             cfg.speculative_config = SimpleNamespace(num_speculative_tokens=next_n - 1,
                                                      enable_adaptive_verification=False)
         self.vllm_config = cfg
-        spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, max_tp_shards=1, head_size=head_dim + 4,
-                                dtype=torch.uint8, cache_role=SparseCacheRole.INDEXER)
+        if cr == 1:
+            spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, max_tp_shards=1, head_size=head_dim + 4,
+                                    dtype=torch.uint8, cache_role=SparseCacheRole.INDEXER)
+        else:
+            spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, max_tp_shards=1, head_size=head_dim + 4,
+                                    dtype=torch.uint8, tokens_per_state=cr, alignment=576)
+            assert spec.num_states == block_size // cr
         # vLLM's unspecified (CPU) platform raises NotImplementedError on num_compute_units. The builder only
         # sizes its DeepGEMM schedule buffer with it ([SMs + 1, 2] int32), which is filled on CUDA only.
         with mock.patch.object(current_platform, "num_compute_units", lambda device_id=0: 1):
             self.builder = vi.DeepseekV32IndexerMetadataBuilder(
-                spec, ["model.layers.0.self_attn.indexer.k_cache"], cfg, torch.device("cpu"),
+                spec, [layer], cfg, torch.device("cpu"),
                 block_table_width=(max_model_len + block_size - 1) // block_size)
-        self.workspace_keys = vi.get_max_prefill_buffer_size(cfg)
+        assert self.builder.compress_ratio == cr
+        self.workspace_keys = self.builder.max_prefill_buffer_size  # vLLM's // C
+        self.op_max_model_len = max_model_len // cr
+        self.op_total_seq_lens = vi.get_max_prefill_buffer_size(cfg) // cr
+        assert self.op_total_seq_lens == self.workspace_keys
         self.limits = si.IndexerLimits(
             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-            next_n=next_n, n_heads=n_heads, head_dim=head_dim, topk=topk, block_size=block_size,
-            prefill_k_tokens=max(self.workspace_keys, max_model_len), max_logits_bytes=LOGITS_MB * 2**20,
+            next_n=next_n, n_heads=n_heads, head_dim=head_dim, topk=topk, block_size=block_size // cr,
+            compress_ratio=cr, prefill_k_tokens=max(self.workspace_keys, max_model_len // cr),
+            max_logits_bytes=LOGITS_MB * 2**20,
             min_prefill_query_len=1,  # as VllmIndexer.limits
         )
 
@@ -132,6 +153,17 @@ FIXTURE_STEPS = {
          ([700, 1500, 2500, 600], [nn] * 4)]
     for nn in (1, 2, 3)
 }
+# The same for DeepSeek-V4's compressed indexer (compress ratio 4): 256-token pages of 64 entries, H = 64,
+# D = 128, top-512, contexts of up to 8192 tokens (2048 keys), among them requests shorter than 4 tokens (no
+# key: all -1) and contexts that are no multiple of 4. Keyed "c4_n<next_n>".
+FIXTURE_ENGINE_V4 = dict(max_model_len=8192, block_size=256, max_num_seqs=8, max_num_batched_tokens=64, n_heads=64,
+                         head_dim=128, topk=512, compress_ratio=4)
+FIXTURE_NUM_BLOCKS_V4 = 4 * 8192 // 256 + 8
+FIXTURE_STEPS_V4 = {
+    f"c4_n{nn}": (nn, [([6001, 754, 8192, 2403], [nn] * 4), ([8192, 4203, 3], [nn] * 3), ([190, 7002], [nn] * 2),
+                       ([1401, 2, 5000, 1203], [nn] * 4)])
+    for nn in (1, 2)
+}
 FIXTURE_FIELDS = ("seq_lens", "decode_lens", "block_table")
 
 
@@ -139,29 +171,43 @@ def _tensor_json(t: torch.Tensor) -> dict:
     return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "data": t.reshape(-1).tolist()}
 
 
-def fixture_steps() -> dict:
-    """vLLM's metadata of :data:`FIXTURE_STEPS` from the real builder, as JSON-able dicts."""
+def _fixture_rows(eng: Engine, steps, num_blocks: int, seed0: int) -> list[dict]:
     from tests.compat.vllm_batches import make_batch
 
+    rows = []
+    nn = eng.next_n
+    for i, (seq, qry) in enumerate(steps):
+        pad_reqs = FIXTURE_B - len(seq)
+        batch = make_batch(seq, qry, eng.limits, seed=seed0 + i, num_blocks=num_blocks, extra_rows=pad_reqs * nn,
+                           layout_only=True)
+        md = eng.build(batch, pad_reqs=pad_reqs, pad_tokens=pad_reqs * nn)
+        d = md.decode
+        row = {
+            "seq_lens_of_requests": seq, "query_lens": qry, "num_decodes": md.num_decodes,
+            "num_decode_tokens": md.num_decode_tokens, "num_prefills": md.num_prefills,
+            "num_prefill_tokens": md.num_prefill_tokens, "requires_padding": bool(d.requires_padding),
+            "slot_mapping": _tensor_json(md.slot_mapping[: md.num_decode_tokens]),
+            "request_block_table": _tensor_json(batch.block_table),
+            **{f: _tensor_json(getattr(d, f)) for f in FIXTURE_FIELDS},
+        }
+        if eng.compress_ratio > 1:  # the lengths in tokens, padding requests 0: padded compressed decode reads them
+            row["md_seq_lens"] = _tensor_json(md.seq_lens)
+        rows.append(row)
+    return rows
+
+
+def fixture_steps() -> dict:
+    """vLLM's metadata of :data:`FIXTURE_STEPS` and :data:`FIXTURE_STEPS_V4` from the real builder, as JSON-able
+    dicts."""
     out = {}
     for nn, steps in FIXTURE_STEPS.items():
         eng = Engine(nn, **FIXTURE_ENGINE)
-        rows = []
-        for i, (seq, qry) in enumerate(steps):
-            pad_reqs = FIXTURE_B - len(seq)
-            batch = make_batch(seq, qry, eng.limits, seed=100 * nn + i, num_blocks=FIXTURE_NUM_BLOCKS,
-                               extra_rows=pad_reqs * nn, layout_only=True)
-            md = eng.build(batch, pad_reqs=pad_reqs, pad_tokens=pad_reqs * nn)
-            d = md.decode
-            rows.append({
-                "seq_lens_of_requests": seq, "query_lens": qry, "num_decodes": md.num_decodes,
-                "num_decode_tokens": md.num_decode_tokens, "num_prefills": md.num_prefills,
-                "num_prefill_tokens": md.num_prefill_tokens, "requires_padding": bool(d.requires_padding),
-                "slot_mapping": _tensor_json(md.slot_mapping[: md.num_decode_tokens]),
-                "request_block_table": _tensor_json(batch.block_table),
-                **{f: _tensor_json(getattr(d, f)) for f in FIXTURE_FIELDS},
-            })
-        out[str(nn)] = {"engine": FIXTURE_ENGINE, "num_blocks": FIXTURE_NUM_BLOCKS, "steps": rows}
+        out[str(nn)] = {"engine": FIXTURE_ENGINE, "num_blocks": FIXTURE_NUM_BLOCKS,
+                        "steps": _fixture_rows(eng, steps, FIXTURE_NUM_BLOCKS, 100 * nn)}
+    for key, (nn, steps) in FIXTURE_STEPS_V4.items():
+        eng = Engine(nn, **FIXTURE_ENGINE_V4)
+        out[key] = {"engine": FIXTURE_ENGINE_V4, "num_blocks": FIXTURE_NUM_BLOCKS_V4,
+                    "steps": _fixture_rows(eng, steps, FIXTURE_NUM_BLOCKS_V4, 1000 + 100 * nn)}
     return out
 
 
