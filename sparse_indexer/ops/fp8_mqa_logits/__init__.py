@@ -74,7 +74,8 @@ def fp8_mqa_logits(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, 
     C.fp8("q", q, ndim=3, last_contiguous=True)
     m, h, d = q.shape
     dev = q.device
-    C.fp8("k_fp8", k_fp8, ndim=2, device=dev, shape=(None, d), last_contiguous=True)  # (its own format: a mix is explicit)
+    # (any FP8 format: keys in another one than q's are an explicit mix)
+    C.fp8("k_fp8", k_fp8, ndim=2, device=dev, shape=(None, d), last_contiguous=True)
     n = k_fp8.shape[0]
     C.tensor("k_scale", k_scale, dtypes=torch.float32, device=dev, shape=(n,), contiguous=True)
     C.tensor("weights", weights, dtypes=torch.float32, device=dev, shape=(m, h), last_contiguous=True)

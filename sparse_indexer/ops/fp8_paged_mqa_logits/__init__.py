@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ..._runtime import checks as C
-from ..._runtime import library
 from buffers.limits import CacheFormat
 
+from ..._runtime import checks as C
+from ..._runtime import library
 from ...kcache import as_3d, cache_layout, view_3d
 from ..fp8_mqa_logits import LOGITS_DTYPES
 from .reference import row_limits

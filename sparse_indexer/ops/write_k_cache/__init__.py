@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from buffers.limits import CacheFormat
+
 from ..._runtime import checks as C
 from ..._runtime import library
 from ...fp8 import FP8_DTYPES, SCALE_FMTS
-from buffers.limits import CacheFormat
-
 from ...kcache import as_3d, cache_layout, view_3d
 
 __all__ = ["write_k_cache"]
