@@ -12,8 +12,8 @@ inputs:
 - ``top_k_per_row``: docs/spec.md §6 on the same logits (short rows exact, long rows by the multiset of selected
   values; with and without the split-row workspace; ties, ``-inf`` and NaN);
 - ``step``: mixed steps of ``sparse_attn_indexer`` end to end (packed and uniform decode, prefill chunks split
-  along queries, padding rows), the cache bytes against the reference and every selected key's float64 score
-  against the true top-k.
+  along queries, padding rows; DeepSeek-V4's compressed cache of one key per 4 tokens with ``topk`` 512 and
+  1024), the cache bytes against the reference and every selected key's float64 score against the true top-k.
 
 Every FP8 format the backend supports on the device is checked. One table row per case gives the measured
 error and the tolerance; the exit status is 0 when every case passes, 1 on any mismatch or error, 2 when the
@@ -37,7 +37,7 @@ from .. import backends
 from .._runtime import dispatch as _dispatch
 from ..fp8 import fp8_name, quantize_k, quantize_q
 from ..indexer import sparse_attn_indexer
-from ..kcache import cache_views, new_kv_cache, slots_from_block_table
+from ..kcache import cache_views, compressed_slot_mapping, new_kv_cache, slots_from_block_table
 from ..metadata import build_metadata
 from ..ops.fp8_mqa_logits import fp8_mqa_logits
 from ..ops.fp8_paged_mqa_logits import fp8_paged_mqa_logits, row_limits
@@ -369,25 +369,32 @@ def _scores64(keys: torch.Tensor, q8: torch.Tensor, w: torch.Tensor, fp8) -> tor
 
 
 def case_step(ctx: Ctx, next_n: int, decode_lens: tuple[int, ...], prefill: tuple[tuple[int, int], ...],
-              pad_rows: int, h: int = 64, d: int = 128, bs: int = 64) -> tuple[str, str, bool]:
+              pad_rows: int, h: int = 64, d: int = 128, bs: int = 64, c: int = 1,
+              topk: int | None = None) -> tuple[str, str, bool]:
     """One ``sparse_attn_indexer`` step: decode requests with ``decode_lens`` new tokens (contexts between a
     quarter of ``step_ctx`` and ``step_ctx``), prefill requests ``(context in thousandths of step_ctx, new
-    tokens)``, ``pad_rows`` padding tokens; the prefill logits cap splits the longest prefill along its queries."""
-    g = ctx.gen(500 + next_n + len(decode_lens) + pad_rows)
-    topk, big = ctx.sizes.step_topk, ctx.sizes.step_ctx
+    tokens)``, ``pad_rows`` padding tokens; the prefill logits cap splits the longest prefill along its queries.
+
+    ``c > 1``: a compressed cache of one key per ``c`` tokens (DeepSeek-V4's indexer, docs/spec.md §4a): contexts
+    are ``c`` times longer (``step_ctx`` keys at most, and more keys than ``topk``), a token writes a key only
+    when it ends a group (``compressed_slot_mapping``), a query at position ``p`` sees ``(p + 1) // c`` keys."""
+    g = ctx.gen(500 + next_n + len(decode_lens) + pad_rows + 7 * c)
+    topk = topk or ctx.sizes.step_topk
+    big = ctx.sizes.step_ctx if c == 1 else c * max(ctx.sizes.step_ctx, topk + topk // 4)
     dec_ctx = [int(torch.randint(big // 4, big, (1,), generator=g)) for _ in decode_lens]
     qry = list(decode_lens) + [q for _, q in prefill]
-    seq = [max(s, q) for s, q in zip(dec_ctx + [c * big // 1000 for c, _ in prefill], qry)]
+    seq = [max(s, q) for s, q in zip(dec_ctx + [x * big // 1000 for x, _ in prefill], qry)]
     n_tok = sum(qry)
     t = n_tok + pad_rows
-    keys, bt, ref, kv = _paged_requests(ctx, g, [s - q for s, q in zip(seq, qry)], d, bs)
-    # the block table must also cover this step's tokens: append fresh blocks after the cache's last one
-    max_blocks = max((s + bs - 1) // bs for s in seq)
+    old = [(s - q) // c for s, q in zip(seq, qry)]  # keys of groups that ended before this step
+    keys, bt, ref, kv = _paged_requests(ctx, g, old, d, bs)
+    # the block table must also cover this step's keys: append fresh blocks after the cache's last one
+    max_blocks = max(1, max((s // c + bs - 1) // bs for s in seq))
     nb_old = ref.shape[0]
     bt_full = torch.zeros(len(seq), max_blocks, dtype=torch.int32)
     nxt = nb_old
-    for r, (s, q) in enumerate(zip(seq, qry)):
-        have, need = (s - q + bs - 1) // bs, (s + bs - 1) // bs
+    for r, s in enumerate(seq):
+        have, need = (old[r] + bs - 1) // bs, (s // c + bs - 1) // bs
         bt_full[r, :have] = bt[r, :have]
         bt_full[r, have:need] = torch.arange(nxt, nxt + need - have, dtype=torch.int32)
         nxt += need - have
@@ -396,20 +403,25 @@ def case_step(ctx: Ctx, next_n: int, decode_lens: tuple[int, ...], prefill: tupl
     ref_full[:nb_old] = ref
     kv_full = new_kv_cache(nb, bs, d, device=ctx.device)
     kv_full[:nb_old] = kv
-    # this step's tokens: keys, queries (correlated with their keys), weights; decode rows first
-    new_keys = [_keys(g, q, d) for q in qry]
+    # this step's keys, and a row of k per token (the key of the group it ends; zeros for the others, whose slot
+    # is -1); queries correlated with their row of k, weights; decode rows first
+    new_keys = [_keys(g, s // c - o, d) for s, o in zip(seq, old)]
     hist = [torch.cat([keys[r], new_keys[r]]) for r in range(len(seq))]
-    q8, w = _queries(g, n_tok, h, d, ctx.fp8, torch.cat(new_keys))
+    k_rows = []
+    for r, (s, q) in enumerate(zip(seq, qry)):
+        for p in range(s - q, s):
+            ends = (p + 1) % c == 0
+            k_rows.append(hist[r][p // c] if ends else torch.zeros(d, dtype=torch.bfloat16))
+    k_new = torch.stack(k_rows)
+    q8, w = _queries(g, n_tok, h, d, ctx.fp8, k_new)
     if pad_rows:
         q8 = torch.cat([q8, q8[:pad_rows]])
         w = torch.cat([w, w[:pad_rows]])
-    k_new = torch.cat(new_keys)
-    slots = torch.cat([slots_from_block_table(bt_full[r : r + 1], torch.arange(s - q, s)[None, :], bs)[0]
-                       for r, (s, q) in enumerate(zip(seq, qry))])
-    longest = max(s * q for s, q in zip(seq[len(decode_lens):], qry[len(decode_lens):]))
+    slots = compressed_slot_mapping(bt_full, seq, qry, bs, compress_ratio=c)
+    longest = max(s // c * q for s, q in zip(seq[len(decode_lens):], qry[len(decode_lens):]))
     lim = IndexerLimits(max_model_len=max(seq), max_num_batched_tokens=max(t, len(seq)), max_num_seqs=len(seq),
-                        next_n=next_n, n_heads=h, head_dim=d, topk=topk, block_size=bs, fp8_dtype=ctx.fp8,
-                        max_logits_bytes=max(4 * max(seq), longest * 4 // 3))
+                        next_n=next_n, n_heads=h, head_dim=d, topk=topk, block_size=bs, compress_ratio=c,
+                        fp8_dtype=ctx.fp8, max_logits_bytes=max(4 * (max(seq) // c), longest * 4 // 3))
     sentinel = 123456
 
     def one(dev, backend, cache):
@@ -420,19 +432,20 @@ def case_step(ctx: Ctx, next_n: int, decode_lens: tuple[int, ...], prefill: tupl
         return md, out
 
     md, _ = one(CPU, "reference", ref_full)  # the reference's cache bytes are the baseline
-    if sum(c.gather for c in md.prefill_chunks) == len(md.prefill_chunks) and len(prefill) > 0:
+    if sum(ch.gather for ch in md.prefill_chunks) == len(md.prefill_chunks) and len(prefill) > 0:
         raise AssertionError("the case meant to split a prefill along its queries did not")
     _, got = one(ctx.device, ctx.op_backend, kv_full)
     ctx.sync()
     got = got.cpu()
     cache_text, cache_ok = _compare_cache(ctx, kv_full, ref_full, k_new, slots, "ue8m0")
-    # judge every real row by float64 scores of its window; padding rows -1; rows past T untouched
+    # judge every real row by float64 scores of its window (valid entries a prefix: min(window, topk) of
+    # them); padding rows -1; rows past T untouched
     tol = 1e-5 if ctx.backend == "reference" or ctx.device.type == "cpu" else 1e-3
     worst, wrong, row = 0.0, 0, 0
     for r, (s, q) in enumerate(zip(seq, qry)):
         sc = _scores64(hist[r], q8[row : row + q], w[row : row + q], ctx.fp8)
         for j in range(q):
-            n = s - q + j + 1
+            n = (s - q + j + 1) // c
             sel = got[row + j].long()
             if n <= topk:
                 wrong += not torch.equal(sel, torch.cat([torch.arange(n), torch.full((topk - n,), -1)]))
@@ -481,6 +494,11 @@ def cases(sizes: Sizes) -> list[tuple[str, str, Callable[[Ctx], tuple[str, str, 
         ("step", "next_n=4 uniform decode + prefill + 3 padding rows",
          lambda c: case_step(c, 4, (4, 4), ((400, 90),), 3)),
         ("step", "next_n=1 decode + prefill", lambda c: case_step(c, 1, (1, 1, 1), ((900, 130),), 0)),
+        # DeepSeek-V4's compressed indexer: one key per 4 tokens, topk 512 (V4-Flash) and 1024 (V4-Pro)
+        ("step", "C=4 topk=512 next_n=2 packed decode + prefill",
+         lambda c: case_step(c, 2, (2, 1, 2), ((800, 150),), 2, c=4, topk=512)),
+        ("step", "C=4 topk=1024 next_n=1 decode + prefill",
+         lambda c: case_step(c, 1, (1, 1), ((900, 90), (2, 5)), 0, c=4, topk=1024)),
     ]
     return out
 
