@@ -21,7 +21,7 @@ DEV = "cuda"
 
 def _lim(topk: int, next_n: int, **kw) -> IndexerLimits:
     base = dict(max_model_len=32768, max_num_batched_tokens=4096, max_num_seqs=8, next_n=next_n, n_heads=64,
-                head_dim=128, topk=topk, block_size=64, compress_ratio=4, max_logits_bytes=4 * 2048 * 1500)
+                head_dim=128, topk=topk, block_size=64, compress_ratio=4, max_logits_bytes=4 * 900_000)
     base.update(kw)
     return IndexerLimits(**base)
 
@@ -29,8 +29,8 @@ def _lim(topk: int, next_n: int, **kw) -> IndexerLimits:
 # (seq_lens in tokens, query_lens, next_n): decode rows over windows longer than topk, short requests, a prefill
 # of more query rows than keys split along its queries
 STEPS = {
-    "decode_next_n2_and_prefill": ([20000, 9000, 3, 30001, 8192], [2, 1, 2, 2, 2048], 2),
-    "decode_next_n1_and_prefill": ([32768, 4099, 2, 12000, 700], [1, 1, 1, 3000, 600], 1),
+    "decode_next_n2_and_prefill": ([20000, 9000, 3, 30001, 8192], [2, 1, 2, 2, 1024], 2),
+    "decode_next_n1_and_prefill": ([32768, 4099, 2, 12000, 700], [1, 1, 1, 700, 600], 1),
 }
 
 
