@@ -10,6 +10,8 @@ Reference backend, CPU.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -120,3 +122,100 @@ def test_padded_decode_replay_on_cpu(next_n, compress_ratio, capture_step):
     metadata of the captured step's flags over persistent tensors holding each new step gives the eager result
     (DeepSeek-V3.2, and DeepSeek-V4's compressed cache at compress ratio 4)."""
     check_padded_decode_replay("cpu", next_n, capture_step, compress_ratio)
+
+
+# ------------------------------------------------------------------------------------------------ compressed caches
+def _op_call(op, lim, kv, q, out, *, compress_ratio, skip=True, k=None):
+    keys = lim.max_model_len // max(1, int(compress_ratio))
+    return op(torch.zeros(q.shape[0], 1), "layer", kv, q, k, torch.zeros(q.shape[0], lim.n_heads), lim.head_dim,
+              "ue8m0", lim.topk, lim.head_dim, keys, lim.prefill_k_tokens, out, skip, compress_ratio)
+
+
+def test_compress_ratios_the_op_takes():
+    """vLLM sends compress ratios 1, 2 and 4 to the op (its ratio-128 layers have no indexer); a compressed cache
+    always holds the compressor's keys (``skip_k_cache_insert``)."""
+    lim = limits(next_n=1)
+    op = VllmIndexer(max_num_seqs=lim.max_num_seqs, attn_metadata=lambda: None)
+    kv = si.new_kv_cache(4, lim.block_size, lim.head_dim)
+    q = torch.zeros(2, lim.n_heads, lim.head_dim, dtype=torch.float8_e4m3fn)
+    out = torch.empty(lim.max_num_batched_tokens, lim.topk, dtype=torch.int32)
+    for bad in (128, 3, 0, True):
+        with pytest.raises(ValueError, match="compress_ratio"):
+            _op_call(op, lim, kv, q, out, compress_ratio=bad)
+    with pytest.raises(NotImplementedError, match="skip_k_cache_insert=False"):
+        _op_call(op, lim, kv, q, out, compress_ratio=4, skip=False, k=torch.zeros(2, lim.head_dim))
+
+
+def test_limits_of_a_compressed_op():
+    """The op's max_model_len and total_seq_lens are // C; the limits count tokens: the model's length when it
+    has that many keys, else the longest length that has."""
+    kv = si.new_kv_cache(4, 64, 128)
+    q = torch.zeros(1, 64, 128, dtype=torch.float8_e4m3fn)
+    out = torch.empty(256, 512, dtype=torch.int32)
+    for model_len, cr, want in ((8192, 4, 8192), (8194, 4, 8194), (None, 4, 8195), (4096, 4, 8195), (8193, 2, 8193)):
+        op = VllmIndexer(max_num_seqs=8, model_max_model_len=model_len)
+        lim = op.limits(kv, q, 512, 128, 8192 // cr if cr == 2 else 2048, 4096, out, compress_ratio=cr,
+                        skip_k_cache_insert=True)
+        assert (lim.max_model_len, lim.compress_ratio, lim.block_size) == (want, cr, 64)
+        assert lim.max_keys == (2048 if cr == 4 else 4096) and lim.prefill_k_tokens == max(4096, lim.max_keys)
+        assert lim.cache_format is None  # the CPU: V4's writers produce what the step assumes
+
+
+def test_v4_cache_format(monkeypatch):
+    """V4-FAMILY §2.2: e4m3fn values everywhere, UE8M0 x4 scales where vLLM's logits take MX scales (SM100),
+    16 x 16 tiles on ROCm for ratios 1 and 2 with more than one entry per block."""
+    from buffers import CacheFormat
+    from sparse_indexer.compat import vllm as shim
+
+    cpu, fn, fnuz = torch.device("cpu"), torch.float8_e4m3fn, torch.float8_e4m3fnuz
+    assert shim.v4_cache_format(4, 64, cpu, fn) is None
+    assert shim.v4_cache_format(4, 64, cpu, fnuz) == CacheFormat(fp8_dtype=fn)  # gfx942 queries, e4m3fn keys
+    monkeypatch.setattr(shim, "_is_rocm", lambda: True)
+    assert shim.v4_cache_format(4, 64, cpu, fn) is None
+    assert shim.v4_cache_format(2, 32, cpu, fn) == CacheFormat(order="preshuffled")
+    assert shim.v4_cache_format(1, 64, cpu, fnuz) == CacheFormat(fp8_dtype=fn, order="preshuffled")
+    assert shim.v4_cache_format(1, 1, cpu, fn) is None
+    monkeypatch.setattr(shim, "_is_rocm", lambda: False)
+    monkeypatch.setattr(shim, "_uses_mx_scales", lambda device: True)
+    assert shim.v4_cache_format(4, 64, cpu, fn) == CacheFormat(scale="ue8m0x4")
+    # the limits of a compressor-written cache carry the format; a cache the op writes itself does not
+    op = VllmIndexer(max_num_seqs=8)
+    args = (si.new_kv_cache(4, 64, 128), torch.zeros(1, 64, 128, dtype=fn), 512, 128, 2048, 4096,
+            torch.empty(256, 512, dtype=torch.int32))
+    assert op.limits(*args, compress_ratio=4, skip_k_cache_insert=True).cache_format == CacheFormat(scale="ue8m0x4")
+    assert op.limits(*args).cache_format is None
+
+
+def _compressed_chunk(batch, r: int, token_start: int, cr: int):
+    """A ``DeepseekV32IndexerPrefillChunkMetadata`` namespace of request ``r`` alone on a cache of ``cr`` tokens per
+    key, as ``build_prefill_chunk_metadata`` makes it (compressed key counts and windows)."""
+    s, q = batch.seq_lens[r], batch.query_lens[r]
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    return SimpleNamespace(block_table=batch.block_table[r : r + 1], cu_seq_lens=i32([0, s // cr]),
+                           cu_seqlen_ks=i32([0] * q), cu_seqlen_ke=i32([(s - q + j + 1) // cr for j in range(q)]),
+                           total_seq_lens=s // cr, token_start=token_start, token_end=token_start + q,
+                           skip_kv_gather=False)
+
+
+def test_compressed_chunks_may_leave_rows_to_dropped_chunks():
+    """With C > 1 vLLM drops key-less chunks: rows before and between the remaining chunks become empty rows
+    (-1); a chunk over the previous one's rows is an error whatever C."""
+    lim = limits(next_n=1, compress_ratio=4, max_model_len=384, block_size=4, prefill_k_tokens=96)
+    batch = make_batch([40, 3, 30, 2, 75], [1, 3, 30, 2, 12], lim)
+    md = si.build_metadata(batch.seq_lens, batch.query_lens, batch.block_table, batch.key_slots, lim)
+    vmd = vllm_metadata(batch, 1)
+    vmd.slot_mapping = batch.key_slots
+    vmd.decode.seq_lens = vmd.decode.seq_lens // 4  # vLLM's compressed decode lengths
+    # the chunks vLLM makes when requests 1 and 3 (shorter than C, no key) are alone in theirs: rows 1-3 and 34-35
+    # dropped
+    pieces = [_compressed_chunk(batch, 2, 4, 4), _compressed_chunk(batch, 4, 36, 4)]
+    vmd.prefill.chunks = pieces
+    conv = metadata_from_vllm(vmd, lim)
+    assert conv.empty_rows == ((1, 4), (34, 36)) and conv.num_tokens == 48
+    actual, _ = run_ours(batch, lim, conv)
+    expected, _ = run_ours(batch, lim, md)
+    check_against_model(actual[:48], batch, lim.topk)
+    assert same_rows(actual, expected)
+    pieces[1].token_start, pieces[1].token_end = 33, 45
+    with pytest.raises(ValueError, match="or after it"):
+        metadata_from_vllm(vmd, lim)

@@ -57,7 +57,8 @@ def _vllm_md(step: dict, t: dict, requires_padding: bool):
     """A ``DeepseekV32IndexerMetadata`` (decode only) over the tensors ``t``: a new object each call, as vLLM
     builds one per step (``seq_lens``, the lengths in tokens, where the fixture has them: compressed caches)."""
     return SimpleNamespace(
-        seq_lens=t.get("md_seq_lens"), slot_mapping=t["slot_mapping"], num_decodes=step["num_decodes"], num_decode_tokens=step["num_decode_tokens"],
+        seq_lens=t.get("md_seq_lens"), slot_mapping=t["slot_mapping"], num_decodes=step["num_decodes"],
+        num_decode_tokens=step["num_decode_tokens"],
         num_prefills=0, num_prefill_tokens=0, prefill=None,
         decode=SimpleNamespace(seq_lens=t["seq_lens"], decode_lens=t["decode_lens"], block_table=t["block_table"],
                                requires_padding=requires_padding, indices=None, schedule_metadata=None),
