@@ -98,7 +98,11 @@ def check_step(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tenso
     """Raise ``ValueError``/``TypeError``/:class:`BufferTooSmall` unless the step fits; reads no device values.
 
     Shapes: ``q_fp8 [T, H, D]`` fp8, ``k [>= num_tokens, D]``, ``weights [T, H]`` float32,
-    ``topk_out [T_max, topk]`` int32, with ``T >= metadata.num_tokens`` and ``T_max >= T``. An explicitly named
+    ``topk_out [T_max, topk]`` int32, with ``T >= metadata.num_tokens`` and ``T_max >= T``. The cache is in
+    ``metadata.limits.cache`` (docs/spec.md §4): ``buffers.k_fp8`` must be in its FP8 format, and ``q_fp8`` in the
+    same one unless the limits declare a ``cache_format`` (then ``q_fp8`` is in ``limits.fp8_dtype``, which may
+    differ: DeepSeek-V4's e4m3fn caches read with e4m3fnuz queries); the preshuffled order needs a block size that
+    is a multiple of 16. An explicitly named
     ``backend`` that cannot run one of the step's ops on this device raises
     :class:`~sparse_indexer.BackendUnavailable` here, before the step writes anything.
 
@@ -595,13 +599,15 @@ def _sub_batch_ops(run, backend: str | None, dev: torch.device, q: torch.Tensor,
 
 
 def _chunk_logits(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor, c, buffers: Buffers,
-                  backend: str | None) -> tuple[slice, torch.Tensor]:
+                  backend: str | None, limits=None) -> tuple[slice, torch.Tensor]:
     """One prefill chunk's gather and ``clean=False`` logits into ``buffers.logits`` (arguments already checked;
     :func:`_chunk_ops` through :func:`_run_op`); returns the chunk's token rows and its ``[M_c, N_c]`` logits.
-    For the context-parallel prefill."""
+    For the context-parallel prefill. ``limits``: the step's (its cache format's scale encoding and byte order;
+    ``None``: the plain ones; the FP8 format is the one of ``buffers.k_fp8``)."""
     k_fp8, k_scale = buffers.k_view(c.num_k_tokens)
     logits = buffers.logits_view(c.num_tokens, c.logits_cols)
-    _chunk_ops(_run_op, backend, q_fp8.device, q_fp8, weights, as_3d(kv_cache), c, k_fp8, k_scale, logits)
+    fmt_kw = None if limits is None else _format_kwargs(limits)[1]
+    _chunk_ops(_run_op, backend, q_fp8.device, q_fp8, weights, as_3d(kv_cache), c, k_fp8, k_scale, logits, fmt_kw)
     return slice(c.token_start, c.token_end), logits
 
 
@@ -620,15 +626,20 @@ def _decode_inputs(q_fp8: torch.Tensor, weights: torch.Tensor, dm, nd: int, buff
 
 
 def _decode_logits(q: torch.Tensor, w: torch.Tensor, kv_cache: torch.Tensor, dm, buffers: Buffers, b0: int, b1: int,
-                   backend: str | None):
+                   backend: str | None, limits=None):
     """Paged ``clean=False`` logits of decode requests ``[b0, b1)`` into the start of ``buffers.logits`` (and
     ``qk``; :func:`_sub_batch_ops` through :func:`_run_op`); returns their rows ``r0, r1``, the logits and the
-    top-k workspace view (``None`` without one). For the context-parallel decode."""
+    top-k workspace view (``None`` without one). For the context-parallel decode. ``limits``: the step's (its
+    cache format; ``None``: the plain one in the FP8 format of ``buffers.k_fp8``, the cache's, check_step)."""
     r0, r1 = b0 * dm.next_n, b1 * dm.next_n
     logits = buffers.logits_view(r1 - r0, dm.width)
     qk = buffers.qk_view(r1 - r0, dm.width) if buffers.qk is not None else None
+    if limits is not None:
+        fmt_kw = _format_kwargs(limits)[2]
+    else:
+        fmt_kw = {} if q.dtype == buffers.fp8_dtype else {"cache_fp8_dtype": buffers.fp8_dtype}
     _sub_batch_ops(_run_op, backend, q.device, q, w, as_3d(kv_cache), b0, b1, r0, r1, logits, qk,
-                   _rows(dm.context_lens, b0, b1), _rows(dm.block_table, b0, b1))
+                   _rows(dm.context_lens, b0, b1), _rows(dm.block_table, b0, b1), fmt_kw)
     ws = buffers.topk_scratch_view(r1 - r0) if buffers.topk_scratch is not None else None
     return r0, r1, logits, ws
 
@@ -650,7 +661,14 @@ def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor | None, weights: to
             token positions (-1 = none), padding rows ``[num_tokens, T)`` are filled with -1, rows from ``T``
             on are untouched.
         backend: ``None``/``"auto"``, ``"reference"``, ``"triton"`` or ``"aiter"`` for every op.
-        scale_fmt: key scale format of the cache write (``"ue8m0"`` or ``None``).
+        scale_fmt: key scale format of the cache write (``"ue8m0"`` or ``None``; a cache format with ``"ue8m0x4"``
+            scales needs ``"ue8m0"``).
+
+    The cache is read (and, with ``k``, written) in ``metadata.limits.cache`` (an ``IndexerLimits(cache_format=
+    CacheFormat(...))`` declaration, else the plain format in ``limits.fp8_dtype``): the gather and the paged
+    logits are told the format, the ragged logits get the gathered keys in the cache's FP8 format (a mix with the
+    queries' is computed by the reference backend; ``auto`` falls back to it). The cache write of a scale encoding
+    or byte order other than the plain ones runs in the reference backend (``write_k_cache(cache_format=)``).
 
     Raises:
         BufferTooSmall, ValueError, TypeError: before anything is written.
