@@ -11,9 +11,8 @@ import torch
 
 import sparse_indexer as si
 from buffers import IndexerLimits, allocate
-from sparse_indexer.testing import capture_cuda_graph
+from sparse_indexer.testing import assert_topk, capture_cuda_graph
 from tests.sparse_indexer.test_compressed import Compressed
-from tests.sparse_indexer.test_indexer import check_topk
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -53,7 +52,8 @@ def test_compressed_step_matches_the_model(name, topk, backend):
     got, kv = _run(sc, backend, DEV)
     t = sum(qry)
     assert bool((got[t:] == 7).all())
-    check_topk(got[:t], sc.model_scores(), topk)
+    # float32 sums in a GPU's order: selected scores within 1e-4 x max|score| of the k-th best (the CPU: 1e-5)
+    assert_topk(got[:t], sc.model_scores(), rtol=1e-4, threshold=True)
     for row, n in zip(got[:t], sc.windows()):
         valid = int((row >= 0).sum())
         assert valid == min(n, topk) and bool((row[:valid] >= 0).all()), (n, valid)
