@@ -52,8 +52,9 @@ def test_compressed_step_matches_the_model(name, topk, backend):
     got, kv = _run(sc, backend, DEV)
     t = sum(qry)
     assert bool((got[t:] == 7).all())
-    # float32 sums in a GPU's order: selected scores within 1e-4 x max|score| of the k-th best (the CPU: 1e-5)
-    assert_topk(got[:t], sc.model_scores(), rtol=1e-4, threshold=True)
+    # the GPU's FP8 tensor-core sums (Hopper's wgmma keeps fewer accumulator bits than float32): selected scores
+    # within 1e-3 x max|score| of the k-th best, the tolerance of `python -m sparse_indexer check` on a GPU
+    assert_topk(got[:t], sc.model_scores(), rtol=1e-3, threshold=True)
     for row, n in zip(got[:t], sc.windows()):
         valid = int((row >= 0).sum())
         assert valid == min(n, topk) and bool((row[:valid] >= 0).all()), (n, valid)
