@@ -5,8 +5,8 @@ from __future__ import annotations
 import attrs
 import torch
 
-__all__ = ["CacheFormat", "IndexerLimits", "FP8_DTYPES", "SCALE_ENCODINGS", "BYTE_ORDERS", "LOGITS_DTYPES", "MiB", "DEFAULT_PREFILL_K_TOKENS",
-           "DEFAULT_MAX_LOGITS_BYTES"]
+__all__ = ["CacheFormat", "IndexerLimits", "FP8_DTYPES", "SCALE_ENCODINGS", "BYTE_ORDERS", "LOGITS_DTYPES", "MiB",
+           "DEFAULT_PREFILL_K_TOKENS", "DEFAULT_MAX_LOGITS_BYTES"]
 
 MiB = 1 << 20
 

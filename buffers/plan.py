@@ -128,7 +128,7 @@ def prefill_extremes(lim: IndexerLimits) -> PrefillExtremes:
     u = _Units(lim)
     if not u.any or u.n_min > u.Lc:  # no request can be a prefill request
         return PrefillExtremes(keys=0, keys_step=None, logits=0, logits_step=None)
-    L, T, S, K, X, q0, Lc = u.L, u.T, u.S, u.K, u.cap, u.q0, u.Lc
+    T, S, K, X, q0, Lc = u.T, u.S, u.K, u.cap, u.q0, u.Lc
     rmax = min(S, T // q0)
     keys, keys_step = Lc, u.step(Lc, q0, 1)
     if rmax >= 2:
@@ -185,7 +185,7 @@ def compressed_prefill_logits(lim: IndexerLimits) -> int:
     u = _Units(lim)
     if not u.any or u.n_min > u.Lc:
         return 0
-    L, T, S, K, X, q0, Lc = u.L, u.T, u.S, u.K, u.cap, u.q0, u.Lc
+    T, S, K, X, q0, Lc = u.T, u.S, u.K, u.cap, u.q0, u.Lc
     best = 0
     n = torch.arange(max(1, u.n_min), Lc + 1, dtype=torch.int64)
     qmax = torch.clamp(u.tokens(n), max=T)

@@ -42,7 +42,8 @@ def workspace_shape(rows: int, max_len: int, topk: int) -> tuple[int, int]:
 
 def topk_scratch_cap(limits) -> int:
     """Candidate slots per row of the Triton top-k's workspace for the windows of ``limits`` (an
-    :class:`~buffers.IndexerLimits`): :func:`candidate_cap` of ``max_keys`` (the decode rows' widest window) and ``topk``."""
+    :class:`~buffers.IndexerLimits`): :func:`candidate_cap` of ``max_keys`` (the decode rows' widest window)
+    and ``topk``."""
     return candidate_cap(limits.max_keys, limits.topk)
 
 
