@@ -469,6 +469,7 @@ def case_step(ctx: Ctx, next_n: int, decode_lens: tuple[int, ...], prefill: tupl
 # ---------------------------------------------------------------------------------------------- the list
 def cases(sizes: Sizes) -> list[tuple[str, str, Callable[[Ctx], tuple[str, str, bool]]]]:
     """(op, case name, function of the context) for every row of the table."""
+    v4_heads = 64 if sizes == FULL else 16
     out = [
         ("write_k_cache", "D=128 bs=64 ue8m0", lambda c: case_write(c, 128, 64, "ue8m0", 0, False)),
         ("write_k_cache", "D=64 bs=16 plain scale, padded 4-D", lambda c: case_write(c, 64, 16, None, 36, True)),
@@ -494,11 +495,12 @@ def cases(sizes: Sizes) -> list[tuple[str, str, Callable[[Ctx], tuple[str, str, 
         ("step", "next_n=4 uniform decode + prefill + 3 padding rows",
          lambda c: case_step(c, 4, (4, 4), ((400, 90),), 3)),
         ("step", "next_n=1 decode + prefill", lambda c: case_step(c, 1, (1, 1, 1), ((900, 130),), 0)),
-        # DeepSeek-V4's compressed indexer: one key per 4 tokens, topk 512 (V4-Flash) and 1024 (V4-Pro)
+        # DeepSeek-V4's compressed indexer: one key per 4 tokens, topk 512 (V4-Flash) and 1024 (V4-Pro); its H = 64
+        # at full size, 16 heads under the CPU interpreter (the windows, slots and selection are what is new)
         ("step", "C=4 topk=512 next_n=2 packed decode + prefill",
-         lambda c: case_step(c, 2, (2, 1, 2), ((800, 150),), 2, c=4, topk=512)),
+         lambda c: case_step(c, 2, (2, 1, 2), ((800, 150),), 2, h=v4_heads, c=4, topk=512)),
         ("step", "C=4 topk=1024 next_n=1 decode + prefill",
-         lambda c: case_step(c, 1, (1, 1), ((900, 90), (2, 5)), 0, c=4, topk=1024)),
+         lambda c: case_step(c, 1, (1, 1), ((900, 90), (2, 5)), 0, h=v4_heads, c=4, topk=1024)),
     ]
     return out
 
