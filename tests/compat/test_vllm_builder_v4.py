@@ -86,17 +86,6 @@ def engine(name: str, compress_ratio: int, next_n: int, **kw) -> Engine:
     return _ENGINES[key]
 
 
-@pytest.fixture
-def manager(monkeypatch):
-    # vLLM 0.33 calls torch.accelerator.empty_cache() before every growth of the workspace; without an
-    # accelerator that raises. It only returns cached device memory to the driver: a no-op on the CPU.
-    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
-    ws.reset_workspace_manager()
-    ws.init_workspace_manager(torch.device("cpu"))
-    yield ws.current_workspace_manager()
-    ws.reset_workspace_manager()
-
-
 def check_layout(vmd, expect: str, eng: Engine, batch) -> None:
     """The builder produced the layout the case is named for (so the case tests what it says), with vLLM's
     compressed lengths as the shim reads them."""
