@@ -209,9 +209,11 @@ def case_write(ctx: Ctx, d: int, bs: int, scale_fmt, pad: int, four_d: bool) -> 
     return err, "0 B" + (" (+midpoints)" if scale_fmt is None else ""), ok
 
 
-def _paged_requests(ctx: Ctx, g: torch.Generator, lens, d: int, bs: int, pad: int = 0):
+def _paged_requests(ctx: Ctx, g: torch.Generator, lens, d: int, bs: int, pad: int = 0, copy: bool = False):
     """Keys of requests with context ``lens`` written into two caches (the reference's on the CPU, the backend's
-    on the device) through one random block table. Returns (keys, block_table, ref cache, device cache)."""
+    on the device) through one random block table. Returns (keys, block_table, ref cache, device cache).
+    ``copy``: the device cache is a copy of the reference's bytes where the backend reads that layout (the
+    step's history: ``write_k_cache`` has its own rows)."""
     max_blocks = max(1, max((n + bs - 1) // bs for n in lens))
     nb = sum((n + bs - 1) // bs for n in lens) + 3
     perm = torch.randperm(nb, generator=g)
@@ -228,6 +230,9 @@ def _paged_requests(ctx: Ctx, g: torch.Generator, lens, d: int, bs: int, pad: in
     ref = new_kv_cache(nb, bs, d, block_pad=pad)
     write_k_cache(k_all, ref, slots, fp8_dtype=ctx.fp8, backend="reference")
     kv = new_kv_cache(nb, bs, d, device=ctx.device, block_pad=pad)
+    if copy and not _shuffled(ctx, bs):
+        kv.copy_(ref)
+        return keys, bt, ref, kv
     # the cache through the backend under test where it has the op (a logits-only backend, e.g. gluon: auto's)
     writer = ctx.op_backend if "write_k_cache" in _ops_of(ctx.backend) else None
     write_k_cache(k_all.to(ctx.device), kv, slots.to(ctx.device), fp8_dtype=ctx.fp8, backend=writer)
@@ -387,7 +392,7 @@ def case_step(ctx: Ctx, next_n: int, decode_lens: tuple[int, ...], prefill: tupl
     n_tok = sum(qry)
     t = n_tok + pad_rows
     old = [(s - q) // c for s, q in zip(seq, qry)]  # keys of groups that ended before this step
-    keys, bt, ref, kv = _paged_requests(ctx, g, old, d, bs)
+    keys, bt, ref, kv = _paged_requests(ctx, g, old, d, bs, copy=True)
     # the block table must also cover this step's keys: append fresh blocks after the cache's last one
     max_blocks = max(1, max((s // c + bs - 1) // bs for s in seq))
     nb_old = ref.shape[0]
@@ -469,7 +474,6 @@ def case_step(ctx: Ctx, next_n: int, decode_lens: tuple[int, ...], prefill: tupl
 # ---------------------------------------------------------------------------------------------- the list
 def cases(sizes: Sizes) -> list[tuple[str, str, Callable[[Ctx], tuple[str, str, bool]]]]:
     """(op, case name, function of the context) for every row of the table."""
-    v4_heads = 64 if sizes == FULL else 16
     out = [
         ("write_k_cache", "D=128 bs=64 ue8m0", lambda c: case_write(c, 128, 64, "ue8m0", 0, False)),
         ("write_k_cache", "D=64 bs=16 plain scale, padded 4-D", lambda c: case_write(c, 64, 16, None, 36, True)),
@@ -495,12 +499,11 @@ def cases(sizes: Sizes) -> list[tuple[str, str, Callable[[Ctx], tuple[str, str, 
         ("step", "next_n=4 uniform decode + prefill + 3 padding rows",
          lambda c: case_step(c, 4, (4, 4), ((400, 90),), 3)),
         ("step", "next_n=1 decode + prefill", lambda c: case_step(c, 1, (1, 1, 1), ((900, 130),), 0)),
-        # DeepSeek-V4's compressed indexer: one key per 4 tokens, topk 512 (V4-Flash) and 1024 (V4-Pro); its H = 64
-        # at full size, 16 heads under the CPU interpreter (the windows, slots and selection are what is new)
+        # DeepSeek-V4's compressed indexer: one key per 4 tokens, topk 512 (V4-Flash) and 1024 (V4-Pro)
         ("step", "C=4 topk=512 next_n=2 packed decode + prefill",
-         lambda c: case_step(c, 2, (2, 1, 2), ((800, 150),), 2, h=v4_heads, c=4, topk=512)),
+         lambda c: case_step(c, 2, (2, 1, 2), ((800, 150),), 2, c=4, topk=512)),
         ("step", "C=4 topk=1024 next_n=1 decode + prefill",
-         lambda c: case_step(c, 1, (1, 1), ((900, 90), (2, 5)), 0, h=v4_heads, c=4, topk=1024)),
+         lambda c: case_step(c, 1, (1, 1), ((900, 90), (2, 5)), 0, c=4, topk=1024)),
     ]
     return out
 

@@ -15,6 +15,7 @@ import torch
 
 import sparse_indexer as si
 from buffers import IndexerLimits, allocate
+from tests.cases import SLOW_BACKEND
 from tests.sparse_indexer.test_indexer import FN, check_topk, q64_keys
 
 
@@ -121,8 +122,10 @@ def test_step_matches_the_model(name, backend):
     _, _, kv = run(sc, backend)
     # the step wrote exactly the keys of the groups this step completed: the cache equals one written whole
     assert torch.equal(kv, sc.all_keys_written())
-    # keys already written by the model's compressor: the step with k=None selects the same
-    _, sel_none, _ = run(sc, backend, k_none=True)
+    # keys already written by the model's compressor: the step with k=None selects the same (the same kernels:
+    # once under the CPU interpreter)
+    if not SLOW_BACKEND or name == "mixed_c4":
+        run(sc, backend, k_none=True)
 
 
 def test_prefill_chunks_without_keys_are_minus_one(backend):
@@ -137,6 +140,8 @@ def test_prefill_chunks_without_keys_are_minus_one(backend):
     assert bool((out[60:68] == -1).all())
 
 
+@pytest.mark.skipif(SLOW_BACKEND, reason="the kernels of more query rows than keys run in mixed_c4 under the "
+                    "CPU interpreter; this split, in the reference pass and on the GPU")
 def test_long_prompt_has_more_queries_than_keys(backend):
     """One prompt of 200 tokens at C = 4: 200 query rows against 50 keys, split by the logits cap."""
     lim = limits(max_logits_bytes=4 * 50 * 60, n_heads=8)
