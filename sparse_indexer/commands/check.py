@@ -212,8 +212,9 @@ def case_write(ctx: Ctx, d: int, bs: int, scale_fmt, pad: int, four_d: bool) -> 
 def _paged_requests(ctx: Ctx, g: torch.Generator, lens, d: int, bs: int, pad: int = 0, copy: bool = False):
     """Keys of requests with context ``lens`` written into two caches (the reference's on the CPU, the backend's
     on the device) through one random block table. Returns (keys, block_table, ref cache, device cache).
-    ``copy``: the device cache is a copy of the reference's bytes where the backend reads that layout (the
-    step's history: ``write_k_cache`` has its own rows)."""
+    ``copy``: the device cache is a copy of the reference's bytes where the backend reads that layout (for the
+    paged logits and the step, which read a cache: ``write_k_cache`` is checked byte for byte by its own rows;
+    under the CPU interpreter the write of every key is most of those rows' time)."""
     max_blocks = max(1, max((n + bs - 1) // bs for n in lens))
     nb = sum((n + bs - 1) // bs for n in lens) + 3
     perm = torch.randperm(nb, generator=g)
@@ -303,7 +304,7 @@ def case_paged(ctx: Ctx, next_n: int, two_d: bool, h: int = 64, d: int = 128, bs
     g = ctx.gen(300 + next_n * 2 + two_d + h + bs)
     lens = [max(n, next_n) if n else 0 for n in ctx.sizes.paged_ctx]
     b = len(lens)
-    keys, bt, ref, kv = _paged_requests(ctx, g, lens, d, bs)
+    keys, bt, ref, kv = _paged_requests(ctx, g, lens, d, bs, copy=True)
     if two_d:  # per-token lengths: request r has d_r <= next_n new tokens, padding slots 0
         rows = []
         for n in lens:
