@@ -227,10 +227,16 @@ def _decode_from_vllm(d, num_decode_tokens: int, width: int, next_n: int, compre
         # one token per row: token t is row t (requests without a token, vLLM's padding, come last); rows of
         # seq_lens past the block table's (compressed one-token decodes) are padding tokens
         b = min(b, bt.shape[0], num_decode_tokens)
-    elif bt.shape[0] < b:
-        raise ValueError(f"decode.block_table has {bt.shape[0]} rows for {b} decode rows")
-    if nn == 1 or (not d.requires_padding and b * nn == num_decode_tokens):
         ctx = seq_lens[:b].to(torch.int32)
+        return DecodeMetadata(
+            num_reqs=b, next_n=1, uniform=True, width=width, context_lens=ctx, block_table=bt[:b],
+            row_starts=torch.zeros(b, dtype=torch.int32, device=dev),
+            row_ends=row_limits(ctx, 1).to(torch.int32), pack_src=None, unpack_src=None,
+        )
+    if bt.shape[0] < b:
+        raise ValueError(f"decode.block_table has {bt.shape[0]} rows for {b} decode rows")
+    if not d.requires_padding and b * nn == num_decode_tokens:
+        ctx = seq_lens.to(torch.int32)
         return DecodeMetadata(
             num_reqs=b, next_n=nn, uniform=True, width=width, context_lens=ctx, block_table=bt[:b],
             row_starts=torch.zeros(b * nn, dtype=torch.int32, device=dev),
