@@ -11,9 +11,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["HEAD_DIMS", "CacheLayout", "block_bytes", "cache_layout", "cache_views", "compressed_slot_mapping",
-           "encode_ue8m0x4", "decode_ue8m0", "new_kv_cache", "preshuffled_offsets", "read_keys",
-           "slots_from_block_table", "token_positions", "write_keys"]
+__all__ = ["HEAD_DIMS", "CacheLayout", "cache_layout", "cache_views", "compressed_slot_mapping", "encode_ue8m0x4",
+           "decode_ue8m0", "new_kv_cache", "preshuffled_offsets", "read_keys", "slots_from_block_table", "write_keys"]
 
 HEAD_DIMS = (64, 128)
 """The indexer head dims the ops take (docs/spec.md §1)."""
@@ -84,21 +83,13 @@ def cache_views(kv_cache: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.T
 
     Writing into them writes the cache. Works for padded block strides.
     """
-    raw, lay = block_bytes(kv_cache)
+    lay = cache_layout(kv_cache)
+    kv = as_3d(kv_cache)
     nb, bs, d = lay.num_blocks, lay.block_size, lay.head_dim
+    raw = kv.as_strided((nb, bs * (d + 4)), (lay.block_stride, 1), kv.storage_offset())
     values = raw[:, : bs * d].view(nb, bs, d).view(fp8_dtype)
     scales = raw[:, bs * d :].view(torch.float32)
     return values, scales
-
-
-def block_bytes(kv_cache: torch.Tensor) -> tuple[torch.Tensor, CacheLayout]:
-    """``([num_blocks, block_size * (D + 4)] uint8, layout)``: every block's bytes as one row (a view, padded block
-    strides included; writing it writes the cache), and the cache's checked :class:`CacheLayout`."""
-    lay = cache_layout(kv_cache)
-    kv = as_3d(kv_cache)
-    raw = kv.as_strided((lay.num_blocks, lay.block_size * (lay.head_dim + 4)), (lay.block_stride, 1),
-                        kv.storage_offset())
-    return raw, lay
 
 
 def new_kv_cache(num_blocks: int, block_size: int, head_dim: int = 128, *, device="cpu", block_pad: int = 0,
@@ -129,16 +120,6 @@ def slots_from_block_table(block_table: torch.Tensor, positions: torch.Tensor, b
     pos = positions.long()
     blk = block_table.long().gather(1, (pos.clamp(min=0) // block_size))
     return torch.where(pos >= 0, blk * block_size + pos.clamp(min=0) % block_size, -1)
-
-
-def token_positions(seq_lens: list[int], query_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(request, position)`` of every new token of a step, int64 CPU ``[sum(query_lens)]`` each: token ``j`` of
-    request ``r`` (tokens request after request) is its position ``seq_lens[r] - query_lens[r] + j``."""
-    q = torch.tensor(query_lens, dtype=torch.long)
-    req = torch.repeat_interleave(torch.arange(len(query_lens)), q)
-    first = torch.cumsum(q, 0) - q
-    pos = torch.tensor(seq_lens, dtype=torch.long)[req] - q[req] + (torch.arange(req.numel()) - first[req])
-    return req, pos
 
 
 def compressed_slot_mapping(block_table: torch.Tensor, seq_lens, query_lens, block_size: int, *,
@@ -173,7 +154,10 @@ def compressed_slot_mapping(block_table: torch.Tensor, seq_lens, query_lens, blo
     t = sum(qry)
     if not t:
         return torch.empty(0, dtype=torch.int64, device=dev)
-    req, pos = token_positions(seq, qry)
+    q = torch.tensor(qry, dtype=torch.long)
+    req = torch.repeat_interleave(torch.arange(len(qry)), q)
+    first = torch.cumsum(q, 0) - q
+    pos = torch.tensor(seq, dtype=torch.long)[req] - q[req] + (torch.arange(t) - first[req])
     writes = (pos + 1) % compress_ratio == 0
     ent = torch.where(writes, pos // compress_ratio, 0)  # (a token that writes nothing needs no block)
     if int(ent.max()) // block_size >= block_table.shape[1]:
@@ -233,12 +217,14 @@ def read_keys(kv_cache: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, fp8_
     decoded from the first of the four bytes, :func:`decode_ue8m0`; the other three are not read).
 
     A copy (advanced indexing); the reference backends' reader of every format."""
-    raw, lay = block_bytes(kv_cache)
+    lay = cache_layout(kv_cache)
+    kv = as_3d(kv_cache)
     nb, bs, d = lay.num_blocks, lay.block_size, lay.head_dim
+    raw = kv.as_strided((nb, bs * (d + 4)), (lay.block_stride, 1), kv.storage_offset())
     if order == "flat":
         values = raw[:, : bs * d].view(nb, bs, d).view(fp8_dtype)[blk, off]
     else:
-        offs = preshuffled_offsets(bs, d, raw.device)
+        offs = preshuffled_offsets(bs, d, kv.device)
         values = raw[blk.unsqueeze(-1), offs[off]].view(fp8_dtype)
     if scale == "float32":
         scales = raw[:, bs * d :].view(torch.float32)[blk, off]
@@ -252,12 +238,14 @@ def write_keys(kv_cache: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, val
     """Store keys (``values [S, D]`` FP8 in token order, ``scales [S]`` float32) in slots ``(blk, off)`` (int64
     ``[S]``) of a cache in the scale encoding ``scale`` and byte order ``order`` (:func:`read_keys`'s inverse;
     ``"ue8m0x4"`` is exact for power-of-two scales only: :func:`encode_ue8m0x4`)."""
-    raw, lay = block_bytes(kv_cache)
+    lay = cache_layout(kv_cache)
+    kv = as_3d(kv_cache)
     nb, bs, d = lay.num_blocks, lay.block_size, lay.head_dim
+    raw = kv.as_strided((nb, bs * (d + 4)), (lay.block_stride, 1), kv.storage_offset())
     if order == "flat":
         raw[:, : bs * d].view(nb, bs, d).view(values.dtype)[blk, off] = values
     else:
-        raw[blk[:, None], preshuffled_offsets(bs, d, raw.device)[off]] = values.view(torch.uint8)
+        raw[blk[:, None], preshuffled_offsets(bs, d, kv.device)[off]] = values.view(torch.uint8)
     if scale == "float32":
         raw[:, bs * d :].view(torch.float32)[blk, off] = scales
     else:

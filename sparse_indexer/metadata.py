@@ -15,7 +15,6 @@ import torch
 from buffers import IndexerLimits
 
 from ._runtime import checks as C
-from .kcache import token_positions
 
 __all__ = [
     "ChunkPlan", "PrefillChunk", "DecodeMetadata", "IndexerMetadata", "plan_prefill_chunks", "build_metadata",
@@ -365,7 +364,10 @@ def _check_blocks_and_slots(seq: list[int], qry: list[int], bt: torch.Tensor, sm
     if num_blocks is not None and int(sm.max()) >= num_blocks * bs:
         t = int(sm.argmax())
         raise ValueError(f"slot_mapping[{t}] = {int(sm[t])} >= num_blocks * block_size = {num_blocks * bs}")
-    req, pos = token_positions(seq, qry)  # the request and position of each token
+    q = torch.tensor(qry, dtype=torch.long)
+    req = torch.repeat_interleave(torch.arange(n_req), q)  # the request of each token
+    first = torch.cumsum(q, 0) - q
+    pos = torch.tensor(seq, dtype=torch.long)[req] - q[req] + (torch.arange(sm.numel()) - first[req])
     writes = sm >= 0
     if c > 1:
         keyless = writes & ((pos + 1) % c != 0)

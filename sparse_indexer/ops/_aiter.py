@@ -9,7 +9,7 @@ import importlib
 
 import torch
 
-from ..kcache import block_bytes, preshuffled_offsets
+from ..kcache import cache_layout
 
 __all__ = ["NATIVE_FP8", "aiter_triton_module", "gcn_arch", "native_fp8", "preshuffle_offsets", "preshuffled",
            "raw_blocks"]
@@ -42,16 +42,22 @@ def preshuffled(block_size: int, fp8_dtype: torch.dtype, arch: str | None) -> bo
     return arch in NATIVE_FP8 and NATIVE_FP8[arch] == fp8_dtype and block_size % 16 == 0
 
 
-preshuffle_offsets = preshuffled_offsets
-"""``[block_size, head_dim]`` int64: byte offset of value (t, d) inside a preshuffled block (docs/spec.md §4;
-:func:`sparse_indexer.kcache.preshuffled_offsets`)."""
+def preshuffle_offsets(block_size: int, head_dim: int, device=None) -> torch.Tensor:
+    """``[block_size, head_dim]`` int64: byte offset of value (t, d) inside a preshuffled block (docs/spec.md §4)."""
+    if block_size % 16 or head_dim % 16:
+        raise ValueError(f"preshuffling needs block_size and head_dim multiples of 16, got {block_size}, {head_dim}")
+    t = torch.arange(block_size, device=device)[:, None]
+    d = torch.arange(head_dim, device=device)[None, :]
+    return (t // 16) * 16 * head_dim + (d // 16) * 256 + (t % 16) * 16 + d % 16
 
 
 def raw_blocks(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(``[nb, block_size * (D + 4)]`` uint8 bytes of every block, ``[nb, block_size]`` float32 scales) of a
     3-D cache view; works for padded block strides."""
-    raw, lay = block_bytes(kv_cache)
-    return raw, raw[:, lay.block_size * lay.head_dim :].view(torch.float32)
+    lay = cache_layout(kv_cache)
+    nb, bs, d = lay.num_blocks, lay.block_size, lay.head_dim
+    raw = kv_cache.as_strided((nb, bs * (d + 4)), (lay.block_stride, 1), kv_cache.storage_offset())
+    return raw, raw[:, bs * d :].view(torch.float32)
 
 
 def native_fp8(device: torch.device) -> torch.dtype:
