@@ -34,7 +34,8 @@ from ._runtime.triton_compat import interpreting
 __all__ = ["OPS", "Backend", "auto_order", "generation", "get", "names", "register", "topk_workspace_cols",
            "unregister"]
 
-OPS = ("write_k_cache", "gather_k_cache", "fp8_mqa_logits", "fp8_paged_mqa_logits", "top_k_per_row")
+OPS = ("write_k_cache", "gather_k_cache", "fp8_mqa_logits", "fp8_paged_mqa_logits", "top_k_per_row",
+       "select_candidate_blocks")
 """Every op, in the order of a step."""
 
 ANY_DEVICE = "*"

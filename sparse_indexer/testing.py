@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ADVERSARIAL_DISTRIBUTIONS", "LOGITS_RTOL_L2", "TOPK_DISTRIBUTIONS", "assert_logits", "assert_topk",
-           "capture_cuda_graph", "logits_error", "rank_key", "top_values", "topk_errors", "topk_values"]
+__all__ = ["ADVERSARIAL_DISTRIBUTIONS", "LOGITS_RTOL_L2", "TOPK_DISTRIBUTIONS", "assert_candidates", "assert_logits",
+           "assert_topk", "block_scores", "candidate_errors", "capture_cuda_graph", "eligible", "logits_error",
+           "rank_key", "top_values", "topk_errors", "topk_values"]
 
 LOGITS_RTOL_L2 = 1e-5
 """Relative L2 error allowed inside the windows against float64 (FP8 products exact in float32, float32 sums)."""
@@ -211,13 +212,138 @@ def _row_error(i: int, row: torch.Tensor, window: torch.Tensor, rtol: float, thr
 
 
 def assert_topk(sel: torch.Tensor, logits, starts=None, ends=None, *, rtol: float = 0.0,
-                threshold: bool = False) -> None:
+                threshold: bool = False, candidates: torch.Tensor | None = None,
+                candidate_block_size: int | None = None) -> None:
     """Raise ``AssertionError`` naming the first wrong row unless ``sel [R, topk]`` (int32) is the top-k of every
-    window: ``logits [R, W]`` with ``starts/ends [R]``, or ``logits`` a sequence of ``R`` 1-D windows."""
+    window: ``logits [R, W]`` with ``starts/ends [R]``, or ``logits`` a sequence of ``R`` 1-D windows. With
+    ``candidates`` (and ``candidate_block_size``), the top-k of each window's candidate cells
+    (:func:`candidate_topk_errors`; exact values only)."""
     assert sel.dtype == torch.int32, f"top-k output must be int32, got {sel.dtype}"
-    errors = topk_errors(sel, logits, starts, ends, rtol=rtol, threshold=threshold, limit=1)
+    if candidates is not None:
+        errors = candidate_topk_errors(sel, logits, starts, ends, candidates, candidate_block_size, limit=1)
+    else:
+        errors = topk_errors(sel, logits, starts, ends, rtol=rtol, threshold=threshold, limit=1)
     if errors:
         raise AssertionError(errors[0])
+
+
+# ---------------------------------------------------------------- candidate blocks (docs/spec.md §6a)
+PINNED = float("inf")
+"""Rank of a row's newest block: above every score."""
+
+
+def block_scores(window: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Rank keys (float64) of the blocks of one 1-D window, as docs/spec.md §6a ranks them: the newest block
+    ``+inf``; a block whose maximum is ``+inf`` ``1e300``; one holding a NaN ``-1e300``; one of ``-inf`` cells only
+    ``-inf`` (never a candidate); any other its maximum."""
+    x = window.double()
+    n = x.shape[0]
+    nv = -(-n // block_size)
+    pad = torch.full((nv * block_size,), NEG_INF, dtype=torch.float64, device=x.device)
+    pad[:n] = x
+    pad = pad.view(nv, block_size)
+    nan = torch.isnan(pad).any(dim=1)
+    mx = torch.where(torch.isnan(pad), NEG_INF, pad).amax(dim=1) if nv else pad.new_zeros(0)
+    key = torch.where(mx == float("inf"), 1e300, mx)
+    key = torch.where(nan, -1e300, key)
+    if nv:
+        key[nv - 1] = PINNED
+    return key
+
+
+def _window(x, s, e, i) -> torch.Tensor:
+    return x[i, int(s[i]) : max(int(s[i]), int(e[i]))]
+
+
+def candidate_errors(cand: torch.Tensor, logits, starts, ends, block_size: int, *,
+                     limit: int | None = None) -> list[str]:
+    """What is wrong with each row of ``cand [R, K_b]`` (int32) as the candidate blocks of its window
+    (docs/spec.md §6a): the first ``m = min(K_b, blocks not all -inf)`` columns must hold distinct block ids of
+    the window whose rank keys (:func:`block_scores`), sorted, equal the ``m`` largest; the rest -1."""
+    x, s, e = _as_rows(logits, starts, ends)
+    r, kb = cand.shape
+    cand = cand.to(x.device).long()
+    errors = []
+    for i in range(r):
+        key = block_scores(_window(x, s, e, i), block_size)
+        m = min(kb, int((key > NEG_INF).sum()))
+        row = cand[i]
+        msg = None
+        if bool((row[m:] != -1).any()) or bool((row[:m] < 0).any()):
+            msg = f"row {i}: want {m} ids then -1, got {row[:min(kb, m + 8)].tolist()}..."
+        elif bool((row[:m] >= key.shape[0]).any()):
+            msg = f"row {i}: block ids outside [0, {key.shape[0]}): {row[:m][row[:m] >= key.shape[0]][:8].tolist()}"
+        elif row[:m].unique().numel() != m:
+            msg = f"row {i}: a block id appears twice"
+        else:
+            got = key[row[:m]].sort(descending=True).values
+            want = key.sort(descending=True).values[:m]
+            if not torch.equal(got, want):
+                j = int((got != want).nonzero()[0])
+                msg = (f"row {i}: sorted block scores differ from the {m} largest at rank {j}: got {float(got[j])!r},"
+                       f" want {float(want[j])!r}")
+        if msg is not None:
+            errors.append(msg)
+            if limit is not None and len(errors) >= limit:
+                break
+    return errors
+
+
+def assert_candidates(cand: torch.Tensor, logits, starts, ends, block_size: int) -> None:
+    """Raise ``AssertionError`` naming the first wrong row of :func:`candidate_errors`."""
+    assert cand.dtype == torch.int32, f"candidates must be int32, got {cand.dtype}"
+    errors = candidate_errors(cand, logits, starts, ends, block_size, limit=1)
+    if errors:
+        raise AssertionError(errors[0])
+
+
+def eligible(n: int, ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The positions ``[0, n)`` of a window of ``n`` cells inside the candidate blocks ``ids`` (1-D; negative
+    ids and ids past the window select nothing), sorted."""
+    ids = ids.long().unique()
+    ids = ids[(ids >= 0) & (ids * block_size < n)]
+    pos = (ids[:, None] * block_size + torch.arange(block_size, device=ids.device)[None, :]).flatten()
+    return pos[pos < n].sort().values
+
+
+def candidate_topk_errors(sel: torch.Tensor, logits, starts, ends, candidates: torch.Tensor, block_size: int, *,
+                          limit: int | None = None) -> list[str]:
+    """What is wrong with each row of ``sel [R, topk]`` as the candidate-restricted top-k of its window
+    (docs/spec.md §6a): with ``n_e <= topk`` eligible cells (:func:`eligible`), all of them first (any order),
+    then -1; otherwise ``topk`` distinct eligible positions whose values, sorted, equal the ``topk`` largest
+    eligible values (NaN as ``-inf``)."""
+    x, s, e = _as_rows(logits, starts, ends)
+    r, topk = sel.shape
+    sel = sel.to(x.device).long()
+    candidates = candidates.to(x.device)
+    errors = []
+    for i in range(r):
+        win = _window(x, s, e, i)
+        pos = eligible(win.shape[0], candidates[i], block_size)
+        row = sel[i]
+        k = min(topk, pos.shape[0])
+        msg = None
+        if bool((row[k:] != -1).any()) or bool((row[:k] < 0).any()):
+            msg = f"row {i}: want {k} positions then -1, got {row[:min(topk, k + 8)].tolist()}..."
+        elif row[:k].unique().numel() != k:
+            msg = f"row {i}: a position appears twice"
+        elif not bool(torch.isin(row[:k], pos).all()):
+            msg = f"row {i}: positions outside the candidate blocks: {row[:k][~torch.isin(row[:k], pos)][:8].tolist()}"
+        elif k < topk:
+            pass  # every eligible cell, each once
+        else:
+            key = rank_key(win)
+            got = key[row].sort(descending=True).values
+            want = key[pos].sort(descending=True).values[:topk]
+            if not torch.equal(got, want):
+                j = int((got != want).nonzero()[0])
+                msg = (f"row {i}: sorted selected values differ from the {topk} largest candidate values at rank "
+                       f"{j}: got {float(got[j])!r}, want {float(want[j])!r}")
+        if msg is not None:
+            errors.append(msg)
+            if limit is not None and len(errors) >= limit:
+                break
+    return errors
 
 
 def logits_error(actual: torch.Tensor, expected: torch.Tensor, inside: torch.Tensor | None = None, *,

@@ -18,9 +18,14 @@ op                         schema (after ``sparse_indexer::``)                  
                            ``fp8_paged_mqa_logits_with_qk``: ``indices`` required (may be
                            ``None``), then ``str backend, qk!`` (aiter stage1's scratch; no
                            cache format: a call in any but the plain format passes no ``qk``)
-``top_k_per_row``          ``(logits, row_starts, row_ends, out!, str backend)``;             ``out``
-                           ``top_k_per_row_with_workspace`` adds ``workspace!`` (the split-   (and
-                           row top-k's global scratch)                                         ``workspace``)
+``top_k_per_row``          ``(logits, row_starts, row_ends, out!, str backend, Tensor?          ``out``
+                           candidates=None, int candidate_block_size=0)``;                   (and
+                           ``top_k_per_row_with_workspace``: ``(logits, row_starts,           ``workspace``)
+                           row_ends, out!, str backend, workspace!)`` (the split-row top-k's
+                           global scratch)
+``select_candidate_blocks`` ``(logits, row_starts, row_ends, out!, int block_size, str         ``out`` (and
+                           backend)``; ``select_candidate_blocks_with_workspace`` adds        ``workspace``)
+                           ``workspace!`` (the block scores)
 =========================  ==================================================================  =================
 
 Arguments are plain tensors and scalars: a :class:`buffers.Buffers` record never crosses the op boundary (the
@@ -142,9 +147,18 @@ def _fp8_paged_mqa_logits_with_qk(q: Tensor, kv_cache: Tensor, weights: Tensor, 
          clean=clean, qk=qk, **extra)
 
 
+def _candidate_extra(candidates, candidate_block_size) -> dict:
+    """The candidate restriction of a top-k, passed on only when given (the backends' default is none)."""
+    if candidates is None:
+        return {}
+    return {"candidates": candidates, "candidate_block_size": candidate_block_size}
+
+
 @torch.library.custom_op(f"{NAMESPACE}::top_k_per_row", mutates_args=("out",))
-def _top_k_per_row(logits: Tensor, row_starts: Tensor, row_ends: Tensor, out: Tensor, backend: str) -> None:
-    _run("top_k_per_row", backend, logits.device, logits, row_starts, row_ends, out=out)
+def _top_k_per_row(logits: Tensor, row_starts: Tensor, row_ends: Tensor, out: Tensor, backend: str,
+                   candidates: Optional[Tensor] = None, candidate_block_size: int = 0) -> None:
+    _run("top_k_per_row", backend, logits.device, logits, row_starts, row_ends, out=out,
+         **_candidate_extra(candidates, candidate_block_size))
 
 
 # The same op with the split-row top-k's global scratch (Triton, few rows); separate for the reason above.
@@ -152,6 +166,21 @@ def _top_k_per_row(logits: Tensor, row_starts: Tensor, row_ends: Tensor, out: Te
 def _top_k_per_row_with_workspace(logits: Tensor, row_starts: Tensor, row_ends: Tensor, out: Tensor, backend: str,
                                   workspace: Tensor) -> None:
     _run("top_k_per_row", backend, logits.device, logits, row_starts, row_ends, out=out, workspace=workspace)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::select_candidate_blocks", mutates_args=("out",))
+def _select_candidate_blocks(logits: Tensor, row_starts: Tensor, row_ends: Tensor, out: Tensor, block_size: int,
+                             backend: str) -> None:
+    _run("select_candidate_blocks", backend, logits.device, logits, row_starts, row_ends, out=out,
+         block_size=block_size)
+
+
+# The same op with its block-score scratch; separate for the reason above.
+@torch.library.custom_op(f"{NAMESPACE}::select_candidate_blocks_with_workspace", mutates_args=("out", "workspace"))
+def _select_candidate_blocks_with_workspace(logits: Tensor, row_starts: Tensor, row_ends: Tensor, out: Tensor,
+                                            block_size: int, backend: str, workspace: Tensor) -> None:
+    _run("select_candidate_blocks", backend, logits.device, logits, row_starts, row_ends, out=out,
+         block_size=block_size, workspace=workspace)
 
 
 _DEFS = {
@@ -162,6 +191,8 @@ _DEFS = {
     "fp8_paged_mqa_logits_with_qk": _fp8_paged_mqa_logits_with_qk,
     "top_k_per_row": _top_k_per_row,
     "top_k_per_row_with_workspace": _top_k_per_row_with_workspace,
+    "select_candidate_blocks": _select_candidate_blocks,
+    "select_candidate_blocks_with_workspace": _select_candidate_blocks_with_workspace,
 }
 
 
@@ -244,7 +275,8 @@ def runs_directly(device: torch.device, tensors) -> bool:
 _RECORD_NAMES = {name: f"{NAMESPACE}::{name}" for name in OPS}
 # the keyword arguments each op writes (write_k_cache writes its positional kv_cache), as in mutates_args
 _WRITES = {"write_k_cache": (), "gather_k_cache": ("out_k", "out_scale"), "fp8_mqa_logits": ("out",),
-           "fp8_paged_mqa_logits": ("out", "qk"), "top_k_per_row": ("out", "workspace")}
+           "fp8_paged_mqa_logits": ("out", "qk"), "top_k_per_row": ("out", "workspace"),
+           "select_candidate_blocks": ("out", "workspace")}
 _inference_mode = torch.is_inference_mode_enabled
 _bump = torch._C._increment_version
 _routes = _dispatch.routes

@@ -22,7 +22,8 @@ MIN_WORKSPACE_COLS = TOPK_SCRATCH_COUNTERS + 2
 
 def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Tensor, *, out: torch.Tensor,
                   backend: str | None = None, check_values: bool | None = None,
-                  workspace: torch.Tensor | None = None, _checked: bool = False) -> torch.Tensor:
+                  workspace: torch.Tensor | None = None, candidates: torch.Tensor | None = None,
+                  candidate_block_size: int | None = None, _checked: bool = False) -> torch.Tensor:
     """Select, per row, the positions of the ``topk = out.shape[1]`` largest logits of its window.
 
     Row ``r``'s window is ``[row_starts[r], row_ends[r])`` (``len`` clamped at 0). When ``len <= topk`` the row
@@ -46,6 +47,13 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
             :meth:`Buffers.topk_scratch_view`) for backends that split rows over several programs (Triton, when
             ``R`` is below twice the SM count): per row 32 counters, then positions and values of up to
             ``(C - 32) // 2`` candidates. The other backends ignore it; its contents afterwards are undefined.
+        candidates: optional ``[R, K_b]`` int32 candidate block ids (docs/spec.md §6a; what
+            :func:`sparse_indexer.select_candidate_blocks` writes): only the window cells inside a candidate block
+            (``[s + j*b, s + (j+1)*b)`` for each id ``j >= 0``, ``b = candidate_block_size``) are eligible. A
+            row with at most ``topk`` eligible cells gets all of their positions, then -1; otherwise the
+            ``topk`` largest eligible ones. Only those cells are read and the logits are left as they are. Ids
+            past the window select nothing; an id named twice in a row is an error (checked with the values).
+        candidate_block_size: ``b``, positions per candidate block (required with ``candidates``).
 
     Raises:
         BufferTooSmall: ``workspace`` has fewer than ``R`` rows or fewer than 34 columns.
@@ -56,6 +64,12 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
     ``_checked=True`` is for :func:`sparse_indexer.sparse_attn_indexer` alone, which proved every argument in
     :func:`~sparse_indexer.indexer.check_step` and its metadata in :func:`~sparse_indexer.build_metadata`.
     """
+    if candidates is not None:
+        _candidate_call(logits, row_starts, row_ends, out, backend, check_values, candidates, candidate_block_size,
+                        _checked)
+        return out
+    if candidate_block_size is not None:
+        raise ValueError("candidate_block_size is given without candidates")
     if _checked:
         if workspace is None:
             library.call("top_k_per_row", backend, logits.device, logits, row_starts, row_ends, out=out)
@@ -106,6 +120,28 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
 _LAYOUTS = C.Layouts()  # the last fully checked call's layout (host overhead per call)
 _plain_eager = library.plain_eager
 _run = library.run_direct
+
+
+def _candidate_call(logits, row_starts, row_ends, out, backend, check_values, candidates, block_size,
+                    checked: bool) -> None:
+    """A candidate-restricted top-k (no workspace: its backends need none)."""
+    if not checked:
+        C.tensor("logits", logits, ndim=2, dtypes=LOGITS_DTYPES, last_contiguous=True)
+        r, w = logits.shape
+        dev = logits.device
+        C.tensor("row_starts", row_starts, dtypes=C.INDEX_DTYPES, device=dev, shape=(r,), contiguous=True)
+        C.tensor("row_ends", row_ends, dtypes=C.INDEX_DTYPES, device=dev, shape=(r,), contiguous=True)
+        C.tensor("out", out, ndim=2, dtypes=torch.int32, device=dev, shape=(r, None), last_contiguous=True)
+        if out.shape[1] < 1:
+            raise ValueError(f"out.shape[1] (topk) must be >= 1, got {out.shape[1]}")
+        from ..select_candidate_blocks import check_candidates
+
+        block_size = check_candidates(candidates, r, dev, block_size, check_values)
+        C.no_alias("out", out, logits=logits, row_starts=row_starts, row_ends=row_ends, candidates=candidates)
+        if C.want_value_checks(check_values, row_starts, row_ends):
+            _check_values(row_starts, row_ends, w)
+    library.call("top_k_per_row", backend, logits.device, logits, row_starts, row_ends, out=out,
+                 candidates=candidates, candidate_block_size=block_size)
 
 
 def _check_values(row_starts: torch.Tensor, row_ends: torch.Tensor, w: int) -> None:

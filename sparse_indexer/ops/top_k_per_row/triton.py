@@ -504,9 +504,149 @@ def use_split(rows: int, device: torch.device, width: int) -> bool:
     return 0 < rows < 2 * _sm_count(torch.device(device)) and width >= SPLIT_MIN_WIDTH
 
 
-def top_k_per_row(logits, row_starts, row_ends, *, out, workspace=None) -> None:
+def top_k_per_row(logits, row_starts, row_ends, *, out, workspace=None, candidates=None,
+                  candidate_block_size=None) -> None:
     """See :func:`sparse_indexer.top_k_per_row`; arguments are checked."""
+    if candidates is not None:
+        candidate_top_k(logits, row_starts, row_ends, out, candidates, candidate_block_size)
+        return
     if workspace is not None and use_split(logits.shape[0], logits.device, logits.shape[1]):
         _launch_split(logits, row_starts, row_ends, out, workspace)
     else:
         _launch(logits, row_starts, row_ends, out)
+
+
+# ---------------------------------------------------------------- candidate-restricted top-k (docs/spec.md §6a)
+# Shared with the Triton select_candidate_blocks (sparse_indexer/ops/select_candidate_blocks/triton.py): an exact
+# radix select of the k largest uint32 keys of a row, key 0 never taken (cells that are not eligible), in three
+# digits of 11, 11 and 10 bits, then one compaction pass.
+RADIX_BINS = 2048
+CAND_CELLS = 4096  # cells per tile of the candidate top-k (candidates per tile: CAND_CELLS // next_pow2(b))
+CAND_WARPS = 8
+
+
+@triton.jit
+def radix_digit(hist, krem, NB: tl.constexpr):
+    """The digit ``d`` of the ``krem``-th largest key given the histogram ``hist [NB]`` of the digits of the keys
+    still in the running, and ``krem`` minus the keys of larger digits."""
+    bins = tl.arange(0, NB)
+    suf = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # keys with digit >= b
+    d = tl.max(tl.where(suf >= krem, bins, 0), 0)
+    return d, krem - tl.sum(tl.where(bins > d, hist, 0), 0)
+
+
+@triton.jit
+def masked_hist(key, match, SHIFT: tl.constexpr, NB: tl.constexpr, N: tl.constexpr):
+    """Histogram ``[NB]`` of the digits ``(key >> SHIFT) & (NB - 1)`` of the ``N`` keys where ``match``."""
+    d = tl.where(match, (key >> SHIFT) & (NB - 1), 0).to(tl.int32)
+    miss = N - tl.sum(match.to(tl.int32), 0)  # sent to bin 0, taken back out
+    return tl.histogram(d, NB) - tl.where(tl.arange(0, NB) == 0, miss, 0)
+
+
+@triton.jit
+def compact_tile(orow, key, val, thr, need_eq, n_gt, ng, neq):
+    """Store ``val`` where ``key > thr`` at ``orow[ng + rank]`` and, for the first ``need_eq`` keys equal to
+    ``thr`` (a running count ``neq``), at ``orow[n_gt + neq + rank]``; returns the updated ``ng, neq``."""
+    gt = (key > thr).to(tl.int32)
+    eq = ((key == thr) & (neq < need_eq)).to(tl.int32)
+    packed = gt + (eq << 16)  # tiles < 2**16 cells: counts never carry
+    cs = tl.cumsum(packed, 0)
+    p_gt = ng + (cs & 0xFFFF) - 1
+    p_eq = neq + (cs >> 16) - 1
+    take = (gt != 0) | ((eq != 0) & (p_eq < need_eq))
+    tl.store(orow + tl.where(gt != 0, p_gt, n_gt + p_eq), val, mask=take)
+    tot = tl.sum(packed, 0)
+    return ng + (tot & 0xFFFF), neq + (tot >> 16)
+
+
+@triton.jit
+def fill_rest(orow, k, total, BLOCK: tl.constexpr):
+    """``orow[k:total] = -1``."""
+    offs = tl.arange(0, BLOCK)
+    for i in range(k, total, BLOCK):
+        o = i + offs
+        tl.store(orow + o, tl.full([BLOCK], -1, tl.int32), mask=o < total)
+
+
+@triton.jit
+def _cand_tile(base, crow, c0, n, kb, BS: tl.constexpr, BP: tl.constexpr, TC: tl.constexpr):
+    """Keys and window positions of the cells of candidates ``[c0, c0 + TC)``: 0 where not eligible, at least
+    1 where eligible (``-inf`` and NaN are 1, below every finite value)."""
+    j = c0 + tl.arange(0, TC)
+    cid = tl.load(crow + j, mask=j < kb, other=-1).to(tl.int64)
+    o = tl.arange(0, BP)
+    col = cid[:, None] * BS + o[None, :]
+    m = (cid[:, None] >= 0) & (o[None, :] < BS) & (col < n)
+    x = tl.load(base + col, mask=m, other=float("-inf")).to(tl.float32)
+    key = _sort_key(x)
+    key = tl.where(m, tl.where(key == 0, 1, key), 0).to(tl.uint32)
+    return tl.reshape(key, [TC * BP]), tl.reshape(col.to(tl.int32), [TC * BP])
+
+
+@triton.jit
+def _cand_hist(base, crow, n, kb, prefix, SHIFT_HI: tl.constexpr, SHIFT: tl.constexpr, NB: tl.constexpr,
+               BS: tl.constexpr, BP: tl.constexpr, TC: tl.constexpr):
+    hist = tl.zeros([NB], tl.int32)
+    for c0 in range(0, kb, TC):
+        key, pos = _cand_tile(base, crow, c0, n, kb, BS, BP, TC)
+        hist += masked_hist(key, (key >> SHIFT_HI) == (prefix >> SHIFT_HI), SHIFT, NB, TC * BP)
+    return hist
+
+
+@triton.jit
+def _candidate_topk_kernel(out_ptr, logits_ptr, starts_ptr, ends_ptr, cand_ptr, stride_l, stride_o, stride_c, topk,
+                           kb, BS: tl.constexpr, BP: tl.constexpr, TC: tl.constexpr, NB: tl.constexpr):
+    """One program per row: the ``topk`` largest eligible cells of the row's candidate blocks (all of them when
+    there are at most ``topk``), by an exact radix select over keys recomputed from the candidate cells."""
+    row = tl.program_id(0)
+    start = tl.load(starts_ptr + row)
+    n = tl.maximum(tl.load(ends_ptr + row) - start, 0)
+    base = logits_ptr + row.to(tl.int64) * stride_l + start
+    crow = cand_ptr + row.to(tl.int64) * stride_c
+    orow = out_ptr + row.to(tl.int64) * stride_o
+    hist = tl.zeros([NB], tl.int32)
+    ne = n * 0
+    for c0 in range(0, kb, TC):
+        key, pos = _cand_tile(base, crow, c0, n, kb, BS, BP, TC)
+        hist += tl.histogram((key >> 21).to(tl.int32), NB)
+        ne += tl.sum((key != 0).to(tl.int32), 0)
+    thr = tl.zeros((), tl.uint32)  # at most topk eligible: every key > 0
+    need_eq = ne * 0
+    if ne > topk:
+        d0, krem = radix_digit(hist, topk, NB)
+        prefix = d0.to(tl.uint32) << 21
+        d1, krem = radix_digit(_cand_hist(base, crow, n, kb, prefix, 21, 10, NB, BS, BP, TC), krem, NB)
+        prefix = prefix | (d1.to(tl.uint32) << 10)
+        d2, krem = radix_digit(_cand_hist(base, crow, n, kb, prefix, 10, 0, 1024, BS, BP, TC), krem, 1024)
+        thr = prefix | d2.to(tl.uint32)
+        need_eq = krem
+    k = tl.minimum(ne, topk)
+    n_gt = k - need_eq
+    ng = n * 0
+    neq = n * 0
+    for c0 in range(0, kb, TC):
+        key, pos = _cand_tile(base, crow, c0, n, kb, BS, BP, TC)
+        ng, neq = compact_tile(orow, key, pos, thr, need_eq, n_gt, ng, neq)
+    fill_rest(orow, k, topk, 1024)
+
+
+_CAND = Launcher(_candidate_topk_kernel)
+
+
+@functools.lru_cache(maxsize=64)
+def _cand_cfg(block_size: int):
+    bp = triton.next_power_of_2(block_size)
+    return _CAND.config(BS=block_size, BP=bp, TC=max(1, CAND_CELLS // bp), NB=RADIX_BINS, num_warps=CAND_WARPS)
+
+
+def candidate_top_k(logits, row_starts, row_ends, out, candidates, block_size) -> None:
+    """The candidate-restricted top-k (arguments checked): one launch, no scratch."""
+    r = logits.shape[0]
+    if r == 0:
+        return
+    if triton.next_power_of_2(block_size) > CAND_CELLS:
+        raise NotImplementedError(f"candidate blocks of {block_size} positions (the Triton top-k takes <= "
+                                  f"{CAND_CELLS})")
+    _CAND.launch_with((r,), _cand_cfg(block_size),
+                      (out, logits, row_starts, row_ends, candidates, logits.stride(0), out.stride(0),
+                       candidates.stride(0), out.shape[1], candidates.shape[1]), 5)

@@ -1,0 +1,119 @@
+"""``select_candidate_blocks``: the candidate blocks a source indexer layer publishes per row (docs/spec.md §6a).
+
+DeepSeek-V4.1's two-level indexer: one *source* layer scores the whole window, keeps its own top-k and publishes,
+for every row, the ``K_b`` blocks of ``b`` consecutive positions with the largest logits (the newest block always
+among them); later *consumer* layers select their top-k inside those blocks only
+(:func:`sparse_indexer.top_k_per_row` with ``candidates=``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from buffers import BufferTooSmall
+
+from ..._runtime import checks as C
+from ..._runtime import library
+
+__all__ = ["select_candidate_blocks", "check_candidates", "num_blocks"]
+
+LOGITS_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def num_blocks(width: int, block_size: int) -> int:
+    """Blocks of ``block_size`` positions that cover ``width`` logits columns: ``ceil(width / block_size)``."""
+    return -(-width // block_size)
+
+
+def _block_size(block_size) -> int:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    return block_size
+
+
+def select_candidate_blocks(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Tensor, *,
+                            out: torch.Tensor, block_size: int, backend: str | None = None,
+                            check_values: bool | None = None, workspace: torch.Tensor | None = None,
+                            _checked: bool = False) -> torch.Tensor:
+    """Per row, the ids of the ``K_b = out.shape[1]`` blocks of ``block_size`` positions with the largest logits.
+
+    Row ``r``'s window is ``[s, e) = [row_starts[r], row_ends[r])``; block ``j`` (an id relative to ``s``) covers
+    ``[s + j*b, s + (j+1)*b)`` clipped to the window. Its score is the NaN-propagating maximum of its cells; the
+    newest block (the one holding ``e - 1``) ranks above every other; a block holding a NaN ranks below every
+    finite score; a block whose cells are all ``-inf`` is never a candidate. The row holds the ids of the
+    ``min(K_b, candidates)`` best blocks first, in any order (ties broken either way), then -1. Cells outside the
+    window are never read (``clean=False`` logits are fine).
+
+    Args:
+        logits: ``[R, W]`` float32 or bfloat16 (unit last stride): the source layer's logits.
+        row_starts, row_ends: ``[R]`` int32 windows (``row_ends <= W`` for non-empty rows), as for
+            :func:`sparse_indexer.top_k_per_row`.
+        out: ``[R, K_b]`` int32, written in place.
+        block_size: ``b``, positions per block (DeepSeek-V4.1: 8).
+        backend: ``None``/``"auto"`` or a backend's name.
+        check_values: check the windows against ``W`` (a sync on a GPU); default: on the CPU only.
+        workspace: optional ``[>= R, >= ceil(W / b)]`` int32 scratch for the block scores (a
+            :meth:`Buffers.block_scores_view`); the Triton backend needs it and allocates one when it is not given
+            (the step always passes one). Contents afterwards undefined.
+
+    Raises:
+        BufferTooSmall: ``workspace`` is smaller than ``[R, ceil(W / b)]``.
+
+    Returns:
+        ``out``.
+    """
+    if _checked:
+        _call(logits, row_starts, row_ends, out, block_size, backend, workspace)
+        return out
+    C.tensor("logits", logits, ndim=2, dtypes=LOGITS_DTYPES, last_contiguous=True)
+    r, w = logits.shape
+    dev = logits.device
+    C.tensor("row_starts", row_starts, dtypes=C.INDEX_DTYPES, device=dev, shape=(r,), contiguous=True)
+    C.tensor("row_ends", row_ends, dtypes=C.INDEX_DTYPES, device=dev, shape=(r,), contiguous=True)
+    C.tensor("out", out, ndim=2, dtypes=torch.int32, device=dev, shape=(r, None), last_contiguous=True)
+    if out.shape[1] < 1:
+        raise ValueError(f"out.shape[1] (candidate blocks K_b) must be >= 1, got {out.shape[1]}")
+    b = _block_size(block_size)
+    C.no_alias("out", out, logits=logits, row_starts=row_starts, row_ends=row_ends)
+    if workspace is not None:
+        C.tensor("workspace", workspace, ndim=2, dtypes=torch.int32, device=dev, last_contiguous=True)
+        need = num_blocks(w, b)
+        if workspace.shape[0] < r or workspace.shape[1] < need:
+            raise BufferTooSmall("workspace", r * need, workspace.numel(),
+                                 f"block scores of shape {tuple(workspace.shape)}: needs >= [{r}, {need}] int32")
+        C.no_alias("workspace", workspace, logits=logits, row_starts=row_starts, row_ends=row_ends, out=out)
+    if C.want_value_checks(check_values, row_starts, row_ends):
+        nonempty = lambda: row_ends > row_starts  # noqa: E731 - built only when a value is out of range
+        C.values_in("row_starts", row_starts, 0, None, "window starts must be >= 0", mask=nonempty)
+        C.values_in("row_ends", row_ends, None, w + 1, lambda: f"window ends must be <= W = {w}", mask=nonempty)
+    _call(logits, row_starts, row_ends, out, b, backend, workspace)
+    return out
+
+
+def _call(logits, row_starts, row_ends, out, block_size, backend, workspace) -> None:
+    if workspace is None:
+        library.call("select_candidate_blocks", backend, logits.device, logits, row_starts, row_ends, out=out,
+                     block_size=block_size)
+    else:
+        library.call("select_candidate_blocks", backend, logits.device, logits, row_starts, row_ends, out=out,
+                     block_size=block_size, workspace=workspace)
+
+
+def check_candidates(candidates: torch.Tensor, rows: int, device: torch.device, block_size,
+                     check_values: bool | None = None) -> int:
+    """Check the ``candidates=`` of a candidate-restricted top-k: ``[rows, K_b]`` int32 (unit last stride) on
+    ``device``, ``block_size`` an int >= 1; with value checks (default on the CPU), ids >= -1 and no id twice in
+    a row (-1 apart). Returns ``block_size``."""
+    C.tensor("candidates", candidates, ndim=2, dtypes=torch.int32, device=device, shape=(rows, None),
+             last_contiguous=True)
+    if candidates.shape[1] < 1:
+        raise ValueError(f"candidates must have >= 1 column (K_b), got shape {tuple(candidates.shape)}")
+    b = _block_size(block_size)
+    if C.want_value_checks(check_values, candidates) and candidates.numel():
+        C.values_in("candidates", candidates, -1, None, "candidate block ids must be >= 0 (or -1 for none)")
+        srt = candidates.sort(dim=1).values
+        dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+        if bool(dup.any()):
+            row = int(dup.any(dim=1).nonzero()[0])
+            raise ValueError(f"candidates row {row} names a block twice: ids must be distinct (-1 apart)")
+    return b
