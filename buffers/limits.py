@@ -72,6 +72,13 @@ def _positive(inst, attribute, value):
         raise ValueError(f"IndexerLimits.{attribute.name} must be > 0, got {value}")
 
 
+def _non_negative(inst, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"IndexerLimits.{attribute.name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"IndexerLimits.{attribute.name} must be >= 0, got {value}")
+
+
 def _one_of(*allowed):
     def check(inst, attribute, value):
         if value not in allowed:
@@ -134,6 +141,12 @@ class IndexerLimits:
         world_size: ranks of a context-parallel group (:mod:`sparse_indexer.parallel`, docs/spec.md §11) that
             share each request's keys; 1 (default) plans no context-parallel field, more plans ``cp_scratch``
             (the candidates and the merge of one decode sub-batch's rows).
+        candidate_blocks: ``K_b``, candidate blocks per row of a two-level indexer (DeepSeek-V4.1, docs/spec.md
+            §6a: a source layer publishes them, consumer layers select inside them), or 0 (default: none). With
+            ``K_b > 0`` the plan holds the block scores of the source layer's selection (``block_scores``) and,
+            when ``next_n > 1``, the packed candidate rows of a non-uniform decode (``cand_pack``); the prefix
+            contract of the compressed caches needs ``(K_b - 1) * candidate_block_size + 1 >= topk``.
+        candidate_block_size: ``b``, positions per candidate block (default 8, DeepSeek-V4.1's).
     """
 
     max_model_len: int = attrs.field(validator=_positive)
@@ -162,8 +175,19 @@ class IndexerLimits:
     world_size: int = attrs.field(default=1, validator=_positive)
     logits_dtype: torch.dtype = attrs.field(default=torch.float32, validator=_one_of(*LOGITS_DTYPES))
     compressed_prefill_logits: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    candidate_blocks: int = attrs.field(default=0, validator=_non_negative)
+    candidate_block_size: int = attrs.field(default=8, validator=_positive)
 
     def __attrs_post_init__(self):
+        if self.candidate_blocks and (self.candidate_blocks - 1) * self.candidate_block_size + 1 < self.topk:
+            raise ValueError(
+                f"IndexerLimits.candidate_blocks={self.candidate_blocks} blocks of candidate_block_size="
+                f"{self.candidate_block_size} cannot hold topk={self.topk} positions with one block partial: "
+                f"(candidate_blocks - 1) * candidate_block_size + 1 must be >= topk (docs/spec.md §6a)"
+            )
+        if self.candidate_blocks and self.world_size > 1:
+            raise ValueError(f"IndexerLimits.candidate_blocks is not supported with context parallel (world_size="
+                             f"{self.world_size}): candidate blocks are chosen over a whole window")
         if self.max_model_len < self.compress_ratio:
             raise ValueError(
                 f"IndexerLimits.max_model_len={self.max_model_len} must be >= compress_ratio={self.compress_ratio}: "

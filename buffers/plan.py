@@ -11,7 +11,7 @@ import torch
 from .limits import IndexerLimits
 
 __all__ = ["ALIGN", "FieldPlan", "BufferPlan", "plan", "FIELDS", "PrefillExtremes", "prefill_extremes",
-           "logits_elems", "cp_scratch_cols", "compressed_prefill_logits", "prefill_logits_cells"]
+           "logits_elems", "cp_scratch_cols", "block_scores_elems", "compressed_prefill_logits", "prefill_logits_cells"]
 
 ALIGN = 256  # byte alignment of every field inside the arena
 
@@ -255,6 +255,16 @@ FIELDS = {
         _topk_scratch_shape,
         lambda lim: torch.int32,
     ),
+    # Two-level indexer (candidate_blocks > 0 only): the source layer's block scores of one chunk or decode
+    # sub-batch (select_candidate_blocks' workspace), and the packed candidate rows of a non-uniform decode.
+    "block_scores": (
+        lambda lim: (block_scores_elems(lim),) if lim.candidate_blocks else None,
+        lambda lim: torch.int32,
+    ),
+    "cand_pack": (
+        lambda lim: (lim.max_decode_rows, lim.candidate_blocks) if lim.candidate_blocks and lim.next_n > 1 else None,
+        lambda lim: torch.int32,
+    ),
     # Context parallel (world_size > 1 only): candidates, gathered candidates and merge of one piece of rows
     # (sparse_indexer.parallel).
     "cp_scratch": (
@@ -262,6 +272,19 @@ FIELDS = {
         lambda lim: torch.int32,
     ),
 }
+
+
+def block_scores_elems(lim: IndexerLimits) -> int:
+    """int32 cells of the flat ``block_scores`` field (two-level indexer, ``IndexerLimits.candidate_blocks > 0``):
+    one score per candidate block of one ``select_candidate_blocks`` call, ``rows * ceil(cols / b)``, at most for
+    a decode sub-batch ``decode_batch_rows * ceil(max_keys / b)`` and for a prefill chunk of ``M`` rows and
+    ``M * N <= prefill_logits_cells`` cells ``ceil((M * N + M * (b - 1)) / b)`` with ``M <= max_num_batched_tokens``
+    (an upper bound: a chunk with the most cells need not have the most rows)."""
+    b = lim.candidate_block_size
+    decode = lim.decode_batch_rows * -(-lim.max_keys // b)
+    cells = prefill_logits_cells(lim)
+    rows = min(lim.max_num_batched_tokens, cells)
+    return max(decode, -(-(cells + rows * (b - 1)) // b))
 
 
 def _align(n: int) -> int:

@@ -12,7 +12,7 @@ from .plan import ALIGN, BufferPlan
 
 __all__ = ["Buffers", "BufferTooSmall"]
 
-OPTIONAL = ("qk", "q_pack", "w_pack", "topk_pack", "topk_scratch", "cp_scratch")
+OPTIONAL = ("qk", "q_pack", "w_pack", "topk_pack", "topk_scratch", "cp_scratch", "block_scores", "cand_pack")
 
 
 SIZED_BY = {
@@ -28,6 +28,9 @@ SIZED_BY = {
                     "topk), or use a record built by buffers.allocate / Buffers.from_arena",
     "cp_scratch": "plan with IndexerLimits(world_size=...) of the process group; its rows follow "
                   "max_num_seqs * next_n (or max_decode_logits_bytes), its columns world_size and topk",
+    "block_scores": "plan with IndexerLimits(candidate_blocks=...) (its size follows max_num_seqs * next_n, "
+                    "max_model_len and the prefill caps)",
+    "cand_pack": "plan with IndexerLimits(candidate_blocks=...) (planned only when next_n > 1)",
     "workspace": "pass Buffers.topk_scratch_view(rows) of a plan with IndexerLimits.max_num_seqs * next_n >= rows",
 }
 """What to change when a field is too small: a :class:`BufferTooSmall` says it."""
@@ -95,6 +98,12 @@ class Buffers:
         cp_scratch: ``[decode_batch * next_n, (2 + 4 * world_size) * topk + 2]`` int32 or ``None`` — context
             parallel only (``IndexerLimits.world_size > 1``): the local candidates, the gathered candidates and the
             merge of one piece of rows (:mod:`sparse_indexer.parallel`). Not a pytree leaf either.
+        block_scores: ``[E]`` int32, flat, or ``None`` — two-level indexer only (``IndexerLimits.candidate_blocks``):
+            the block scores of a source layer's ``select_candidate_blocks`` for one prefill chunk or decode
+            sub-batch (``E``: :func:`buffers.plan.block_scores_elems`). Not a pytree leaf.
+        cand_pack: ``[max_num_seqs * next_n, K_b]`` int32 or ``None`` — two-level indexer with ``next_n > 1``:
+            the candidate rows of a non-uniform decode's padded slots (written by a source layer, read by a
+            consumer).
     """
 
     k_fp8: torch.Tensor = attrs.field(validator=_tensor(2, FP8_DTYPES))
@@ -106,6 +115,8 @@ class Buffers:
     topk_pack: torch.Tensor | None = attrs.field(default=None, validator=_tensor(2, (torch.int32,)))
     topk_scratch: torch.Tensor | None = attrs.field(default=None, validator=_tensor(2, (torch.int32,)))
     cp_scratch: torch.Tensor | None = attrs.field(default=None, validator=_tensor(2, (torch.int32,)))
+    block_scores: torch.Tensor | None = attrs.field(default=None, validator=_tensor(1, (torch.int32,)))
+    cand_pack: torch.Tensor | None = attrs.field(default=None, validator=_tensor(2, (torch.int32,)))
 
     def __attrs_post_init__(self):
         if self.k_scale.shape[0] != self.k_fp8.shape[0]:
@@ -173,6 +184,25 @@ class Buffers:
                                  f"top-k workspace rows: {rows} > {self.topk_scratch.shape[0]}")
         return self.topk_scratch[:rows]
 
+    def block_scores_view(self, rows: int, cols: int) -> torch.Tensor:
+        """A contiguous ``[rows, cols]`` int32 view at the start of ``block_scores`` (``select_candidate_blocks(...,
+        workspace=)``)."""
+        if self.block_scores is None:
+            raise BufferTooSmall("block_scores", rows * cols, 0, "this record was planned without candidate blocks")
+        if rows * cols > self.block_scores.shape[0]:
+            raise BufferTooSmall("block_scores", rows * cols, self.block_scores.shape[0], f"[{rows}, {cols}] block scores")
+        return self.block_scores[: rows * cols].view(rows, cols)
+
+    def cand_pack_view(self, rows: int, cols: int) -> torch.Tensor:
+        """``cand_pack[:rows]``: the packed candidate rows of a non-uniform decode (``cols``: ``K_b``)."""
+        if self.cand_pack is None:
+            raise BufferTooSmall("cand_pack", rows * cols, 0, "this record was planned without candidate blocks or "
+                                 "with next_n == 1")
+        if rows > self.cand_pack.shape[0] or cols != self.cand_pack.shape[1]:
+            raise BufferTooSmall("cand_pack", rows * cols, self.cand_pack.numel(),
+                                 f"[{rows}, {cols}] packed candidate rows (have {list(self.cand_pack.shape)})")
+        return self.cand_pack[:rows]
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The present fields by name (optional ones only when planned)."""
         out = {"k_fp8": self.k_fp8, "k_scale": self.k_scale, "logits": self.logits}
@@ -236,12 +266,12 @@ class Buffers:
             raw = torch.from_dlpack(t.view(-1).view(torch.uint8).__dlpack__())  # new storage, same memory
             return raw.view(t.dtype).view(t.shape)
 
-        return Buffers(**{n: own(getattr(self, n)) for n in (*_FIELDS, "topk_scratch", "cp_scratch")})
+        return Buffers(**{n: own(getattr(self, n)) for n in (*_FIELDS, "topk_scratch", "cp_scratch", "block_scores")})
 
 
 # The pytree leaves. ``topk_scratch`` is not one: only the Triton backend uses it, never under ``torch.func``
 # transforms (which run the reference), so a rebuilt record simply has none.
-_FIELDS = ("k_fp8", "k_scale", "logits", "qk", "q_pack", "w_pack", "topk_pack")
+_FIELDS = ("k_fp8", "k_scale", "logits", "qk", "q_pack", "w_pack", "topk_pack", "cand_pack")
 
 
 # ---------------------------------------------------------------- pytree
@@ -258,6 +288,7 @@ def _unflatten(children, context) -> Buffers:
             object.__setattr__(b, name, value)
         object.__setattr__(b, "topk_scratch", None)
         object.__setattr__(b, "cp_scratch", None)
+        object.__setattr__(b, "block_scores", None)
         return b
 
 

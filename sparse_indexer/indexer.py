@@ -143,7 +143,8 @@ class _StepPlan:
     ``(chunk, k_fp8, k_scale, logits)`` and decode sub-batch
     ``(b0, b1, r0, r1, logits, qk, workspace, row_starts, row_ends, context_lens, block_table)``."""
 
-    __slots__ = ("buffers", "outs", "both", "chunks", "subs", "written", "layer", "write_kw", "gather_kw", "paged_kw")
+    __slots__ = ("buffers", "outs", "both", "chunks", "subs", "written", "layer", "write_kw", "gather_kw", "paged_kw",
+                 "chunk_scores", "sub_scores")
 
     def __init__(self, metadata: IndexerMetadata, buffers: Buffers, prefill: bool, decode: bool, spans: bool = True):
         self.buffers = buffers
@@ -167,6 +168,14 @@ class _StepPlan:
                              _rows(dm.row_starts, r0, r1), _rows(dm.row_ends, r0, r1),
                              _rows(dm.context_lens, b0, b1), _rows(dm.block_table, b0, b1)))
             self.subs = tuple(subs)
+        # the block-score workspaces of a source layer's candidate selection (two-level indexer), per chunk and
+        # sub-batch, when the record has them
+        self.chunk_scores = self.sub_scores = ()
+        if buffers.block_scores is not None:
+            b = metadata.limits.candidate_block_size
+            self.chunk_scores = tuple(buffers.block_scores_view(c.num_tokens, -(-c.logits_cols // b))
+                                      for c, *_ in self.chunks)
+            self.sub_scores = tuple(buffers.block_scores_view(sub[3] - sub[2], -(-dm.width // b)) for sub in self.subs)
         # the buffer views the step writes, for one version-counter bump per step (library.bump_versions)
         written = [v for c in self.chunks for v in c[1:]]
         for sub in self.subs:
@@ -524,11 +533,17 @@ def _run_op(name: str, backend: str | None, device: torch.device, args: tuple, k
 
 def _run_step(plan, metadata: IndexerMetadata, buffers: Buffers, q_fp8: torch.Tensor, weights: torch.Tensor,
               k: torch.Tensor | None, kv_cache: torch.Tensor, topk_out: torch.Tensor, backend: str | None,
-              scale_fmt: str | None, prefill: bool, decode: bool) -> None:
+              scale_fmt: str | None, prefill: bool, decode: bool, candidates: torch.Tensor | None = None,
+              write_candidates: bool = False) -> None:
     """The step's ops (arguments checked): the cache write (with ``k``), the padding rows, every prefill chunk,
     the decode sub-batches. With ``plan`` (:func:`_check`'s, plain eager) on its views and through
     :func:`_run_direct`; without, on views made here and through :func:`_run_op`. The one place that calls the
-    step's ops."""
+    step's ops. ``candidates`` (two-level indexer, docs/spec.md §6a): written per token row by a source layer
+    (``write_candidates``), read by a consumer layer's top-k."""
+    if candidates is not None:
+        _run_candidate_step(plan, metadata, buffers, q_fp8, weights, k, kv_cache, topk_out, backend, scale_fmt,
+                            prefill, decode, candidates, write_candidates)
+        return
     run = _run_direct
     if plan is None:
         run = _run_op
@@ -570,6 +585,113 @@ def _run_step(plan, metadata: IndexerMetadata, buffers: Buffers, q_fp8: torch.Te
     finally:
         if run is _run_direct:  # what the ops wrote, once (their ADInplaceOrView kernels would, op by op)
             library.bump_versions((topk_out, *plan.written) if k is None else (topk_out, kv_cache, *plan.written))
+
+
+def _run_candidate_step(plan, metadata: IndexerMetadata, buffers: Buffers, q_fp8, weights, k, kv_cache, topk_out,
+                        backend, scale_fmt, prefill: bool, decode: bool, candidates: torch.Tensor,
+                        write: bool) -> None:
+    """:func:`_run_step` of a two-level indexer layer: a source layer (``write``) selects every row's candidate
+    blocks from its logits into ``candidates`` (token rows; a non-uniform decode through ``buffers.cand_pack``)
+    before its ordinary top-k; a consumer layer's top-k reads only the cells of its rows' candidate blocks."""
+    run = _run_direct
+    if plan is None:
+        run = _run_op
+        plan = _StepPlan(metadata, buffers, prefill, decode, spans=False)
+        kv_cache = as_3d(kv_cache)
+    dev = q_fp8.device
+    b = metadata.limits.candidate_block_size
+    kb = candidates.shape[1]
+    try:
+        if k is not None:
+            run("write_k_cache", backend, dev, (k, kv_cache, metadata.slot_mapping),
+                {"scale_fmt": scale_fmt, **plan.write_kw})
+        n, t = metadata.num_tokens, q_fp8.shape[0]
+        if prefill and decode and t > n:
+            topk_out[n:t].fill_(-1)
+            if write:
+                candidates[n:t].fill_(-1)
+        if prefill:
+            for a, z in metadata.empty_rows:
+                topk_out[a:z].fill_(-1)
+                if write:
+                    candidates[a:z].fill_(-1)
+        for i, (c, k_fp8, k_scale, logits) in enumerate(plan.chunks):
+            _chunk_ops(run, backend, dev, q_fp8, weights, kv_cache, c, k_fp8, k_scale, logits, plan.gather_kw)
+            rows = _rows(candidates, c.token_start, c.token_end)
+            out = _rows(topk_out, c.token_start, c.token_end)
+            if write:
+                kw = {"out": rows, "block_size": b}
+                if plan.chunk_scores:
+                    kw["workspace"] = plan.chunk_scores[i]
+                run("select_candidate_blocks", backend, dev, (logits, *c.topk_bounds), kw)
+                run("top_k_per_row", backend, dev, (logits, *c.topk_bounds), {"out": out})
+            else:
+                run("top_k_per_row", backend, dev, (logits, *c.topk_bounds),
+                    {"out": out, "candidates": rows, "candidate_block_size": b})
+        if plan.subs:
+            dm = metadata.decode
+            nd = metadata.num_decode_tokens
+            q, w, sel = _decode_inputs(q_fp8, weights, dm, nd, buffers, topk_out)
+            if dm.uniform:
+                cand = _rows(candidates, 0, nd)
+            else:
+                cand = buffers.cand_pack_view(dm.num_rows, kb)
+                if not write:
+                    torch.index_select(candidates, 0, dm.pack_src, out=cand)
+            for i, (b0, b1, r0, r1, logits, qk, ws, row_starts, row_ends, ctx, bt) in enumerate(plan.subs):
+                _sub_batch_ops(run, backend, dev, q, w, kv_cache, b0, b1, r0, r1, logits, qk, ctx, bt, plan.paged_kw)
+                rows = _rows(cand, r0, r1)
+                if write:
+                    kw = {"out": rows, "block_size": b}
+                    if plan.sub_scores:
+                        kw["workspace"] = plan.sub_scores[i]
+                    run("select_candidate_blocks", backend, dev, (logits, row_starts, row_ends), kw)
+                    kw = {"out": _rows(sel, r0, r1)} if ws is None else {"out": _rows(sel, r0, r1), "workspace": ws}
+                    run("top_k_per_row", backend, dev, (logits, row_starts, row_ends), kw)
+                else:
+                    run("top_k_per_row", backend, dev, (logits, row_starts, row_ends),
+                        {"out": _rows(sel, r0, r1), "candidates": rows, "candidate_block_size": b})
+            if not dm.uniform:
+                torch.index_select(sel, 0, dm.unpack_src, out=_rows(topk_out, 0, nd))
+                if write:
+                    torch.index_select(cand, 0, dm.unpack_src, out=_rows(candidates, 0, nd))
+    finally:
+        if run is _run_direct:
+            written = (topk_out, *plan.written) if k is None else (topk_out, kv_cache, *plan.written)
+            library.bump_versions((candidates, *written) if write else written)
+
+
+def _check_candidates(candidates: torch.Tensor, write: bool, metadata: IndexerMetadata, buffers: Buffers,
+                      q_fp8, weights, k, topk_out, kv_cache, backend) -> None:
+    """The two-level indexer's arguments (docs/spec.md §6a): ``candidates [>= T, K_b]`` int32, contiguous, on the
+    step's device, ``K_b = limits.candidate_blocks``; a source layer's candidates (written) apart from everything
+    the step reads or writes, a consumer's from what it writes."""
+    lim = metadata.limits
+    if not lim.candidate_blocks:
+        raise ValueError("candidates= needs limits planned with IndexerLimits(candidate_blocks=K_b > 0)")
+    C.tensor("candidates", candidates, ndim=2, dtypes=torch.int32, device=q_fp8.device, contiguous=True)
+    if candidates.shape[0] < q_fp8.shape[0] or candidates.shape[1] != lim.candidate_blocks:
+        raise ValueError(f"candidates must be [>= {q_fp8.shape[0]} (the rows of q_fp8), candidate_blocks="
+                         f"{lim.candidate_blocks}] int32, got {list(candidates.shape)}")
+    if write and buffers.block_scores is None:
+        raise BufferTooSmall("block_scores", 1, 0, "a source layer needs a record planned with "
+                             "IndexerLimits(candidate_blocks=...)")
+    if metadata.decode is not None and not metadata.decode.uniform:
+        buffers.cand_pack_view(metadata.decode.num_rows, lim.candidate_blocks)
+    fields = {f"buffers.{name}": x for name, x in buffers.tensors().items()}
+    reads = {"q_fp8": q_fp8, "weights": weights, "k": k, **metadata.tensors()}
+    if write:
+        C.disjoint({"candidates": candidates}, {**fields, **reads, "topk_out": topk_out, "kv_cache": kv_cache})
+    else:
+        C.disjoint({**fields, "topk_out": topk_out, "kv_cache": kv_cache}, {"candidates": candidates})
+    if backend is not None and backend != "auto" and not torch.compiler.is_compiling():
+        from . import backends
+
+        if backend in backends.BUILTIN and backend not in ("reference", "triton"):
+            from ._runtime.dispatch import BackendUnavailable
+
+            raise BackendUnavailable(f"backend {backend!r} has no candidate-block selection or candidate-restricted "
+                                     "top-k; use backend=None (auto), 'triton' or 'reference'")
 
 
 def _chunk_ops(run, backend: str | None, dev: torch.device, q_fp8: torch.Tensor, weights: torch.Tensor,
@@ -646,7 +768,8 @@ def _decode_logits(q: torch.Tensor, w: torch.Tensor, kv_cache: torch.Tensor, dm,
 
 def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor | None, weights: torch.Tensor, kv_cache: torch.Tensor,
                         metadata: IndexerMetadata, buffers: Buffers, topk_out: torch.Tensor, *,
-                        backend: str | None = None, scale_fmt: str | None = "ue8m0") -> torch.Tensor:
+                        backend: str | None = None, scale_fmt: str | None = "ue8m0",
+                        candidates: torch.Tensor | None = None, write_candidates: bool = False) -> torch.Tensor:
     """One indexer step of one layer (docs/spec.md §7). Returns ``topk_out``.
 
     Args:
@@ -663,6 +786,12 @@ def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor | None, weights: to
         backend: ``None``/``"auto"``, ``"reference"``, ``"triton"`` or ``"aiter"`` for every op.
         scale_fmt: key scale format of the cache write (``"ue8m0"`` or ``None``; a cache format with ``"ue8m0x4"``
             scales needs ``"ue8m0"``).
+        candidates: ``[>= T, K_b]`` int32 candidate blocks of a two-level indexer (DeepSeek-V4.1, docs/spec.md
+            §6a; ``K_b = limits.candidate_blocks``, blocks of ``limits.candidate_block_size`` positions), one
+            row per token: a source layer (``write_candidates=True``) writes rows ``[0, T)`` (the candidates of
+            each token's window; -1 for padding rows and rows without keys) and selects its own top-k over its
+            whole windows; a consumer layer (``False``) selects inside the candidate blocks of each row.
+        write_candidates: this layer is the source of ``candidates``.
 
     The cache is read (and, with ``k``, written) in ``metadata.limits.cache`` (an ``IndexerLimits(cache_format=
     CacheFormat(...))`` declaration, else the plain format in ``limits.fp8_dtype``): the gather and the paged
@@ -674,6 +803,11 @@ def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor | None, weights: to
         BufferTooSmall, ValueError, TypeError: before anything is written.
     """
     kv3, plan = _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, True, True, backend)
+    if candidates is not None:
+        _check_candidates(candidates, bool(write_candidates), metadata, buffers, q_fp8, weights, k, topk_out,
+                          kv_cache, backend)
+    elif write_candidates:
+        raise ValueError("write_candidates=True needs the candidates tensor to write")
     if k is not None and scale_fmt != "ue8m0":
         if scale_fmt not in SCALE_FMTS:
             raise ValueError(f"scale_fmt must be one of {SCALE_FMTS}, got {scale_fmt!r}")
@@ -684,5 +818,5 @@ def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor | None, weights: to
     # check_step proved every op's arguments (the layer's tensors, the buffer views) and the metadata's records
     # checked theirs when they were built, once per step: the ops run without their own checks (host time)
     _run_step(plan, metadata, buffers, q_fp8, weights, k, kv_cache if plan is None else kv3, topk_out, backend,
-              scale_fmt, True, True)
+              scale_fmt, True, True, candidates, bool(write_candidates))
     return topk_out

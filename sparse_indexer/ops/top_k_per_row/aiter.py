@@ -40,8 +40,10 @@ def _check(logits, out):
                                   f"topk {out.shape[1]}")
 
 
-def top_k_per_row(logits, row_starts, row_ends, *, out) -> None:
+def top_k_per_row(logits, row_starts, row_ends, *, out, candidates=None, candidate_block_size=None) -> None:
     """See :func:`sparse_indexer.top_k_per_row`; arguments are checked."""
+    if candidates is not None:
+        raise NotImplementedError("aiter's top-k reads whole windows; candidate blocks run in the Triton backend")
     if logits.shape[0] == 0:
         return
     _check(logits, out)

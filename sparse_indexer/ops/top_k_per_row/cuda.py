@@ -420,9 +420,12 @@ def launch(logits, row_starts, row_ends, out, *, nt: int, cs: int, stop: int = 0
     plan.fire(logits, row_starts, row_ends, out, stop)
 
 
-def top_k_per_row(logits, row_starts, row_ends, *, out, workspace=None) -> None:
+def top_k_per_row(logits, row_starts, row_ends, *, out, workspace=None, candidates=None,
+                  candidate_block_size=None) -> None:
     """See :func:`sparse_indexer.top_k_per_row`; arguments are checked (float32 or bfloat16 logits).
     ``workspace`` is not needed here."""
+    if candidates is not None:
+        raise NotImplementedError("the CUDA top-k has no candidate-restricted path (the Triton backend has)")
     dev = logits.device
     if dev.type != "cuda" or torch.version.hip is not None:
         raise NotImplementedError(f"the CUDA top-k runs on NVIDIA GPUs, not {dev}")
