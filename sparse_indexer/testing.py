@@ -217,10 +217,11 @@ def assert_topk(sel: torch.Tensor, logits, starts=None, ends=None, *, rtol: floa
     """Raise ``AssertionError`` naming the first wrong row unless ``sel [R, topk]`` (int32) is the top-k of every
     window: ``logits [R, W]`` with ``starts/ends [R]``, or ``logits`` a sequence of ``R`` 1-D windows. With
     ``candidates`` (and ``candidate_block_size``), the top-k of each window's candidate cells
-    (:func:`candidate_topk_errors`; exact values only)."""
+    (:func:`candidate_topk_errors`; ``rtol`` as there)."""
     assert sel.dtype == torch.int32, f"top-k output must be int32, got {sel.dtype}"
     if candidates is not None:
-        errors = candidate_topk_errors(sel, logits, starts, ends, candidates, candidate_block_size, limit=1)
+        errors = candidate_topk_errors(sel, logits, starts, ends, candidates, candidate_block_size, rtol=rtol,
+                                       limit=1)
     else:
         errors = topk_errors(sel, logits, starts, ends, rtol=rtol, threshold=threshold, limit=1)
     if errors:
@@ -255,11 +256,13 @@ def _window(x, s, e, i) -> torch.Tensor:
     return x[i, int(s[i]) : max(int(s[i]), int(e[i]))]
 
 
-def candidate_errors(cand: torch.Tensor, logits, starts, ends, block_size: int, *,
+def candidate_errors(cand: torch.Tensor, logits, starts, ends, block_size: int, *, rtol: float = 0.0,
                      limit: int | None = None) -> list[str]:
     """What is wrong with each row of ``cand [R, K_b]`` (int32) as the candidate blocks of its window
     (docs/spec.md §6a): the first ``m = min(K_b, blocks not all -inf)`` columns must hold distinct block ids of
-    the window whose rank keys (:func:`block_scores`), sorted, equal the ``m`` largest; the rest -1."""
+    the window whose rank keys (:func:`block_scores`), sorted, equal the ``m`` largest; the rest -1. ``rtol > 0``
+    (logits judged by float64 scores of another computation): the newest block must be there and every other
+    chosen block's score within ``rtol * max|finite score|`` of the ``m``-th largest."""
     x, s, e = _as_rows(logits, starts, ends)
     r, kb = cand.shape
     cand = cand.to(x.device).long()
@@ -275,6 +278,15 @@ def candidate_errors(cand: torch.Tensor, logits, starts, ends, block_size: int, 
             msg = f"row {i}: block ids outside [0, {key.shape[0]}): {row[:m][row[:m] >= key.shape[0]][:8].tolist()}"
         elif row[:m].unique().numel() != m:
             msg = f"row {i}: a block id appears twice"
+        elif rtol > 0 and m:
+            fin = key[torch.isfinite(key) & (key.abs() < 1e300)]
+            tol = rtol * float(fin.abs().max()) if fin.numel() else 0.0
+            kth = float(key.sort(descending=True).values[m - 1])
+            worst = float(key[row[:m]].min())
+            if int(key.shape[0] - 1) not in row[:m].tolist():
+                msg = f"row {i}: the newest block {key.shape[0] - 1} is not a candidate"
+            elif worst < kth - tol:
+                msg = f"row {i}: a chosen block scores {worst!r}, below the {m}-th largest {kth!r} by more than {tol:.3e}"
         else:
             got = key[row[:m]].sort(descending=True).values
             want = key.sort(descending=True).values[:m]
@@ -289,10 +301,10 @@ def candidate_errors(cand: torch.Tensor, logits, starts, ends, block_size: int, 
     return errors
 
 
-def assert_candidates(cand: torch.Tensor, logits, starts, ends, block_size: int) -> None:
+def assert_candidates(cand: torch.Tensor, logits, starts, ends, block_size: int, *, rtol: float = 0.0) -> None:
     """Raise ``AssertionError`` naming the first wrong row of :func:`candidate_errors`."""
     assert cand.dtype == torch.int32, f"candidates must be int32, got {cand.dtype}"
-    errors = candidate_errors(cand, logits, starts, ends, block_size, limit=1)
+    errors = candidate_errors(cand, logits, starts, ends, block_size, rtol=rtol, limit=1)
     if errors:
         raise AssertionError(errors[0])
 
@@ -307,11 +319,12 @@ def eligible(n: int, ids: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 def candidate_topk_errors(sel: torch.Tensor, logits, starts, ends, candidates: torch.Tensor, block_size: int, *,
-                          limit: int | None = None) -> list[str]:
+                          rtol: float = 0.0, limit: int | None = None) -> list[str]:
     """What is wrong with each row of ``sel [R, topk]`` as the candidate-restricted top-k of its window
     (docs/spec.md §6a): with ``n_e <= topk`` eligible cells (:func:`eligible`), all of them first (any order),
     then -1; otherwise ``topk`` distinct eligible positions whose values, sorted, equal the ``topk`` largest
-    eligible values (NaN as ``-inf``)."""
+    eligible values (NaN as ``-inf``). ``rtol > 0``: every selected value within ``rtol * max|finite value|``
+    of the ``topk``-th largest eligible one (float64 scores of another computation)."""
     x, s, e = _as_rows(logits, starts, ends)
     r, topk = sel.shape
     sel = sel.to(x.device).long()
@@ -335,7 +348,13 @@ def candidate_topk_errors(sel: torch.Tensor, logits, starts, ends, candidates: t
             key = rank_key(win)
             got = key[row].sort(descending=True).values
             want = key[pos].sort(descending=True).values[:topk]
-            if not torch.equal(got, want):
+            if rtol > 0:
+                fin = key[torch.isfinite(key)]
+                tol = rtol * float(fin.abs().max()) if fin.numel() else 0.0
+                if torch.isfinite(want[-1]) and float(got[-1]) < float(want[-1]) - tol:
+                    msg = (f"row {i}: a selected value {float(got[-1])!r} is below the {topk}-th largest candidate "
+                           f"value {float(want[-1])!r} by more than {tol:.3e}")
+            elif not torch.equal(got, want):
                 j = int((got != want).nonzero()[0])
                 msg = (f"row {i}: sorted selected values differ from the {topk} largest candidate values at rank "
                        f"{j}: got {float(got[j])!r}, want {float(want[j])!r}")

@@ -18,14 +18,13 @@ op                         schema (after ``sparse_indexer::``)                  
                            ``fp8_paged_mqa_logits_with_qk``: ``indices`` required (may be
                            ``None``), then ``str backend, qk!`` (aiter stage1's scratch; no
                            cache format: a call in any but the plain format passes no ``qk``)
-``top_k_per_row``          ``(logits, row_starts, row_ends, out!, str backend, Tensor?          ``out``
-                           candidates=None, int candidate_block_size=0)``;                   (and
-                           ``top_k_per_row_with_workspace``: ``(logits, row_starts,           ``workspace``)
-                           row_ends, out!, str backend, workspace!)`` (the split-row top-k's
-                           global scratch)
-``select_candidate_blocks`` ``(logits, row_starts, row_ends, out!, int block_size, str         ``out`` (and
-                           backend)``; ``select_candidate_blocks_with_workspace`` adds        ``workspace``)
-                           ``workspace!`` (the block scores)
+``top_k_per_row``          ``(logits, row_starts, row_ends, out!, str backend)``;             ``out``
+                           ``top_k_per_row_with_workspace`` adds ``workspace!`` (the split-   (and
+                           row top-k's global scratch), ``top_k_per_row_with_candidates``     ``workspace``)
+                           ``candidates, int candidate_block_size`` (read only)
+``select_candidate_blocks`` ``(logits, row_starts, row_ends, out!, int block_size, *, str      ``out`` (and
+                           backend)``; ``select_candidate_blocks_with_workspace``: ``(...,    ``workspace``)
+                           out!, int block_size, str backend, workspace!)`` (block scores)
 =========================  ==================================================================  =================
 
 Arguments are plain tensors and scalars: a :class:`buffers.Buffers` record never crosses the op boundary (the
@@ -147,18 +146,17 @@ def _fp8_paged_mqa_logits_with_qk(q: Tensor, kv_cache: Tensor, weights: Tensor, 
          clean=clean, qk=qk, **extra)
 
 
-def _candidate_extra(candidates, candidate_block_size) -> dict:
-    """The candidate restriction of a top-k, passed on only when given (the backends' default is none)."""
-    if candidates is None:
-        return {}
-    return {"candidates": candidates, "candidate_block_size": candidate_block_size}
-
-
 @torch.library.custom_op(f"{NAMESPACE}::top_k_per_row", mutates_args=("out",))
-def _top_k_per_row(logits: Tensor, row_starts: Tensor, row_ends: Tensor, out: Tensor, backend: str,
-                   candidates: Optional[Tensor] = None, candidate_block_size: int = 0) -> None:
-    _run("top_k_per_row", backend, logits.device, logits, row_starts, row_ends, out=out,
-         **_candidate_extra(candidates, candidate_block_size))
+def _top_k_per_row(logits: Tensor, row_starts: Tensor, row_ends: Tensor, out: Tensor, backend: str) -> None:
+    _run("top_k_per_row", backend, logits.device, logits, row_starts, row_ends, out=out)
+
+
+# The candidate-restricted top-k (docs/spec.md §6a): candidates read, not written.
+@torch.library.custom_op(f"{NAMESPACE}::top_k_per_row_with_candidates", mutates_args=("out",))
+def _top_k_per_row_with_candidates(logits: Tensor, row_starts: Tensor, row_ends: Tensor, out: Tensor, backend: str,
+                                   candidates: Tensor, candidate_block_size: int) -> None:
+    _run("top_k_per_row", backend, logits.device, logits, row_starts, row_ends, out=out, candidates=candidates,
+         candidate_block_size=candidate_block_size)
 
 
 # The same op with the split-row top-k's global scratch (Triton, few rows); separate for the reason above.
@@ -169,7 +167,7 @@ def _top_k_per_row_with_workspace(logits: Tensor, row_starts: Tensor, row_ends: 
 
 
 @torch.library.custom_op(f"{NAMESPACE}::select_candidate_blocks", mutates_args=("out",))
-def _select_candidate_blocks(logits: Tensor, row_starts: Tensor, row_ends: Tensor, out: Tensor, block_size: int,
+def _select_candidate_blocks(logits: Tensor, row_starts: Tensor, row_ends: Tensor, out: Tensor, block_size: int, *,
                              backend: str) -> None:
     _run("select_candidate_blocks", backend, logits.device, logits, row_starts, row_ends, out=out,
          block_size=block_size)
@@ -191,6 +189,7 @@ _DEFS = {
     "fp8_paged_mqa_logits_with_qk": _fp8_paged_mqa_logits_with_qk,
     "top_k_per_row": _top_k_per_row,
     "top_k_per_row_with_workspace": _top_k_per_row_with_workspace,
+    "top_k_per_row_with_candidates": _top_k_per_row_with_candidates,
     "select_candidate_blocks": _select_candidate_blocks,
     "select_candidate_blocks_with_workspace": _select_candidate_blocks_with_workspace,
 }
@@ -354,6 +353,8 @@ def call(name: str, backend: str | None, device: torch.device, *args, **kwargs) 
         return
     scratch = [k for k in _dispatch.OPTIONAL_SCRATCH if kwargs.get(k) is not None]
     target = f"{name}_with_{'_'.join(scratch)}" if scratch else name  # the op variant that mutates the scratch
+    if kwargs.get("candidates") is not None:  # (never with a workspace: the candidate top-k needs none)
+        target = "top_k_per_row_with_candidates"
     if target == "fp8_paged_mqa_logits_with_qk":  # (required arguments there: a mutated qk must follow them)
         kwargs.setdefault("indices", None)
     getattr(getattr(torch.ops, NAMESPACE), target)(*args, **kwargs, backend="auto" if backend is None else backend)

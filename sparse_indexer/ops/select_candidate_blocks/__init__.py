@@ -81,7 +81,7 @@ def select_candidate_blocks(logits: torch.Tensor, row_starts: torch.Tensor, row_
         if workspace.shape[0] < r or workspace.shape[1] < need:
             raise BufferTooSmall("workspace", r * need, workspace.numel(),
                                  f"block scores of shape {tuple(workspace.shape)}: needs >= [{r}, {need}] int32")
-        C.no_alias("workspace", workspace, logits=logits, row_starts=row_starts, row_ends=row_ends, out=out)
+        C.no_alias("workspace", workspace, logits=logits, row_starts=row_starts, row_ends=row_ends, candidates=out)
     if C.want_value_checks(check_values, row_starts, row_ends):
         nonempty = lambda: row_ends > row_starts  # noqa: E731 - built only when a value is out of range
         C.values_in("row_starts", row_starts, 0, None, "window starts must be >= 0", mask=nonempty)
