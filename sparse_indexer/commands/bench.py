@@ -71,6 +71,7 @@ from ..ops.fp8_mqa_logits import bench as prefill_cases
 from ..ops.fp8_paged_mqa_logits import bench as decode_cases
 from ..ops.fp8_paged_mqa_logits import sweep as logits_sweep
 from ..ops.gather_k_cache import bench as gather_cases
+from ..ops.select_candidate_blocks import bench as candidate_cases
 from ..ops.top_k_per_row import bench as topk_cases
 from ..ops.top_k_per_row import sweep as topk_sweep
 from ..ops.write_k_cache import bench as write_cases
@@ -80,11 +81,11 @@ from .cli import UsageError, auto_device_note, resolve_device, use_triton_interp
 
 __all__ = ["SWEEPS", "CaseSpec", "add_arguments", "case_specs", "run", "timing_options"]
 
-GROUPS = ("decode", "prefill", "topk", "step", "cache")
+GROUPS = ("decode", "prefill", "topk", "step", "cache", "candidates")
 CASE_OPS = {"decode": "fp8_paged_mqa_logits", "prefill": "fp8_mqa_logits", "topk": "top_k_per_row",
-            "step": "top_k_per_row", "cache": "write_k_cache"}  # a partial backend runs a group if it has this op
+            "step": "top_k_per_row", "cache": "write_k_cache", "candidates": "select_candidate_blocks"}  # a partial backend runs a group if it has this op
 CASE_MODULES = {"decode": {"": decode_cases}, "prefill": {"": prefill_cases}, "topk": {"": topk_cases},
-                "cache": {"write": write_cases, "gather": gather_cases}}
+                "cache": {"write": write_cases, "gather": gather_cases}, "candidates": {"": candidate_cases}}
 """The modules of each group's cases (``ops/<op>/bench.py``: ``specs(smoke)``, ``build(spec, ctx)``), by the
 ``op`` parameter of their specs; the step's cases are :class:`StepCase`."""
 SWEEPS = {"topk": topk_sweep, "logits": logits_sweep}
@@ -421,14 +422,16 @@ class Anchors(NamedTuple):
 
     vllm_topk: object
     deep_gemm: object
+    vllm_candidates: object = None
 
 
-def _load_anchors(folder: str):
-    """``vllm_topk`` from ``folder`` (vLLM's top-k kernels prebuilt for the H200; measuring only)."""
+def _load_anchors(folder: str, name: str = "vllm_topk"):
+    """``DIR/<name>.py`` from ``folder``: ``vllm_topk`` (vLLM's top-k kernels prebuilt for the H200) or
+    ``vllm_candidates`` (vLLM's candidate-block functions, runnable without vLLM); measuring only."""
     import importlib.util
 
-    path = os.path.join(folder, "vllm_topk.py")
-    spec = importlib.util.spec_from_file_location("vllm_topk_anchor", path)
+    path = os.path.join(folder, f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"{name}_anchor", path)
     if spec is None or spec.loader is None:
         raise FileNotFoundError(path)
     mod = importlib.util.module_from_spec(spec)
@@ -510,7 +513,9 @@ def run(args: argparse.Namespace) -> int:
     if opt("anchors", None):
         found = {}
         for key, name, load in (("vllm_topk", "vLLM anchors", lambda: _load_anchors(opt("anchors", None))),
-                                ("deep_gemm", "DeepGEMM anchors", _load_deep_gemm)):
+                                ("deep_gemm", "DeepGEMM anchors", _load_deep_gemm),
+                                ("vllm_candidates", "vLLM candidate anchors",
+                                 lambda: _load_anchors(opt("anchors", None), "vllm_candidates"))):
             try:
                 found[key] = load()
             except Exception as e:  # noqa: BLE001 - the anchors are optional; say why one is missing
