@@ -146,8 +146,8 @@ _BUILTIN = (
             where="NVIDIA (Hopper tested on an H200) and AMD GPUs; the CPU under `TRITON_INTERPRET=1`"),
     Backend("aiter", _aiter_reason, auto=("cuda",), rank=0,
             where="ROCm GPUs with AMD's aiter installed"),
-    Backend("cuda", _cuda_reason, auto=("cuda",), rank=10, ops=("top_k_per_row",),
-            where="NVIDIA GPUs (sm_80+), `top_k_per_row` only"),
+    Backend("cuda", _cuda_reason, auto=("cuda",), rank=10, ops=("top_k_per_row", "select_candidate_blocks"),
+            where="NVIDIA GPUs (sm_80+), `top_k_per_row` and `select_candidate_blocks` only"),
     Backend("gluon", _gluon_reason, auto=("cuda",), rank=15, ops=("fp8_mqa_logits", "fp8_paged_mqa_logits"),
             where="NVIDIA Hopper (sm_90), the logits ops only"),
 )

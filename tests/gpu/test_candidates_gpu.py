@@ -22,7 +22,7 @@ from tests.sparse_indexer.test_compressed import Compressed
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
 B, KB, TOPK = 8, 2048, 512
-GPU_BACKENDS = (None, "triton")
+GPU_BACKENDS = (None, "triton", "cuda")
 
 
 def _vllm():
@@ -62,20 +62,22 @@ def test_ops_on_every_distribution(backend, dist):
     assert torch.equal(con.view(torch.int32), before.view(torch.int32))
 
 
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("b,kb,w", [(8, 2048, 131072), (8, 2048, 8192), (4, 300, 20000), (1, 700, 5000)])
-def test_shapes(dtype, b, kb, w):
+@pytest.mark.parametrize("b,kb,w", [(8, 2048, 131072), (8, 2048, 8192), (4, 300, 20000), (1, 700, 5000),
+                                    (8, 2048, 1 << 20), (3, 5, 1000)])
+def test_shapes(backend, dtype, b, kb, w):
     g = torch.Generator().manual_seed(w + b)
-    r = 8
+    r = 8 if w < 1 << 20 else 2  # (1M positions: the CUDA select keeps the block scores in the workspace)
     src = torch.randn(r, w, generator=g).to(dtype).to(DEV)
     con = torch.randn(r, w, generator=g).to(dtype).to(DEV)
     s = torch.randint(0, 50, (r,), generator=g).int().to(DEV)
     e = torch.full((r,), w, dtype=torch.int32, device=DEV)
     cand = torch.empty(r, kb, dtype=torch.int32, device=DEV)
-    si.select_candidate_blocks(src, s, e, out=cand, block_size=b)
+    si.select_candidate_blocks(src, s, e, out=cand, block_size=b, backend=backend)
     assert_candidates(cand.cpu(), src.float().cpu(), s.cpu(), e.cpu(), b)
     out = torch.empty(r, min(TOPK, (kb - 1) * b + 1), dtype=torch.int32, device=DEV)
-    si.top_k_per_row(con, s, e, out=out, candidates=cand, candidate_block_size=b)
+    si.top_k_per_row(con, s, e, out=out, candidates=cand, candidate_block_size=b, backend=backend)
     assert_topk(out.cpu(), con.float().cpu(), s.cpu(), e.cpu(), candidates=cand.cpu(), candidate_block_size=b)
 
 
@@ -138,11 +140,11 @@ def test_source_and_consumer_steps_in_one_graph(next_n):
     step()
     eager = (cand.clone(), o1.clone(), o2.clone())
     scores1 = sc.model_scores()
-    assert_topk(eager[1].cpu(), scores1, rtol=1e-5, threshold=True)
-    errs = candidate_errors(eager[0].cpu(), scores1, None, None, B, rtol=1e-5, limit=1)
+    assert_topk(eager[1].cpu(), scores1, rtol=1e-3, threshold=True)
+    errs = candidate_errors(eager[0].cpu(), scores1, None, None, B, rtol=1e-3, limit=1)
     assert not errs, errs
     sc.q, sc.w = q2.cpu(), w2.cpu()
-    errs = candidate_topk_errors(eager[2].cpu(), sc.model_scores(), None, None, eager[0].cpu(), B, rtol=1e-5,
+    errs = candidate_topk_errors(eager[2].cpu(), sc.model_scores(), None, None, eager[0].cpu(), B, rtol=1e-3,
                                  limit=1)
     assert not errs, errs
     cand.fill_(-7)

@@ -108,24 +108,26 @@ def min_blocks(nt: int) -> int:
     return 5 if nt == 256 else max(1, 1024 // nt)
 
 
-def _compile(arch: str, nt: int, cs: int, bf16: bool = False, defines: tuple = (), *, cached: bool = True) -> bytes:
-    """The cubin of the kernel for ``arch`` (``sm_90a``...) reading float32 (or, ``bf16``, bfloat16) logits, from
-    the disk cache (unless ``cached=False``) or NVRTC. ``defines``: extra ``-D`` options (measurements only)."""
+def _compile(arch: str, nt: int, cs: int, bf16: bool = False, defines: tuple = (), *, cached: bool = True,
+             source: pathlib.Path = SOURCE) -> bytes:
+    """The cubin of the kernel source ``source`` (default: the top-k's) for ``arch`` (``sm_90a``...) reading
+    float32 (or, ``bf16``, bfloat16) logits, from the disk cache (unless ``cached=False``; keyed by the source's
+    hash and the options) or NVRTC. ``defines``: extra ``-D`` options."""
     from cuda.bindings import nvrtc
 
-    src = SOURCE.read_bytes()
+    src = source.read_bytes()
     minb = [] if any(d.startswith("MINB=") for d in defines) else [f"-DMINB={min_blocks(nt)}"]
     opts = [f"--gpu-architecture={arch}", "-std=c++17", f"-DNT={nt}", f"-DCS={cs}", f"-DSMAX={SMAX}", *minb,
             f"-DBF16={int(bool(bf16))}", "-lineinfo"] + [f"-D{d}" for d in defines]
     ver = _check(nvrtc.nvrtcVersion(), "nvrtcVersion")
     key = hashlib.sha256(src + repr((opts, ver)).encode()).hexdigest()[:32]
-    path = _cache_dir() / f"topk_{arch}_{key}.cubin"
+    path = _cache_dir() / f"{source.stem}_{arch}_{key}.cubin"
     if cached:
         try:
             return path.read_bytes()
         except OSError:
             pass
-    prog = _check(nvrtc.nvrtcCreateProgram(src, b"topk_kernel.cu", 0, [], []), "nvrtcCreateProgram")
+    prog = _check(nvrtc.nvrtcCreateProgram(src, source.name.encode(), 0, [], []), "nvrtcCreateProgram")
     try:
         bopts = [o.encode() for o in opts]
         (res,) = nvrtc.nvrtcCompileProgram(prog, len(bopts), bopts)
@@ -133,7 +135,7 @@ def _compile(arch: str, nt: int, cs: int, bf16: bool = False, defines: tuple = (
             size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
             log = b" " * size
             nvrtc.nvrtcGetProgramLog(prog, log)
-            raise RuntimeError(f"NVRTC failed to compile {SOURCE.name} ({' '.join(opts)}):\n{log.decode()}")
+            raise RuntimeError(f"NVRTC failed to compile {source.name} ({' '.join(opts)}):\n{log.decode()}")
         size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
         cubin = b" " * size
         _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
@@ -165,20 +167,21 @@ def _sm_count(index: int) -> int:
 
 
 @functools.cache
-def _kernel(index: int, nt: int, cs: int, bf16: bool = False, defines: tuple = ()):
-    """The loaded ``CUkernel`` for device ``index``, allowed the device's whole opt-in shared memory (a limit
-    only: each launch's occupancy follows the dynamic shared bytes it asks for)."""
+def _kernel(index: int, nt: int, cs: int, bf16: bool = False, defines: tuple = (), name: bytes = b"si_top_k_per_row",
+            source: pathlib.Path = SOURCE):
+    """The loaded ``CUkernel`` ``name`` of ``source`` for device ``index``, allowed the device's whole opt-in
+    shared memory (a limit only: each launch's occupancy follows the dynamic shared bytes it asks for)."""
     from cuda.bindings import driver
 
     torch.cuda.init()
     arch = _arch(index)
     try:
-        lib = _check(driver.cuLibraryLoadData(_compile(arch, nt, cs, bf16, defines), [], [], 0, [], [], 0),
-                     "cuLibraryLoadData")
+        lib = _check(driver.cuLibraryLoadData(_compile(arch, nt, cs, bf16, defines, source=source), [], [], 0, [],
+                                              [], 0), "cuLibraryLoadData")
     except RuntimeError:  # a damaged cache entry: compile afresh (and overwrite it)
-        lib = _check(driver.cuLibraryLoadData(_compile(arch, nt, cs, bf16, defines, cached=False), [], [], 0, [], [],
-                                              0), "cuLibraryLoadData")
-    kern = _check(driver.cuLibraryGetKernel(lib, b"si_top_k_per_row"), "cuLibraryGetKernel")
+        lib = _check(driver.cuLibraryLoadData(_compile(arch, nt, cs, bf16, defines, cached=False, source=source), [],
+                                              [], 0, [], [], 0), "cuLibraryLoadData")
+    kern = _check(driver.cuLibraryGetKernel(lib, name), "cuLibraryGetKernel")
     dev = _check(driver.cuDeviceGet(index), "cuDeviceGet")
     smem = _check(driver.cuDeviceGetAttribute(
         driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev), "cuDeviceGetAttribute")
@@ -424,8 +427,11 @@ def top_k_per_row(logits, row_starts, row_ends, *, out, workspace=None, candidat
                   candidate_block_size=None) -> None:
     """See :func:`sparse_indexer.top_k_per_row`; arguments are checked (float32 or bfloat16 logits).
     ``workspace`` is not needed here."""
-    if candidates is not None:
-        raise NotImplementedError("the CUDA top-k has no candidate-restricted path (the Triton backend has)")
+    if candidates is not None:  # the two-level indexer's kernel (sparse_indexer/ops/select_candidate_blocks/cuda.py)
+        from ..select_candidate_blocks.cuda import candidate_top_k
+
+        candidate_top_k(logits, row_starts, row_ends, out, candidates, candidate_block_size)
+        return
     dev = logits.device
     if dev.type != "cuda" or torch.version.hip is not None:
         raise NotImplementedError(f"the CUDA top-k runs on NVIDIA GPUs, not {dev}")
