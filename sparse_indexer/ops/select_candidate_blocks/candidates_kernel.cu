@@ -31,6 +31,12 @@ typedef unsigned short elem_t;
 typedef float elem_t;
 #endif
 
+#ifndef UB
+#define UB 4  // blocks per thread in flight (select)
+#endif
+#ifndef UC
+#define UC 8  // candidate cells per thread in flight (top-k)
+#endif
 #define NB 2048
 #define NW (NT / 32)
 #define FULL 0xffffffffu
@@ -106,6 +112,25 @@ __device__ void find_digit(u32* hist, u32* misc, u32* wsum, int nbins, int krem)
     __syncthreads();
 }
 
+// hist[bin] += 1 for every lane with bin < NB, one shared atomic per distinct bin of the warp (logits cluster in a
+// few exponent bins: per-lane atomics on one address serialise). Every lane of the warp must call it.
+__device__ __forceinline__ void warp_hist_add(u32* hist, u32 bin) {
+    const unsigned peers = __match_any_sync(FULL, bin);
+    if (bin < NB && (threadIdx.x & 31) == (unsigned)(__ffs(peers) - 1)) atomicAdd(&hist[bin], (u32)__popc(peers));
+}
+
+// A slot of the counter misc[c] for every lane with take: one shared atomic per warp. Every lane must call it.
+__device__ __forceinline__ int warp_slot(u32* misc, int c, bool take) {
+    const unsigned m = __ballot_sync(FULL, take);
+    if (!m) return -1;
+    const int lane = threadIdx.x & 31;
+    const int leader = __ffs(m) - 1;
+    u32 base = 0;
+    if (lane == leader) base = atomicAdd(&misc[c], (u32)__popc(m));
+    base = __shfl_sync(FULL, base, leader);
+    return take ? (int)(base + __popc(m & ((1u << lane) - 1u))) : -1;
+}
+
 __device__ __forceinline__ void zero_hist(u32* hist) {
     for (int i = threadIdx.x; i < NB; i += NT) hist[i] = 0;
 }
@@ -177,35 +202,47 @@ si_select_candidate_blocks(const elem_t* __restrict__ logits, long long stride_l
     const int vec = 16 / (int)sizeof(elem_t);
     const bool v4 = vec_ok && (bs % vec == 0) && ((((unsigned long long)base) & 15) == 0);
     int nzl = 0;
-    for (int j = threadIdx.x; j < nv; j += NT) {
-        const int c0 = j * bs;
-        const int c1 = min(c0 + bs, n);
-        float m = __int_as_float(0xff800000);
-        bool nan = false;
-        if (v4 && c1 - c0 == bs) {
-            for (int c = c0; c < c1; c += vec) {
-                uint4 w = *reinterpret_cast<const uint4*>(base + c);
-                const elem_t* e = reinterpret_cast<const elem_t*>(&w);
+    // UB blocks per thread in flight: their loads first, then their keys (uniform trip counts: every lane of a
+    // warp reaches the warp-wide histogram update)
+    for (int j0 = 0; j0 < nv; j0 += NT * UB) {
+        float m[UB];
+        bool nan[UB];
 #pragma unroll
-                for (int i = 0; i < vec; i++) {
-                    float x = widen(e[i]);
-                    nan |= x != x;
-                    m = fmaxf(m, x);
+        for (int u = 0; u < UB; u++) {
+            const int j = j0 + u * NT + threadIdx.x;
+            const int c0 = j * bs;
+            const int c1 = min(c0 + bs, n);
+            m[u] = __int_as_float(0xff800000);
+            nan[u] = false;
+            if (j >= nv) continue;
+            if (v4 && c1 - c0 == bs) {
+                for (int c = c0; c < c1; c += vec) {
+                    uint4 w = *reinterpret_cast<const uint4*>(base + c);
+                    const elem_t* e = reinterpret_cast<const elem_t*>(&w);
+#pragma unroll
+                    for (int i = 0; i < vec; i++) {
+                        float x = widen(e[i]);
+                        nan[u] |= x != x;
+                        m[u] = fmaxf(m[u], x);
+                    }
+                }
+            } else {
+                for (int c = c0; c < c1; c++) {
+                    float x = widen(base[c]);
+                    nan[u] |= x != x;
+                    m[u] = fmaxf(m[u], x);
                 }
             }
-        } else {
-            for (int c = c0; c < c1; c++) {
-                float x = widen(base[c]);
-                nan |= x != x;
-                m = fmaxf(m, x);
-            }
         }
-        u32 key = nan ? 1u : fkey(m);
-        if (j == newest) key = 0xffffffffu;
-        keys[j] = key;
-        if (key) {
-            atomicAdd(&hist[key >> 21], 1u);
-            nzl++;
+#pragma unroll
+        for (int u = 0; u < UB; u++) {
+            const int j = j0 + u * NT + threadIdx.x;
+            u32 key = nan[u] ? 1u : fkey(m[u]);
+            if (j == newest) key = 0xffffffffu;
+            if (j < nv) keys[j] = key;
+            const bool counted = j < nv && key;
+            warp_hist_add(hist, counted ? key >> 21 : NB);
+            nzl += counted;
         }
     }
     const int nz = count_nonzero(nzl, misc);
@@ -215,14 +252,13 @@ si_select_candidate_blocks(const elem_t* __restrict__ logits, long long stride_l
     radix(keys, nv, kb, nz, hist, misc, wsum, &thr, &need);
     const int n_gt = k - need;
     __syncthreads();
-    for (int j = threadIdx.x; j < nv; j += NT) {
-        u32 key = keys[j];
-        if (key > thr) {
-            orow[atomicAdd(&misc[M_GT], 1u)] = j;
-        } else if (need && key == thr) {
-            u32 e = atomicAdd(&misc[M_EQ], 1u);
-            if ((int)e < need) orow[n_gt + e] = j;
-        }
+    for (int j0 = 0; j0 < nv; j0 += NT) {
+        const int j = j0 + threadIdx.x;
+        const u32 key = j < nv ? keys[j] : 0u;
+        const int g = warp_slot(misc, M_GT, key > thr);
+        const int e = warp_slot(misc, M_EQ, need && key == thr);
+        if (g >= 0) orow[g] = j;
+        if (e >= 0 && e < need) orow[n_gt + e] = j;
     }
     for (int c = k + threadIdx.x; c < kb; c += NT) orow[c] = -1;
 }
@@ -249,22 +285,35 @@ si_candidate_topk(const elem_t* __restrict__ logits, long long stride_l, const i
     __syncthreads();
     const int total = kb * bs;
     int nel = 0;
-    for (int v = threadIdx.x; v < total; v += NT) {
-        const int j = v / bs;
-        const int o = v - j * bs;
-        const int id = ids[j];
-        u32 key = 0u;
-        if (id >= 0) {
-            const long long col = (long long)id * bs + o;
-            if (col < n) {
-                key = fkey(widen(base[col]));
-                key = key ? key : 1u;
+    for (int v0 = 0; v0 < total; v0 += NT * UC) {  // UC cells per thread in flight
+        float x[UC];
+        bool ok[UC];
+#pragma unroll
+        for (int u = 0; u < UC; u++) {
+            const int v = v0 + u * NT + threadIdx.x;
+            ok[u] = false;
+            x[u] = 0.0f;
+            if (v < total) {
+                const int j = v / bs;
+                const int id = ids[j];
+                const long long col = (long long)id * bs + (v - j * bs);
+                if (id >= 0 && col < n) {
+                    x[u] = widen(base[col]);
+                    ok[u] = true;
+                }
             }
         }
-        keys[v] = key;
-        if (key) {
-            atomicAdd(&hist[key >> 21], 1u);
-            nel++;
+#pragma unroll
+        for (int u = 0; u < UC; u++) {
+            const int v = v0 + u * NT + threadIdx.x;
+            u32 key = 0u;
+            if (ok[u]) {
+                key = fkey(x[u]);
+                key = key ? key : 1u;
+            }
+            if (v < total) keys[v] = key;
+            warp_hist_add(hist, key ? key >> 21 : NB);
+            nel += key != 0u;
         }
     }
     const int ne = count_nonzero(nel, misc);
@@ -274,15 +323,12 @@ si_candidate_topk(const elem_t* __restrict__ logits, long long stride_l, const i
     radix(keys, total, topk, ne, hist, misc, wsum, &thr, &need);
     const int n_gt = k - need;
     __syncthreads();
-    for (int v = threadIdx.x; v < total; v += NT) {
-        u32 key = keys[v];
-        int slot = -1;
-        if (key > thr) {
-            slot = (int)atomicAdd(&misc[M_GT], 1u);
-        } else if (need && key == thr) {
-            u32 e = atomicAdd(&misc[M_EQ], 1u);
-            if ((int)e < need) slot = n_gt + (int)e;
-        }
+    for (int v0 = 0; v0 < total; v0 += NT) {
+        const int v = v0 + threadIdx.x;
+        const u32 key = v < total ? keys[v] : 0u;
+        const int g = warp_slot(misc, M_GT, key > thr);
+        int e = warp_slot(misc, M_EQ, need && key == thr);
+        const int slot = g >= 0 ? g : (e >= 0 && e < need ? n_gt + e : -1);
         if (slot >= 0) {
             const int j = v / bs;
             orow[slot] = ids[j] * bs + (v - j * bs);

@@ -2,8 +2,8 @@
 
 One program per row. Pass 1 reads the window once in tiles of ``[blocks, b]`` cells and stores each block's
 uint32 rank key in the workspace row (0: all ``-inf``, never a candidate; 1: holds a NaN; the order-preserving
-key of its maximum otherwise; ``0xFFFFFFFF``: the newest block), building the histogram of the keys' top 11
-bits. Two more passes over the keys (11 and 10 bits, ``sparse_indexer.ops.top_k_per_row.triton.radix_digit``)
+key of its maximum otherwise; ``0xFFFFFFFF``: the newest block), building the histogram of the keys' top 8
+bits. Three more passes over the keys (8-bit digits, ``sparse_indexer.ops.top_k_per_row.triton.radix_digit``)
 find the ``K_b``-th largest key exactly, and one last pass writes the ids above it and as many equal ones as
 needed (no ties are split wrongly: any of the equal ones is a correct answer), then -1.
 """
@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..._runtime.launch import Launcher
 from ..._runtime.triton_compat import fix_interpreter
-from ..top_k_per_row.triton import RADIX_BINS, _sort_key, compact_tile, fill_rest, masked_hist, radix_digit
+from ..top_k_per_row.triton import RADIX_BINS, RADIX_BITS, _sort_key, compact_tile, fill_rest, masked_hist, radix_digit
 
 fix_interpreter()
 
@@ -44,7 +44,7 @@ def _key_hist(wrow, nv, prefix, SHIFT_HI: tl.constexpr, SHIFT: tl.constexpr, NB:
 @triton.jit
 def _select_blocks_kernel(out_ptr, logits_ptr, starts_ptr, ends_ptr, ws_ptr, stride_l, stride_o, stride_w, kb,
                           BS: tl.constexpr, BP: tl.constexpr, TB: tl.constexpr, NB: tl.constexpr,
-                          KEYS: tl.constexpr):
+                          KEYS: tl.constexpr, DB: tl.constexpr):
     row = tl.program_id(0)
     start = tl.load(starts_ptr + row)
     n = tl.maximum(tl.load(ends_ptr + row) - start, 0)
@@ -70,17 +70,19 @@ def _select_blocks_kernel(out_ptr, logits_ptr, starts_ptr, ends_ptr, ws_ptr, str
         valid = blk < nv
         key = tl.where(valid, key, 0).to(tl.uint32)
         tl.store(wrow + blk, key.to(tl.int32, bitcast=True), mask=valid)
-        hist += tl.histogram((key >> 21).to(tl.int32), NB)
+        hist += tl.histogram((key >> (32 - DB)).to(tl.int32), NB)
         nz += tl.sum((key != 0).to(tl.int32), 0)
     thr = tl.zeros((), tl.uint32)  # at most K_b candidates: every key > 0
     need_eq = n * 0
     if nz > kb:
-        d0, krem = radix_digit(hist, kb, NB)
-        prefix = d0.to(tl.uint32) << 21
-        d1, krem = radix_digit(_key_hist(wrow, nv, prefix, 21, 10, NB, KEYS), krem, NB)
-        prefix = prefix | (d1.to(tl.uint32) << 10)
-        d2, krem = radix_digit(_key_hist(wrow, nv, prefix, 10, 0, 1024, KEYS), krem, 1024)
-        thr = prefix | d2.to(tl.uint32)
+        krem = kb
+        prefix = tl.zeros((), tl.uint32)
+        for p in tl.static_range(32 // DB):
+            if p > 0:
+                hist = _key_hist(wrow, nv, prefix, 32 - DB * p, 32 - DB * (p + 1), NB, KEYS)
+            d, krem = radix_digit(hist, krem, NB)
+            prefix = prefix | (d.to(tl.uint32) << (32 - DB * (p + 1)))
+        thr = prefix
         need_eq = krem
     k = tl.minimum(nz, kb)
     n_gt = k - need_eq
@@ -100,7 +102,7 @@ _SELECT = Launcher(_select_blocks_kernel)
 @functools.lru_cache(maxsize=64)
 def _cfg(block_size: int):
     bp = triton.next_power_of_2(block_size)
-    return _SELECT.config(BS=block_size, BP=bp, TB=max(1, CELLS // bp), NB=RADIX_BINS, KEYS=KEYS,
+    return _SELECT.config(BS=block_size, BP=bp, TB=max(1, CELLS // bp), NB=RADIX_BINS, KEYS=KEYS, DB=RADIX_BITS,
                           num_warps=NUM_WARPS)
 
 

@@ -518,9 +518,10 @@ def top_k_per_row(logits, row_starts, row_ends, *, out, workspace=None, candidat
 
 # ---------------------------------------------------------------- candidate-restricted top-k (docs/spec.md §6a)
 # Shared with the Triton select_candidate_blocks (sparse_indexer/ops/select_candidate_blocks/triton.py): an exact
-# radix select of the k largest uint32 keys of a row, key 0 never taken (cells that are not eligible), in three
-# digits of 11, 11 and 10 bits, then one compaction pass.
-RADIX_BINS = 2048
+# radix select of the k largest uint32 keys of a row, key 0 never taken (cells that are not eligible), in digits of
+# RADIX_BITS bits, then one compaction pass.
+RADIX_BITS = 8  # digit width: 4 passes of 256 bins (Triton's histogram costs grow with the bins)
+RADIX_BINS = 1 << RADIX_BITS
 CAND_CELLS = 4096  # cells per tile of the candidate top-k (candidates per tile: CAND_CELLS // next_pow2(b))
 CAND_WARPS = 8
 
@@ -595,7 +596,8 @@ def _cand_hist(base, crow, n, kb, prefix, SHIFT_HI: tl.constexpr, SHIFT: tl.cons
 
 @triton.jit
 def _candidate_topk_kernel(out_ptr, logits_ptr, starts_ptr, ends_ptr, cand_ptr, stride_l, stride_o, stride_c, topk,
-                           kb, BS: tl.constexpr, BP: tl.constexpr, TC: tl.constexpr, NB: tl.constexpr):
+                           kb, BS: tl.constexpr, BP: tl.constexpr, TC: tl.constexpr, NB: tl.constexpr,
+                           DB: tl.constexpr):
     """One program per row: the ``topk`` largest eligible cells of the row's candidate blocks (all of them when
     there are at most ``topk``), by an exact radix select over keys recomputed from the candidate cells."""
     row = tl.program_id(0)
@@ -608,17 +610,19 @@ def _candidate_topk_kernel(out_ptr, logits_ptr, starts_ptr, ends_ptr, cand_ptr, 
     ne = n * 0
     for c0 in range(0, kb, TC):
         key, pos = _cand_tile(base, crow, c0, n, kb, BS, BP, TC)
-        hist += tl.histogram((key >> 21).to(tl.int32), NB)
+        hist += tl.histogram((key >> (32 - DB)).to(tl.int32), NB)
         ne += tl.sum((key != 0).to(tl.int32), 0)
     thr = tl.zeros((), tl.uint32)  # at most topk eligible: every key > 0
     need_eq = ne * 0
     if ne > topk:
-        d0, krem = radix_digit(hist, topk, NB)
-        prefix = d0.to(tl.uint32) << 21
-        d1, krem = radix_digit(_cand_hist(base, crow, n, kb, prefix, 21, 10, NB, BS, BP, TC), krem, NB)
-        prefix = prefix | (d1.to(tl.uint32) << 10)
-        d2, krem = radix_digit(_cand_hist(base, crow, n, kb, prefix, 10, 0, 1024, BS, BP, TC), krem, 1024)
-        thr = prefix | d2.to(tl.uint32)
+        krem = topk
+        prefix = tl.zeros((), tl.uint32)
+        for p in tl.static_range(32 // DB):
+            if p > 0:
+                hist = _cand_hist(base, crow, n, kb, prefix, 32 - DB * p, 32 - DB * (p + 1), NB, BS, BP, TC)
+            d, krem = radix_digit(hist, krem, NB)
+            prefix = prefix | (d.to(tl.uint32) << (32 - DB * (p + 1)))
+        thr = prefix
         need_eq = krem
     k = tl.minimum(ne, topk)
     n_gt = k - need_eq
@@ -636,7 +640,8 @@ _CAND = Launcher(_candidate_topk_kernel)
 @functools.lru_cache(maxsize=64)
 def _cand_cfg(block_size: int):
     bp = triton.next_power_of_2(block_size)
-    return _CAND.config(BS=block_size, BP=bp, TC=max(1, CAND_CELLS // bp), NB=RADIX_BINS, num_warps=CAND_WARPS)
+    return _CAND.config(BS=block_size, BP=bp, TC=max(1, CAND_CELLS // bp), NB=RADIX_BINS, DB=RADIX_BITS,
+                        num_warps=CAND_WARPS)
 
 
 def candidate_top_k(logits, row_starts, row_ends, out, candidates, block_size) -> None:
