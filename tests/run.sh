@@ -21,9 +21,10 @@ run env TRITON_INTERPRET=1 SPARSE_INDEXER_TEST_BACKENDS=triton "$PY" -m pytest -
   tests/sparse_indexer/ops tests/sparse_indexer/test_indexer.py tests/sparse_indexer/test_decode_budget.py \
   tests/sparse_indexer/test_compressed.py tests/sparse_indexer/test_cache_format.py \
   tests/sparse_indexer/test_candidates_step.py
-# the vLLM shim on metadata from vLLM's own builder, for DeepSeek-V3.2 and V4 indexer caches (its Triton metadata
-# kernels in the interpreter; vLLM imports triton without a GPU driver only when CUDA_VISIBLE_DEVICES is set and
-# empty); skips where vLLM is absent
+# the vLLM shim on metadata from vLLM's own builder, for DeepSeek-V3.2, V4 and V4.1 (candidate blocks) indexer
+# caches (its Triton metadata kernels in the interpreter; vLLM imports triton without a GPU driver only when
+# CUDA_VISIBLE_DEVICES is set and empty); skips where vLLM is absent
 run env TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= VLLM_SPARSE_INDEXER_MAX_LOGITS_MB=1 "$PY" -m pytest -q \
-  -p no:cacheprovider tests/compat/test_vllm_builder.py tests/compat/test_vllm_builder_v4.py
+  -p no:cacheprovider tests/compat/test_vllm_builder.py tests/compat/test_vllm_builder_v4.py \
+  tests/compat/test_vllm_builder_v41.py
 exit $fail

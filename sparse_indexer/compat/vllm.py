@@ -29,6 +29,13 @@ per ``C`` tokens, written by the model's compressor before the op, so ``skip_k_c
 the op's ``max_model_len`` and ``total_seq_lens`` are already ``// C``. The shim keeps one
 :class:`IndexerLimits` (``compress_ratio=C``) and plan per ratio, and the cache's byte format per
 :func:`v4_cache_format`.
+
+DeepSeek-V4.1's two-level indexer passes the model's candidate buffer ``candidate_blocks [max_num_batched_tokens,
+K_b]`` int32 with ``candidate_block_size`` ``b`` (8) to its candidate source layer (``candidate_write=True``: the
+op writes the rows of the step's tokens) and to the index layers after it (which read them and select their top-k
+inside those blocks): :meth:`VllmIndexer.__call__` says how. The op writes ``candidate_blocks`` on the source
+layer, so a registration of the drop-in lists it among the mutated arguments (:data:`MUTATES_ARGS`, as vLLM
+registers its own op).
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ from ..metadata import DecodeMetadata, IndexerMetadata, PrefillChunk, pack_decod
 from ..ops.fp8_paged_mqa_logits import row_limits
 
 __all__ = [
-    "COMPRESS_RATIOS", "VllmIndexer", "WorkspaceTooSmall", "buffers_from_workspace", "held_bytes",
+    "COMPRESS_RATIOS", "MUTATES_ARGS", "VllmIndexer", "WorkspaceTooSmall", "buffers_from_workspace", "held_bytes",
     "metadata_from_vllm", "reserve", "v4_cache_format", "workspace_specs",
 ]
 
@@ -57,6 +64,11 @@ __all__ = [
 # compressed sparse attention layers). V4's heavily compressed layers (128) attend every compressed entry and
 # never call the op.
 COMPRESS_RATIOS = (1, 2, 4)
+
+# the arguments of vLLM's indexer op that the op writes (vLLM 0.33 registers rocm_aiter_sparse_attn_indexer and
+# sparse_attn_indexer with these ``mutates_args``): the top-k rows, and on DeepSeek-V4.1's candidate source layer
+# the candidate blocks. A registration of :meth:`VllmIndexer.__call__` as the op passes them as ``mutates_args``.
+MUTATES_ARGS = ("topk_indices_buffer", "candidate_blocks")
 
 
 class WorkspaceTooSmall(BufferTooSmall):
@@ -401,14 +413,17 @@ def v4_cache_format(compress_ratio: int, block_size: int, device: torch.device,
 @attrs.frozen(kw_only=True)
 class VllmIndexer:
     """Drop-in for vLLM's ``rocm_aiter_sparse_attn_indexer`` (same argument list; register ``__call__`` as the
-    op and ``fake`` as its fake, ``mutates_args=["topk_indices_buffer"]``).
+    op and ``fake`` as its fake, ``mutates_args=MUTATES_ARGS``: ``["topk_indices_buffer", "candidate_blocks"]``).
 
     The op's arguments fix most :class:`IndexerLimits` (``max_model_len``, ``total_seq_lens`` ->
     ``prefill_k_tokens``, ``topk_tokens``, ``head_dim``, heads and fp8 format of ``q_fp8``, the cache's
-    block size, ``topk_indices_buffer.shape[0]`` -> ``max_num_batched_tokens``, ``compress_ratio``); the rest are
-    engine limits given here. Layers of different compress ratios (DeepSeek-V4.1 mixes 1 and 2, each K-cache
-    group with its own vLLM metadata object) get limits and a plan each; a profiling run reserves the largest
-    plan seen so far, so vLLM's workspace ends up holding every ratio's buffers.
+    block size, ``topk_indices_buffer.shape[0]`` -> ``max_num_batched_tokens``, ``compress_ratio``,
+    ``candidate_blocks.shape[1]`` -> ``candidate_blocks`` and ``candidate_block_size``); the rest are engine
+    limits given here. Layers of different compress ratios (DeepSeek-V4.1 mixes 1 and 2, each K-cache group
+    with its own vLLM metadata object) and of different candidate configurations (V4.1's index layers before
+    the candidate source have none) get limits and a plan each; a profiling run reserves the largest plan seen
+    so far, so vLLM's workspace ends up holding every one of them (a candidate plan's ``block_scores`` and
+    ``cand_pack`` included).
 
     Attributes:
         max_num_seqs, next_n, max_logits_bytes, with_qk: the remaining :class:`IndexerLimits`.
@@ -465,13 +480,16 @@ class VllmIndexer:
 
     def _limits_and_plan(self, kv_cache: torch.Tensor, q_fp8: torch.Tensor, topk_tokens: int, head_dim: int,
                          max_model_len: int, total_seq_lens: int, topk_indices_buffer: torch.Tensor,
-                         compress_ratio: int = 1,
-                         skip_k_cache_insert: bool = False) -> tuple[IndexerLimits, BufferPlan]:
-        """:meth:`limits` and its plan, made once per distinct set of the arguments they read."""
+                         compress_ratio: int = 1, skip_k_cache_insert: bool = False, candidate_blocks: int = 0,
+                         candidate_block_size: int = 8) -> tuple[IndexerLimits, BufferPlan]:
+        """:meth:`limits` and its plan, made once per distinct set of the arguments they read (``candidate_blocks``:
+        ``K_b``, the columns of the op's candidate buffer, 0 without one)."""
         args = (kv_cache, q_fp8, topk_tokens, head_dim, max_model_len, total_seq_lens, topk_indices_buffer)
-        kw = {"compress_ratio": compress_ratio, "skip_k_cache_insert": skip_k_cache_insert}
+        kw = {"compress_ratio": compress_ratio, "skip_k_cache_insert": skip_k_cache_insert,
+              "candidate_blocks": candidate_blocks, "candidate_block_size": candidate_block_size}
         key = (kv_cache.shape[1], kv_cache.device, q_fp8.shape[1], q_fp8.dtype, topk_tokens, head_dim, max_model_len,
-               total_seq_lens, topk_indices_buffer.shape[0], compress_ratio, bool(skip_k_cache_insert))
+               total_seq_lens, topk_indices_buffer.shape[0], compress_ratio, bool(skip_k_cache_insert),
+               candidate_blocks, candidate_block_size if candidate_blocks else 0)
         memo = self._memo["limits"]
         try:
             hit = memo.get(key)
@@ -486,8 +504,9 @@ class VllmIndexer:
         return hit
 
     def _largest_plan(self, p: BufferPlan) -> BufferPlan:
-        """The plan with the most bytes among ``p`` and every plan made so far (one per compress ratio and
-        shape): what a profiling run reserves, so the locked workspace holds any of them."""
+        """The plan with the most bytes among ``p`` and every plan made so far (one per compress ratio,
+        candidate configuration and shape): what a profiling run reserves, so the locked workspace holds any of
+        them (each is taken whole from the start of the workspace, one at a time)."""
         best = p
         for _, q in self._memo["limits"].values():
             if q.total_bytes > best.total_bytes:
@@ -533,11 +552,15 @@ class VllmIndexer:
 
     def limits(self, kv_cache: torch.Tensor, q_fp8: torch.Tensor, topk_tokens: int, head_dim: int,
                max_model_len: int, total_seq_lens: int, topk_indices_buffer: torch.Tensor, *,
-               compress_ratio: int = 1, skip_k_cache_insert: bool = False) -> IndexerLimits:
+               compress_ratio: int = 1, skip_k_cache_insert: bool = False, candidate_blocks: int = 0,
+               candidate_block_size: int = 8) -> IndexerLimits:
         """The :class:`IndexerLimits` of one op call. ``max_model_len`` and ``total_seq_lens`` are the op's, in
         keys (``// compress_ratio``); the limits' ``max_model_len`` is in tokens (:attr:`model_max_model_len`
         when it has ``max_model_len`` keys, else the longest length that has). A cache the model's compressor
-        wrote (``skip_k_cache_insert``) has the byte format of :func:`v4_cache_format`."""
+        wrote (``skip_k_cache_insert``) has the byte format of :func:`v4_cache_format`. ``candidate_blocks``
+        (``K_b``: the columns of the op's ``candidate_blocks`` buffer; 0 without one) and
+        ``candidate_block_size`` become the limits' two-level indexer fields (``IndexerLimits`` raises
+        ``ValueError`` when ``(K_b - 1) * b + 1 < topk_tokens``)."""
         cr = _compress_ratio(compress_ratio)
         keys = int(max_model_len)
         tokens = keys * cr + cr - 1
@@ -555,6 +578,8 @@ class VllmIndexer:
             # vLLM's builder on ROCm/CPU sends requests of 1..next_n tokens whose length differs from the first
             # decode's down the prefill path: its chunks may hold max_num_seqs one-token prefills
             min_prefill_query_len=1,
+            **({"candidate_blocks": int(candidate_blocks), "candidate_block_size": int(candidate_block_size)}
+               if candidate_blocks else {}),
         )
 
     def __call__(self, hidden_states: torch.Tensor, k_cache_prefix, kv_cache: torch.Tensor, q_fp8: torch.Tensor,
@@ -565,21 +590,52 @@ class VllmIndexer:
                  candidate_block_size: int = 0, candidate_write: bool = False) -> torch.Tensor:
         """One indexer step of one layer, as vLLM's op: returns ``topk_indices_buffer`` with rows
         ``[0, hidden_states.shape[0])`` written (request-local positions, -1 = none; compressed-entry indices
-        when ``compress_ratio > 1``)."""
+        when ``compress_ratio > 1``).
+
+        DeepSeek-V4.1's two-level indexer (docs/spec.md §6a): ``candidate_blocks`` is the model's buffer
+        ``[max_num_batched_tokens, K_b]`` int32, shared by the candidate source layer and the index layers after
+        it, ``candidate_block_size`` ``b >= 1`` the keys per block (compressed entries when ``C > 1``; the source
+        and its consumers share one ``C``), ``candidate_write`` whether this layer is the source. The source
+        writes rows ``[0, T)`` (``T = q_fp8.shape[0]``) with the request-local ids of the candidate blocks of each
+        token's window (-1 padded; rows of padding tokens and of tokens without keys all -1, as are the rows
+        ``[T, hidden_states.shape[0])``) and selects its own top-k over the whole windows; a consumer reads the
+        rows of its tokens and selects its top-k only inside their blocks. Every call's limits and plan include
+        ``candidate_blocks=K_b, candidate_block_size=b``.
+
+        **Row order differs from vLLM's own op.** Here row ``t`` of ``candidate_blocks`` is always token ``t``'s
+        (a decode laid out as a padded ``[B, n]`` grid is unpacked to token rows like its top-k rows). vLLM's op
+        writes a decode's candidate rows in the order of its grid, ``candidate_blocks[:B * n]``, after the prefill
+        chunks' rows: a padded decode (``requires_padding``, fewer tokens than ``B * n``) in a step with prefill
+        tokens overwrites the candidate rows of the first prefill tokens before the consumer layers read them.
+        With this drop-in as source and consumers every token reads its own candidates; a step's rows are not
+        vLLM's row for row in that case (only a reader of token rows, this drop-in, reads them right).
+
+        Raises:
+            ValueError: ``candidate_blocks`` without ``candidate_block_size >= 1`` or not 2-D,
+                ``candidate_write`` without ``candidate_blocks``, ``K_b`` blocks of ``b`` that cannot hold
+                ``topk_tokens`` positions (``(K_b - 1) * b + 1 < topk_tokens``), and the step's own checks
+                (:func:`sparse_indexer.sparse_attn_indexer`: shapes, dtypes, aliasing); nothing is written then.
+            NotImplementedError: a compressed cache with ``skip_k_cache_insert=False``, ``quant_block_size !=
+                head_dim``, vLLM features the shim does not implement.
+        """
         cr = _compress_ratio(compress_ratio)
         if cr > 1 and not skip_k_cache_insert:
             raise NotImplementedError(f"compress_ratio={cr} with skip_k_cache_insert=False: the keys of a compressed "
                                       "cache come from the model's compressor, which writes them before the op")
-        if candidate_blocks is not None:
-            raise NotImplementedError("candidate_blocks (block candidate selection) is not supported")
+        kb = _candidate_columns(candidate_blocks, candidate_block_size, candidate_write)
         if quant_block_size != head_dim:
             raise NotImplementedError(f"{quant_block_size=} must equal {head_dim=} (one key scale per token)")
         if topk_indices_buffer is None:
             raise ValueError("topk_indices_buffer must be given")
         if topk_indices_buffer.shape[1] != topk_tokens:
             raise ValueError(f"topk_indices_buffer has {topk_indices_buffer.shape[1]} columns, {topk_tokens=}")
-        limits, p = self._limits_and_plan(kv_cache, q_fp8, topk_tokens, head_dim, max_model_len, total_seq_lens,
-                                          topk_indices_buffer, cr, bool(skip_k_cache_insert))
+        if kb:
+            limits, p = self._limits_and_plan(kv_cache, q_fp8, topk_tokens, head_dim, max_model_len, total_seq_lens,
+                                              topk_indices_buffer, cr, bool(skip_k_cache_insert), kb,
+                                              candidate_block_size)
+        else:
+            limits, p = self._limits_and_plan(kv_cache, q_fp8, topk_tokens, head_dim, max_model_len, total_seq_lens,
+                                              topk_indices_buffer, cr, bool(skip_k_cache_insert))
         attn_metadata = self.attn_metadata()
         if not isinstance(attn_metadata, dict):
             # Profiling run: reserve here, in the real implementation (the fake runs under FakeTensor mode).
@@ -593,10 +649,18 @@ class VllmIndexer:
         if not skip_k_cache_insert and k is None:
             raise ValueError("k must be provided when skip_k_cache_insert is False")
         # the step fills the padding rows [n, q_fp8 rows) with -1; k=None skips the cache write
-        sparse_attn_indexer(q_fp8, None if skip_k_cache_insert else k, weights, kv_cache, md, bufs, out,
-                            backend=self.backend, scale_fmt=scale_fmt)
+        k_step = None if skip_k_cache_insert else k
+        if kb:
+            sparse_attn_indexer(q_fp8, k_step, weights, kv_cache, md, bufs, out, backend=self.backend,
+                                scale_fmt=scale_fmt, candidates=candidate_blocks,
+                                write_candidates=bool(candidate_write))
+        else:
+            sparse_attn_indexer(q_fp8, k_step, weights, kv_cache, md, bufs, out, backend=self.backend,
+                                scale_fmt=scale_fmt)
         if rows > q_fp8.shape[0]:  # cudagraph padding rows beyond q_fp8, as vLLM does
             out[q_fp8.shape[0] : rows].fill_(-1)
+            if kb and candidate_write:
+                candidate_blocks[q_fp8.shape[0] : rows].fill_(-1)
         return out
 
     def fake(self, hidden_states, k_cache_prefix, kv_cache, q_fp8, k, weights, quant_block_size, scale_fmt,
@@ -604,6 +668,25 @@ class VllmIndexer:
              compress_ratio=1, candidate_blocks=None, candidate_block_size=0, candidate_write=False):
         """The op's fake (FakeTensor mode): returns ``topk_indices_buffer``; touches no workspace."""
         return topk_indices_buffer
+
+
+def _candidate_columns(candidate_blocks, candidate_block_size, candidate_write) -> int:
+    """``K_b``, the columns of the op's ``candidate_blocks`` (0 without the buffer), after checking the candidate
+    arguments of one call."""
+    if candidate_blocks is None:
+        if candidate_write:
+            raise ValueError("candidate_write=True needs candidate_blocks (the buffer the candidate source layer "
+                             "writes)")
+        return 0
+    if (isinstance(candidate_block_size, bool) or not isinstance(candidate_block_size, int)
+            or candidate_block_size < 1):
+        raise ValueError(f"candidate_block_size={candidate_block_size!r} must be an int >= 1 when candidate_blocks "
+                         "is given (keys per candidate block; DeepSeek-V4.1: 8)")
+    if not isinstance(candidate_blocks, torch.Tensor) or candidate_blocks.dim() != 2 or candidate_blocks.shape[1] < 1:
+        shape = list(candidate_blocks.shape) if isinstance(candidate_blocks, torch.Tensor) else None
+        raise ValueError(f"candidate_blocks must be a [max_num_batched_tokens, K_b >= 1] int32 tensor, got "
+                         f"{type(candidate_blocks).__name__} {shape}")
+    return int(candidate_blocks.shape[1])
 
 
 def _compress_ratio(c) -> int:

@@ -112,6 +112,36 @@ def model_scores(batch) -> list[torch.Tensor]:
     return out
 
 
+def model_logits(batch, q_fp8: torch.Tensor | None = None,
+                 weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scores of :func:`model_scores` as one matrix, computed per request (all its tokens at once):
+    ``(logits [tokens, W] float64, ends [tokens] int64)``, row ``t`` token ``t``'s scores over its window
+    ``[0, ends[t])`` (``W`` the longest window, at least 1; cells past a window ``-inf``). ``q_fp8``/``weights``
+    (default: the batch's) are another layer's queries over the same keys; the keys' quantization is made once
+    per batch."""
+    q_fp8 = batch.q_fp8 if q_fp8 is None else q_fp8
+    weights = batch.weights if weights is None else weights
+    cr = getattr(batch, "compress_ratio", 1)
+    quant = batch.__dict__.setdefault("_model_keys", {})
+    ends = torch.tensor([(s - q + j + 1) // cr for s, q in zip(batch.seq_lens, batch.query_lens) for j in range(q)],
+                        dtype=torch.long)
+    width = max(1, int(ends.max()) if ends.numel() else 0)
+    out = torch.full((ends.shape[0], width), float("-inf"), dtype=torch.float64)
+    t = 0
+    for r, q in enumerate(batch.query_lens):
+        e = ends[t : t + q]
+        n = int(e.max()) if q else 0
+        if n:
+            if r not in quant:
+                quant[r] = oracle.quantize(batch.keys[r], batch.fp8_dtype, "ue8m0")[:2]
+            vals, scale = quant[r]
+            sc = oracle.scores(oracle.decode(q_fp8[t : t + q]), vals[:n], scale[:n], weights[t : t + q])
+            inside = torch.arange(n)[None, :] < e[:, None]
+            out[t : t + q, :n] = torch.where(inside, sc, float("-inf"))
+        t += q
+    return out, ends
+
+
 def check_against_model(topk: torch.Tensor, batch, topk_width: int) -> None:
     """Rows ``[0, num_tokens)`` of ``topk`` are a correct top-k of the model's scores (docs/spec.md §6): a window
     of ``n <= topk`` gives ``0..n-1, -1...``; a longer one ``topk`` distinct positions whose scores are all at
@@ -133,17 +163,21 @@ def check_against_model(topk: torch.Tensor, batch, topk_width: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ our path
-def run_ours(batch, lim, md=None, *, backend="reference", rows=None):
+def run_ours(batch, lim, md=None, *, backend="reference", rows=None, q_fp8=None, weights=None, candidates=None,
+             write_candidates=False):
     """``build_metadata`` (from the real lengths in tokens and the key slots) + ``sparse_attn_indexer`` on a copy
     of the cache (``k=None`` for a prewritten batch); ``topk_out`` has ``max_num_batched_tokens`` rows, pre-filled
-    with 7. Returns ``(topk_out, kv)``."""
+    with 7. ``q_fp8``/``weights``: another layer's (default: the batch's); ``candidates``/``write_candidates``:
+    the step's two-level indexer arguments (written in place by a source). Returns ``(topk_out, kv)``."""
     md = md or si.build_metadata(batch.seq_lens, batch.query_lens, batch.block_table, batch.key_slots, lim)
-    rows = batch.q_fp8.shape[0] if rows is None else rows
+    q_fp8 = batch.q_fp8 if q_fp8 is None else q_fp8
+    weights = batch.weights if weights is None else weights
+    rows = q_fp8.shape[0] if rows is None else rows
     kv = batch.kv.clone()
     out = torch.full((lim.max_num_batched_tokens, lim.topk), SEVEN, dtype=torch.int32)
     k = None if batch.k is None else batch.k[:rows]
-    si.sparse_attn_indexer(batch.q_fp8[:rows], k, batch.weights[:rows], kv, md, si.allocate(lim), out,
-                           backend=backend)
+    kw = {} if candidates is None else {"candidates": candidates, "write_candidates": write_candidates}
+    si.sparse_attn_indexer(q_fp8[:rows], k, weights[:rows], kv, md, si.allocate(lim), out, backend=backend, **kw)
     return out, kv
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
+import attrs
 import torch
 
 import sparse_indexer as si
@@ -53,16 +54,21 @@ class Engine:
     ``C > 1`` as DeepSeek-V4's ``DeepseekV4IndexerCache`` does (``tokens_per_state=C``, its page alignment):
     ``block_size`` counts tokens per page, ``block_size // C`` compressed entries (the spec's ``num_states``).
 
+    ``v41``: DeepSeek-V4.1's engine (``architectures`` ``DeepseekV41ForCausalLM``; its indexer caches are
+    ``DeepseekV4IndexerCache``'s spec at every ratio, ``tokens_per_state=C`` also for ``C = 1``).
+
     Our side: the limits :class:`~sparse_indexer.compat.vllm.VllmIndexer` derives from the op's arguments
     (``prefill_k_tokens`` = vLLM's prefill workspace ``max_model_len * 8 * factor // C`` keys, the same logits
-    budget, ``block_size // C`` keys per block). ``op_max_model_len`` and ``op_total_seq_lens`` are what the
-    model passes the op (``// C``), ``workspace_keys`` the builder's prefill key workspace.
+    budget, ``block_size // C`` keys per block; a two-level indexer layer's add ``candidate_blocks`` and
+    ``candidate_block_size``: :meth:`candidate_limits`).
+    ``op_max_model_len`` and ``op_total_seq_lens`` are what the model passes the op (``// C``),
+    ``workspace_keys`` the builder's prefill key workspace.
     """
 
     def __init__(self, next_n: int, *, max_model_len: int = 96, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 64, block_size: int = 16, workspace_factor: int = 2,
                  n_heads: int = 8, head_dim: int = 64, topk: int = 16, compress_ratio: int = 1,
-                 layer: str = "model.layers.0.self_attn.indexer.k_cache"):
+                 layer: str = "model.layers.0.self_attn.indexer.k_cache", v41: bool = False):
         from vllm.config import AttentionConfig, DeviceConfig, SchedulerConfig, VllmConfig
         from vllm.platforms import current_platform
         from vllm.v1.attention.backends.mla import indexer as vi
@@ -78,12 +84,13 @@ class Engine:
             attention_config=AttentionConfig(sparse_mla_prefill_workspace_factor=workspace_factor),
             device_config=DeviceConfig(device="cpu"),
         )
-        cfg.model_config = SimpleNamespace(max_model_len=max_model_len, architectures=[ARCHITECTURES[cr]])
+        arch = "DeepseekV41ForCausalLM" if v41 else ARCHITECTURES[cr]
+        cfg.model_config = SimpleNamespace(max_model_len=max_model_len, architectures=[arch])
         if next_n > 1:
             cfg.speculative_config = SimpleNamespace(num_speculative_tokens=next_n - 1,
                                                      enable_adaptive_verification=False)
         self.vllm_config = cfg
-        if cr == 1:
+        if cr == 1 and not v41:
             spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, max_tp_shards=1, head_size=head_dim + 4,
                                     dtype=torch.uint8, cache_role=SparseCacheRole.INDEXER)
         else:
@@ -108,6 +115,12 @@ class Engine:
             max_logits_bytes=LOGITS_MB * 2**20,
             min_prefill_query_len=1,  # as VllmIndexer.limits
         )
+
+    def candidate_limits(self, candidate_blocks: int, candidate_block_size: int = 8) -> si.IndexerLimits:
+        """The limits of a two-level indexer layer (DeepSeek-V4.1) of this engine: ``candidate_blocks`` (``K_b``,
+        the columns of the op's candidate buffer) blocks of ``candidate_block_size`` keys."""
+        return attrs.evolve(self.limits, candidate_blocks=candidate_blocks,
+                            candidate_block_size=candidate_block_size)
 
     def common_metadata(self, batch, *, pad_reqs: int = 0, pad_tokens: int = 0):
         """``CommonAttentionMetadata`` of ``batch`` as the model runner fills it: ``pad_reqs`` padding requests
