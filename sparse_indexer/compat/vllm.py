@@ -446,8 +446,9 @@ class VllmIndexer:
     attn_metadata: Callable[[], Any] = _forward_context_metadata
     manager: Any = None
     # conversions of vLLM's metadata objects, most recent last: every layer of a step that shares a K-cache group
-    # passes the same metadata object, so its conversion (small device tensors) runs once per step, not once per
-    # layer, also when layers of several groups (compress ratios) alternate. Key: (id of vLLM's object, capture
+    # passes the same metadata object, so its conversion (small device tensors) runs once per step and limits
+    # (a group's layers with and without candidate blocks have limits each), not once per layer, also when layers
+    # of several groups (compress ratios) alternate. Key: (id of vLLM's object, capture
     # state, id of the limits) -> (the object, the limits, our record); the object and limits are held so that
     # their ids stay theirs. The capture state is part of the key: a conversion made outside a CUDA graph
     # capture (a warm-up with the same object) must not be reused inside it, or the graph would replay stale
@@ -455,12 +456,13 @@ class VllmIndexer:
     _converted: OrderedDict = attrs.field(factory=OrderedDict, init=False, repr=False, eq=False)
     # per-call records that only change with the op's shapes or the workspace (host overhead: a per-layer call
     # costs what a direct sparse_attn_indexer call costs): "limits" maps the arguments that fix the
-    # IndexerLimits to (limits, plan); "buffers" maps (workspace slot, id of a plan) to (plan, its workspace
-    # tensor, the Buffers record of views of it), kept only while the workspace is locked (it cannot grow or
-    # move then)
+    # IndexerLimits (the compress ratio and candidate configuration among them) to (limits, plan); "buffers" maps
+    # (workspace slot, id of a plan) to (plan, its workspace tensor, the Buffers record of views of it), kept only
+    # while the workspace is locked (it cannot grow or move then)
     _memo: dict = attrs.field(factory=lambda: {"limits": {}, "buffers": {}}, init=False, repr=False, eq=False)
 
-    # conversions kept (a step has one metadata object per K-cache group with an indexer: one to three)
+    # conversions kept (a step has one metadata object per K-cache group with an indexer, one to three, each with
+    # at most two limits: with and without candidate blocks)
     MAX_CONVERTED = 8
 
     def _metadata(self, vllm_md, limits: IndexerLimits) -> IndexerMetadata:
@@ -629,13 +631,9 @@ class VllmIndexer:
             raise ValueError("topk_indices_buffer must be given")
         if topk_indices_buffer.shape[1] != topk_tokens:
             raise ValueError(f"topk_indices_buffer has {topk_indices_buffer.shape[1]} columns, {topk_tokens=}")
-        if kb:
-            limits, p = self._limits_and_plan(kv_cache, q_fp8, topk_tokens, head_dim, max_model_len, total_seq_lens,
-                                              topk_indices_buffer, cr, bool(skip_k_cache_insert), kb,
-                                              candidate_block_size)
-        else:
-            limits, p = self._limits_and_plan(kv_cache, q_fp8, topk_tokens, head_dim, max_model_len, total_seq_lens,
-                                              topk_indices_buffer, cr, bool(skip_k_cache_insert))
+        limits, p = self._limits_and_plan(kv_cache, q_fp8, topk_tokens, head_dim, max_model_len, total_seq_lens,
+                                          topk_indices_buffer, cr, bool(skip_k_cache_insert), kb,
+                                          candidate_block_size if kb else 8)
         attn_metadata = self.attn_metadata()
         if not isinstance(attn_metadata, dict):
             # Profiling run: reserve here, in the real implementation (the fake runs under FakeTensor mode).

@@ -68,9 +68,10 @@ LAYERS = (
 
 # name: (seq_lens in tokens, query_lens, padding requests, padding tokens, extra query rows, layout of the decode)
 STEPS = {
-    # two native [B, 2] decodes, then prefill chunks (by the 1 MiB logits budget), among them a request whose
-    # windows are 581..700 keys at C = 1 (around K_b * b = 520) and 290..350 at C = 2 (every block a candidate)
-    "decode_and_prefill": ([3001, 2200, 5000, 1800, 700], [2, 2, 40, 24, 120], 0, 0, 0, "native [B, 2]"),
+    # two native [B, 2] decodes, then prefill chunks (by the 1 MiB logits budget): a one-token request (no key at
+    # C = 2: its rows all -1), a request whose windows are 581..700 keys at C = 1 (around K_b * b = 520) and
+    # 290..350 at C = 2 (every block a candidate)
+    "decode_and_prefill": ([3001, 2200, 1, 5000, 1800, 700], [2, 2, 1, 40, 24, 120], 0, 0, 0, "native [B, 2]"),
     # a FULL CUDA graph's padded decode (requires_padding: the packed path, cand_pack), a request of 5 tokens
     "padded_decode": ([3001, 5, 4200], [2, 2, 2], 1, 2, 2, "padded"),
     # one token per request at next_n 2
