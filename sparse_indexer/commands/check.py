@@ -42,11 +42,12 @@ from ..metadata import build_metadata
 from ..ops.fp8_mqa_logits import fp8_mqa_logits
 from ..ops.fp8_paged_mqa_logits import fp8_paged_mqa_logits, row_limits
 from ..ops.gather_k_cache import gather_k_cache
+from ..ops.select_candidate_blocks import select_candidate_blocks
 from ..ops.top_k_per_row import top_k_per_row
 from ..ops.top_k_per_row.workspace import COUNTERS as TOPK_SCRATCH_COUNTERS
 from ..ops.top_k_per_row.workspace import topk_scratch_cap
 from ..ops.write_k_cache import write_k_cache
-from ..testing import logits_error, topk_errors
+from ..testing import candidate_errors, candidate_topk_errors, logits_error, topk_errors
 from .cli import UsageError, require_backend, resolve_device, run_command, use_triton_interpreter
 
 __all__ = ["CHECKS", "add_arguments", "run", "main"]
@@ -473,6 +474,54 @@ def case_step(ctx: Ctx, next_n: int, decode_lens: tuple[int, ...], prefill: tupl
 
 
 # ---------------------------------------------------------------------------------------------- the list
+def _candidate_logits(g: torch.Generator, r: int, w: int, special: bool) -> torch.Tensor:
+    x = torch.randn(r, w, generator=g)
+    if special:  # ties, -inf runs (whole blocks), NaN
+        x = (x * 4).round() / 4
+        x[:, 64:200] = float("-inf")
+        x[x == -2.75] = float("nan")
+    return x
+
+
+def _candidate_windows(r: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+    starts = torch.tensor([(0 if i % 2 == 0 else 5) for i in range(r)], dtype=torch.int32)
+    lens = [w, 3, 0, w // 3, w - 9, 801]
+    ends = torch.tensor([min(w, int(starts[i]) + lens[i % len(lens)]) for i in range(r)], dtype=torch.int32)
+    return starts, ends
+
+
+def case_select(ctx: Ctx, b: int, kb: int, special: bool) -> tuple[str, str, bool]:
+    """``select_candidate_blocks`` judged by :func:`sparse_indexer.testing.candidate_errors` (docs/spec.md §6a)."""
+    g = ctx.gen(500 + b + kb + special)
+    r, w = ctx.sizes.topk_rows, ctx.sizes.topk_width
+    x = _candidate_logits(g, r, w, special)
+    starts, ends = _candidate_windows(r, w)
+    out = torch.full((r, kb), -7, dtype=torch.int32, device=ctx.device)
+    select_candidate_blocks(x.to(ctx.device), starts.to(ctx.device), ends.to(ctx.device), out=out, block_size=b,
+                            backend=ctx.op_backend)
+    ctx.sync()
+    wrong = len(candidate_errors(out.cpu(), x, starts, ends, b))
+    return f"{wrong} of {r} rows wrong", "0 rows", wrong == 0
+
+
+def case_candidate_topk(ctx: Ctx, b: int, kb: int, topk: int, special: bool) -> tuple[str, str, bool]:
+    """The candidate-restricted ``top_k_per_row`` on the candidates the reference selects from other logits."""
+    g = ctx.gen(600 + b + kb + special)
+    r, w = ctx.sizes.topk_rows, ctx.sizes.topk_width
+    src = _candidate_logits(g, r, w, special)
+    x = _candidate_logits(g, r, w, special)
+    starts, ends = _candidate_windows(r, w)
+    cand = torch.empty(r, kb, dtype=torch.int32)
+    select_candidate_blocks(src, starts, ends, out=cand, block_size=b, backend="reference")
+    dev = ctx.device
+    out = torch.full((r, topk), -7, dtype=torch.int32, device=dev)
+    top_k_per_row(x.to(dev), starts.to(dev), ends.to(dev), out=out, candidates=cand.to(dev),
+                  candidate_block_size=b, backend=ctx.op_backend)
+    ctx.sync()
+    wrong = len(candidate_topk_errors(out.cpu(), x, starts, ends, cand, b))
+    return f"{wrong} of {r} rows wrong", "0 rows", wrong == 0
+
+
 def cases(sizes: Sizes) -> list[tuple[str, str, Callable[[Ctx], tuple[str, str, bool]]]]:
     """(op, case name, function of the context) for every row of the table."""
     out = [
@@ -495,6 +544,11 @@ def cases(sizes: Sizes) -> list[tuple[str, str, Callable[[Ctx], tuple[str, str, 
         ("top_k_per_row", "topk=2048", lambda c: case_topk(c, 2048, False, False)),
         ("top_k_per_row", "topk=2048 split rows (workspace)", lambda c: case_topk(c, 2048, True, False)),
         ("top_k_per_row", "topk=512 ties, -inf, NaN", lambda c: case_topk(c, 512, False, True)),
+        ("top_k_per_row", "topk=512 in 2048 x 8 candidates", lambda c: case_candidate_topk(c, 8, 2048, 512, False)),
+        ("top_k_per_row", "topk=64 in 40 x 5 candidates, ties, -inf, NaN",
+         lambda c: case_candidate_topk(c, 5, 40, 64, True)),
+        ("select_candidate_blocks", "b=8 K_b=2048", lambda c: case_select(c, 8, 2048, False)),
+        ("select_candidate_blocks", "b=8 K_b=100 ties, -inf, NaN", lambda c: case_select(c, 8, 100, True)),
         ("step", "next_n=2 packed decode + 2 prefills (split)",
          lambda c: case_step(c, 2, (2, 1, 2, 1), ((500, 210), (300, 28)), 0)),
         ("step", "next_n=4 uniform decode + prefill + 3 padding rows",
@@ -509,7 +563,8 @@ def cases(sizes: Sizes) -> list[tuple[str, str, Callable[[Ctx], tuple[str, str, 
     return out
 
 
-CHECKS = ("write_k_cache", "gather_k_cache", "fp8_mqa_logits", "fp8_paged_mqa_logits", "top_k_per_row", "step")
+CHECKS = ("write_k_cache", "gather_k_cache", "fp8_mqa_logits", "fp8_paged_mqa_logits", "top_k_per_row",
+          "select_candidate_blocks", "step")
 
 
 # ------------------------------------------------------------------------------------------------ CLI
@@ -582,7 +637,7 @@ def _device_name(device: torch.device) -> str:
     return "cpu"
 
 
-COLUMNS = (("op", 20), ("backend", 9), ("fp8", 8), ("case", 50), ("measured", 44), ("tolerance", 16), ("", 8))
+COLUMNS = (("op", 23), ("backend", 9), ("fp8", 8), ("case", 50), ("measured", 44), ("tolerance", 16), ("", 8))
 
 
 def _row(*cells) -> str:
