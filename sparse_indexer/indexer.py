@@ -685,12 +685,12 @@ def _check_candidates(candidates: torch.Tensor, write: bool, metadata: IndexerMe
     else:
         C.disjoint({**fields, "topk_out": topk_out, "kv_cache": kv_cache}, {"candidates": candidates})
     if backend is not None and backend != "auto" and not torch.compiler.is_compiling():
-        from . import backends
-
-        if backend in backends.BUILTIN and backend not in ("reference", "triton"):
+        if write:
+            _require_backend(backend, ("select_candidate_blocks",), q_fp8.device)
+        if backend == "aiter":  # (its kernels read whole windows: an explicit backend never falls back)
             from ._runtime.dispatch import BackendUnavailable
 
-            raise BackendUnavailable(f"backend {backend!r} has no candidate-block selection or candidate-restricted "
+            raise BackendUnavailable("backend 'aiter' has no candidate-block selection or candidate-restricted "
                                      "top-k; use backend=None (auto), 'triton' or 'reference'")
 
 
