@@ -190,7 +190,8 @@ class Buffers:
         if self.block_scores is None:
             raise BufferTooSmall("block_scores", rows * cols, 0, "this record was planned without candidate blocks")
         if rows * cols > self.block_scores.shape[0]:
-            raise BufferTooSmall("block_scores", rows * cols, self.block_scores.shape[0], f"[{rows}, {cols}] block scores")
+            raise BufferTooSmall("block_scores", rows * cols, self.block_scores.shape[0],
+                                 f"[{rows}, {cols}] block scores")
         return self.block_scores[: rows * cols].view(rows, cols)
 
     def cand_pack_view(self, rows: int, cols: int) -> torch.Tensor:

@@ -286,7 +286,8 @@ def candidate_errors(cand: torch.Tensor, logits, starts, ends, block_size: int, 
             if int(key.shape[0] - 1) not in row[:m].tolist():
                 msg = f"row {i}: the newest block {key.shape[0] - 1} is not a candidate"
             elif worst < kth - tol:
-                msg = f"row {i}: a chosen block scores {worst!r}, below the {m}-th largest {kth!r} by more than {tol:.3e}"
+                msg = (f"row {i}: a chosen block scores {worst!r}, below the {m}-th largest {kth!r} by more than "
+                       f"{tol:.3e}")
         else:
             got = key[row[:m]].sort(descending=True).values
             want = key.sort(descending=True).values[:m]

@@ -82,8 +82,9 @@ from .cli import UsageError, auto_device_note, resolve_device, use_triton_interp
 __all__ = ["SWEEPS", "CaseSpec", "add_arguments", "case_specs", "run", "timing_options"]
 
 GROUPS = ("decode", "prefill", "topk", "step", "cache", "candidates")
+# a partial backend runs a group if it has this op
 CASE_OPS = {"decode": "fp8_paged_mqa_logits", "prefill": "fp8_mqa_logits", "topk": "top_k_per_row",
-            "step": "top_k_per_row", "cache": "write_k_cache", "candidates": "select_candidate_blocks"}  # a partial backend runs a group if it has this op
+            "step": "top_k_per_row", "cache": "write_k_cache", "candidates": "select_candidate_blocks"}
 CASE_MODULES = {"decode": {"": decode_cases}, "prefill": {"": prefill_cases}, "topk": {"": topk_cases},
                 "cache": {"write": write_cases, "gather": gather_cases}, "candidates": {"": candidate_cases}}
 """The modules of each group's cases (``ops/<op>/bench.py``: ``specs(smoke)``, ``build(spec, ctx)``), by the

@@ -15,8 +15,15 @@ import torch
 
 import sparse_indexer as si
 from buffers import IndexerLimits, allocate
-from sparse_indexer.testing import (TOPK_DISTRIBUTIONS, assert_candidates, assert_topk, capture_cuda_graph,
-                                    candidate_errors, candidate_topk_errors, topk_values)
+from sparse_indexer.testing import (
+    TOPK_DISTRIBUTIONS,
+    assert_candidates,
+    assert_topk,
+    candidate_errors,
+    candidate_topk_errors,
+    capture_cuda_graph,
+    topk_values,
+)
 from tests.sparse_indexer.test_compressed import Compressed
 
 pytestmark = pytest.mark.gpu

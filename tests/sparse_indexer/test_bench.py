@@ -85,6 +85,8 @@ def _corrupt(op, fn):
         elif op == "top_k_per_row":
             out = kwargs["out"]
             out.copy_(torch.arange(out.shape[1], dtype=out.dtype).expand_as(out))  # the first topk positions
+        elif op == "select_candidate_blocks":
+            kwargs["out"].fill_(-1)  # no candidate at all
         elif op == "write_k_cache":
             args[1].view(-1)[0] = 0x7F  # a NaN byte: quantization never writes it
         else:

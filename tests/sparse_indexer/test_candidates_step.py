@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sparse_indexer as si
-from buffers import BufferTooSmall, IndexerLimits, allocate
+from buffers import IndexerLimits, allocate
 from sparse_indexer.testing import assert_topk, candidate_errors, candidate_topk_errors
 from tests.cases import SLOW_BACKEND, expect_error
 from tests.sparse_indexer.test_compressed import Compressed

@@ -427,9 +427,7 @@ def top_k_per_row(logits, row_starts, row_ends, *, out, workspace=None, candidat
                   candidate_block_size=None) -> None:
     """See :func:`sparse_indexer.top_k_per_row`; arguments are checked (float32 or bfloat16 logits).
     ``workspace`` is not needed here."""
-    if candidates is not None:  # the two-level indexer's kernel (sparse_indexer/ops/select_candidate_blocks/cuda.py)
-        from ..select_candidate_blocks.cuda import candidate_top_k
-
+    if candidates is not None:  # the two-level indexer's kernel (CANDIDATES_SOURCE)
         candidate_top_k(logits, row_starts, row_ends, out, candidates, candidate_block_size)
         return
     dev = logits.device
@@ -450,3 +448,107 @@ def top_k_per_row(logits, row_starts, row_ends, *, out, workspace=None, candidat
             plan.fire(logits, row_starts, row_ends, out)
         return
     plan.fire(logits, row_starts, row_ends, out)
+
+
+# ---------------------------------------------------------------- the two-level indexer's kernels
+CANDIDATES_SOURCE = pathlib.Path(__file__).parent.parent / "select_candidate_blocks" / "candidates_kernel.cu"
+"""The two-level indexer's kernels (``si_select_candidate_blocks``, ``si_candidate_topk``): one source, loaded here
+for this backend's candidate-restricted top-k and ``sparse_indexer/ops/select_candidate_blocks/cuda.py``."""
+CAND_NT = 1024
+CAND_HEADER_WORDS = 2048 + 16 + 32  # histogram, counters, warp sums (candidates_kernel.cu's OFF_DATA)
+
+
+class _SelectArgs(ctypes.Structure):
+    _fields_ = [("logits", ctypes.c_void_p), ("stride_l", ctypes.c_longlong), ("starts", ctypes.c_void_p),
+                ("ends", ctypes.c_void_p), ("out", ctypes.c_void_p), ("stride_o", ctypes.c_longlong),
+                ("kb", ctypes.c_int), ("ws", ctypes.c_void_p), ("stride_w", ctypes.c_longlong), ("bs", ctypes.c_int),
+                ("vec_ok", ctypes.c_int)]
+
+
+class _TopkArgs(ctypes.Structure):
+    _fields_ = [("logits", ctypes.c_void_p), ("stride_l", ctypes.c_longlong), ("starts", ctypes.c_void_p),
+                ("ends", ctypes.c_void_p), ("cand", ctypes.c_void_p), ("stride_c", ctypes.c_longlong),
+                ("kb", ctypes.c_int), ("bs", ctypes.c_int), ("out", ctypes.c_void_p), ("stride_o", ctypes.c_longlong),
+                ("topk", ctypes.c_int)]
+
+
+def _pointers(rec: ctypes.Structure):
+    base = ctypes.addressof(rec)
+    return (ctypes.c_void_p * len(rec._fields_))(*[base + getattr(type(rec), f).offset for f, _ in rec._fields_])
+
+
+class _CandArgs(threading.local):
+    def __init__(self):
+        self.select = _SelectArgs()
+        self.topk = _TopkArgs()
+        self.select_ptrs = _pointers(self.select)
+        self.topk_ptrs = _pointers(self.topk)
+
+
+CAND_ARGS = _CandArgs()
+
+
+@functools.cache
+def _cand_launch_fn():
+    fn = _driver_lib().cuLaunchKernel
+    fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+@functools.cache
+def cand_kernel(index: int, name: bytes, bf16: bool) -> int:
+    """The handle of the candidate kernel ``name`` on device ``index``."""
+    return int(_kernel(index, CAND_NT, 1, bf16, (), name, CANDIDATES_SOURCE)[1])
+
+
+def cand_check_device(dev: torch.device) -> None:
+    """``NotImplementedError`` (``auto`` takes the next backend) unless the candidate kernels can run on ``dev``."""
+    if dev.type != "cuda" or torch.version.hip is not None:
+        raise NotImplementedError(f"the CUDA candidate kernels run on NVIDIA GPUs, not {dev}")
+    why = unavailable_reason()
+    if why is not None:
+        raise NotImplementedError(why)
+
+
+def cand_fire(index: int, kern: int, rows: int, smem: int, ptrs) -> None:
+    """Launch ``kern`` with one CTA of ``CAND_NT`` threads per row on torch's current stream of device ``index``
+    (``ptrs``: the kernel parameters' addresses, a :data:`CAND_ARGS` record's)."""
+    if not _PARAMS.has_ctx:
+        _ensure_context(index)
+    stream = torch._C._cuda_getCurrentRawStream(index)
+    rc = _cand_launch_fn()(kern, rows, 1, 1, CAND_NT, 1, 1, smem, stream, ptrs, None)
+    if rc:
+        raise _launch_error(rc)
+
+
+def on_device(index: int, fn, *args) -> None:
+    """``fn(*args)`` with device ``index`` current (the driver launches into the current context)."""
+    if torch._C._cuda_getDevice() != index:
+        with torch.cuda.device(index):
+            fn(*args)
+    else:
+        fn(*args)
+
+
+def candidate_top_k(logits, row_starts, row_ends, out, candidates, block_size) -> None:
+    """The candidate-restricted top-k (arguments checked); ``NotImplementedError`` when a row's ``K_b * b``
+    candidate cells do not fit shared memory (``auto`` then takes Triton)."""
+    dev = logits.device
+    cand_check_device(dev)
+    r = logits.shape[0]
+    if r == 0:
+        return
+    index = dev.index or 0
+    kb = candidates.shape[1]
+    smem = (CAND_HEADER_WORDS + kb + kb * block_size) * 4
+    if smem > _smem_optin(index):
+        raise NotImplementedError(f"{kb} candidate blocks of {block_size} positions need {smem} bytes of shared "
+                                  f"memory per row; cuda:{index} allows {_smem_optin(index)}")
+    kern = cand_kernel(index, b"si_candidate_topk", logits.dtype == torch.bfloat16)
+    a = CAND_ARGS.topk
+    a.logits, a.stride_l = logits.data_ptr(), logits.stride(0)
+    a.starts, a.ends = row_starts.data_ptr(), row_ends.data_ptr()
+    a.cand, a.stride_c, a.kb, a.bs = candidates.data_ptr(), candidates.stride(0), kb, block_size
+    a.out, a.stride_o, a.topk = out.data_ptr(), out.stride(0), out.shape[1]
+    on_device(index, cand_fire, index, kern, r, smem, CAND_ARGS.topk_ptrs)
