@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from buffers import BufferTooSmall
 from sparse_indexer import select_candidate_blocks
 from sparse_indexer.testing import TOPK_DISTRIBUTIONS, assert_candidates, topk_values
-from tests.cases import expect_error, gen, hyp_settings, int32
+from tests.cases import SLOW_BACKEND, expect_error, gen, hyp_settings, int32
 
 NINF, NAN, INF = float("-inf"), float("nan"), float("inf")
 
@@ -44,6 +44,8 @@ def _windows(g, r, w, short_every=5):
 @pytest.mark.parametrize("dist", TOPK_DISTRIBUTIONS)
 @pytest.mark.parametrize("b,kb", [(8, 12), (1, 40), (5, 7), (8, 200)])
 def test_distributions_match_the_model(backend, dist, b, kb):
+    if SLOW_BACKEND and (b, kb) != (8, 12) and dist != "ints0-3":
+        pytest.skip("the CPU interpreter runs every distribution at one shape and every shape on one distribution")
     g = gen(len(dist) * 31 + b * 7 + kb)
     r, w = 12, 700
     x = topk_values(dist, r, w, generator=g)
@@ -127,6 +129,7 @@ def test_empty_shapes(backend):
     assert bool((out == -1).all())
 
 
+@pytest.mark.skipif(SLOW_BACKEND, reason="backend-independent (the reference backend): runs in the reference pass")
 def test_compiles_to_one_op_node():
     """Under ``torch.compile(fullgraph=True)`` the op is one opaque node whose result equals eager's."""
     g = gen(3)
