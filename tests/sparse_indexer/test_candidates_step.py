@@ -145,3 +145,29 @@ def test_plan_holds_the_candidate_fields():
     assert p["block_scores"].shape == (block_scores_elems(limits(next_n=2)),)
     assert "block_scores" not in plan(limits(candidate_blocks=0))
     assert "cand_pack" not in plan(limits())  # next_n == 1: no packed decode
+
+
+@pytest.mark.skipif(SLOW_BACKEND, reason="the reference backend under torch.compile: runs in the reference pass")
+def test_source_and_consumer_compile_to_the_same_result():
+    """``torch.compile(fullgraph=True)`` of a source and a consumer layer (a non-uniform decode: the packed
+    candidate rows) writes what eager writes: ``topk_out`` of both layers, the candidates, the cache."""
+    sc = Compressed([41, 5, 90, 150], [2, 1, 2, 40], lim=limits(next_n=2), seed=3)
+    md = sc.metadata()
+    t = md.num_tokens
+    bufs = allocate(sc.lim).split_storages()  # (compiled mutation of the arena's fields: docs/integration.md)
+
+    def step(q, k, w, kv, out, cand, out2):
+        si.sparse_attn_indexer(q, k, w, kv, md, bufs, out, backend="reference", candidates=cand,
+                               write_candidates=True)
+        si.sparse_attn_indexer(q, None, w, kv, md, bufs, out2, backend="reference", candidates=cand)
+
+    kv0 = sc.kv.clone()
+    res = []
+    for f in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+        kv = kv0.clone()
+        out = torch.full((t, TOPK), 7, dtype=torch.int32)
+        out2 = out.clone()
+        cand = torch.full((t, KB), 5, dtype=torch.int32)
+        f(sc.q, sc.k, sc.w, kv, out, cand, out2)
+        res.append((out, out2, cand, kv))
+    assert all(torch.equal(a, b) for a, b in zip(*res))
