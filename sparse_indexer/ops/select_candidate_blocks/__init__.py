@@ -14,21 +14,14 @@ from buffers import BufferTooSmall
 
 from ..._runtime import checks as C
 from ..._runtime import library
+from ..top_k_per_row import block_size_arg, check_rows, check_windows
 
-__all__ = ["select_candidate_blocks", "check_candidates", "num_blocks"]
-
-LOGITS_DTYPES = (torch.float32, torch.bfloat16)
+__all__ = ["select_candidate_blocks", "num_blocks"]
 
 
 def num_blocks(width: int, block_size: int) -> int:
     """Blocks of ``block_size`` positions that cover ``width`` logits columns: ``ceil(width / block_size)``."""
     return -(-width // block_size)
-
-
-def _block_size(block_size) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-    return block_size
 
 
 def select_candidate_blocks(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Tensor, *,
@@ -65,15 +58,8 @@ def select_candidate_blocks(logits: torch.Tensor, row_starts: torch.Tensor, row_
     if _checked:
         _call(logits, row_starts, row_ends, out, block_size, backend, workspace)
         return out
-    C.tensor("logits", logits, ndim=2, dtypes=LOGITS_DTYPES, last_contiguous=True)
-    r, w = logits.shape
-    dev = logits.device
-    C.tensor("row_starts", row_starts, dtypes=C.INDEX_DTYPES, device=dev, shape=(r,), contiguous=True)
-    C.tensor("row_ends", row_ends, dtypes=C.INDEX_DTYPES, device=dev, shape=(r,), contiguous=True)
-    C.tensor("out", out, ndim=2, dtypes=torch.int32, device=dev, shape=(r, None), last_contiguous=True)
-    if out.shape[1] < 1:
-        raise ValueError(f"out.shape[1] (candidate blocks K_b) must be >= 1, got {out.shape[1]}")
-    b = _block_size(block_size)
+    r, w, dev = check_rows(logits, row_starts, row_ends, out, "candidate blocks K_b")
+    b = block_size_arg(block_size)
     C.no_alias("out", out, logits=logits, row_starts=row_starts, row_ends=row_ends)
     if workspace is not None:
         C.tensor("workspace", workspace, ndim=2, dtypes=torch.int32, device=dev, last_contiguous=True)
@@ -83,9 +69,7 @@ def select_candidate_blocks(logits: torch.Tensor, row_starts: torch.Tensor, row_
                                  f"block scores of shape {tuple(workspace.shape)}: needs >= [{r}, {need}] int32")
         C.no_alias("workspace", workspace, logits=logits, row_starts=row_starts, row_ends=row_ends, candidates=out)
     if C.want_value_checks(check_values, row_starts, row_ends):
-        nonempty = lambda: row_ends > row_starts  # noqa: E731 - built only when a value is out of range
-        C.values_in("row_starts", row_starts, 0, None, "window starts must be >= 0", mask=nonempty)
-        C.values_in("row_ends", row_ends, None, w + 1, lambda: f"window ends must be <= W = {w}", mask=nonempty)
+        check_windows(row_starts, row_ends, w)
     _call(logits, row_starts, row_ends, out, b, backend, workspace)
     return out
 
@@ -97,23 +81,3 @@ def _call(logits, row_starts, row_ends, out, block_size, backend, workspace) -> 
     else:
         library.call("select_candidate_blocks", backend, logits.device, logits, row_starts, row_ends, out=out,
                      block_size=block_size, workspace=workspace)
-
-
-def check_candidates(candidates: torch.Tensor, rows: int, device: torch.device, block_size,
-                     check_values: bool | None = None) -> int:
-    """Check the ``candidates=`` of a candidate-restricted top-k: ``[rows, K_b]`` int32 (unit last stride) on
-    ``device``, ``block_size`` an int >= 1; with value checks (default on the CPU), ids >= -1 and no id twice in
-    a row (-1 apart). Returns ``block_size``."""
-    C.tensor("candidates", candidates, ndim=2, dtypes=torch.int32, device=device, shape=(rows, None),
-             last_contiguous=True)
-    if candidates.shape[1] < 1:
-        raise ValueError(f"candidates must have >= 1 column (K_b), got shape {tuple(candidates.shape)}")
-    b = _block_size(block_size)
-    if C.want_value_checks(check_values, candidates) and candidates.numel():
-        C.values_in("candidates", candidates, -1, None, "candidate block ids must be >= 0 (or -1 for none)")
-        srt = candidates.sort(dim=1).values
-        dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
-        if bool(dup.any()):
-            row = int(dup.any(dim=1).nonzero()[0])
-            raise ValueError(f"candidates row {row} names a block twice: ids must be distinct (-1 apart)")
-    return b

@@ -84,22 +84,15 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
         if proven:  # the layout of a call that passed every check below: only aliasing (matched) and values
             dev, w, cpu, memo = facts
             if C.values_wanted(check_values, cpu):
-                _check_values(row_starts, row_ends, w)
+                check_windows(row_starts, row_ends, w)
             _run("top_k_per_row", backend, dev, (logits, row_starts, row_ends),
                  {"out": out} if workspace is None else {"out": out, "workspace": workspace},
                  (out,) if workspace is None else (out, workspace), memo)
             return out
-    C.tensor("logits", logits, ndim=2, dtypes=LOGITS_DTYPES, last_contiguous=True)
-    r, w = logits.shape
-    dev = logits.device
-    C.tensor("row_starts", row_starts, dtypes=C.INDEX_DTYPES, device=dev, shape=(r,), contiguous=True)
-    C.tensor("row_ends", row_ends, dtypes=C.INDEX_DTYPES, device=dev, shape=(r,), contiguous=True)
-    C.tensor("out", out, ndim=2, dtypes=torch.int32, device=dev, shape=(r, None), last_contiguous=True)
-    if out.shape[1] < 1:
-        raise ValueError(f"out.shape[1] (topk) must be >= 1, got {out.shape[1]}")
+    r, w, dev = check_rows(logits, row_starts, row_ends, out, "topk")
     C.no_alias("out", out, logits=logits, row_starts=row_starts, row_ends=row_ends)
     if C.want_value_checks(check_values, row_starts, row_ends):
-        _check_values(row_starts, row_ends, w)
+        check_windows(row_starts, row_ends, w)
     if workspace is not None:
         C.tensor("workspace", workspace, ndim=2, dtypes=torch.int32, device=dev, last_contiguous=True)
         rows, cols = workspace.shape
@@ -126,25 +119,59 @@ def _candidate_call(logits, row_starts, row_ends, out, backend, check_values, ca
                     checked: bool) -> None:
     """A candidate-restricted top-k (no workspace: its backends need none)."""
     if not checked:
-        C.tensor("logits", logits, ndim=2, dtypes=LOGITS_DTYPES, last_contiguous=True)
-        r, w = logits.shape
-        dev = logits.device
-        C.tensor("row_starts", row_starts, dtypes=C.INDEX_DTYPES, device=dev, shape=(r,), contiguous=True)
-        C.tensor("row_ends", row_ends, dtypes=C.INDEX_DTYPES, device=dev, shape=(r,), contiguous=True)
-        C.tensor("out", out, ndim=2, dtypes=torch.int32, device=dev, shape=(r, None), last_contiguous=True)
-        if out.shape[1] < 1:
-            raise ValueError(f"out.shape[1] (topk) must be >= 1, got {out.shape[1]}")
-        from ..select_candidate_blocks import check_candidates
-
+        r, w, dev = check_rows(logits, row_starts, row_ends, out, "topk")
         block_size = check_candidates(candidates, r, dev, block_size, check_values)
         C.no_alias("out", out, logits=logits, row_starts=row_starts, row_ends=row_ends, candidates=candidates)
         if C.want_value_checks(check_values, row_starts, row_ends):
-            _check_values(row_starts, row_ends, w)
+            check_windows(row_starts, row_ends, w)
     library.call("top_k_per_row", backend, logits.device, logits, row_starts, row_ends, out=out,
                  candidates=candidates, candidate_block_size=block_size)
 
 
-def _check_values(row_starts: torch.Tensor, row_ends: torch.Tensor, w: int) -> None:
+def check_rows(logits, row_starts, row_ends, out, cols: str) -> tuple[int, int, torch.device]:
+    """The row arguments of a per-row selection: ``logits [R, W]`` float32/bfloat16 (unit last stride),
+    ``row_starts``/``row_ends [R]`` int32 on its device, ``out [R, >= 1]`` int32 (``cols``: what its columns
+    count, for the message). Returns ``(R, W, device)``."""
+    C.tensor("logits", logits, ndim=2, dtypes=LOGITS_DTYPES, last_contiguous=True)
+    r, w = logits.shape
+    dev = logits.device
+    C.tensor("row_starts", row_starts, dtypes=C.INDEX_DTYPES, device=dev, shape=(r,), contiguous=True)
+    C.tensor("row_ends", row_ends, dtypes=C.INDEX_DTYPES, device=dev, shape=(r,), contiguous=True)
+    C.tensor("out", out, ndim=2, dtypes=torch.int32, device=dev, shape=(r, None), last_contiguous=True)
+    if out.shape[1] < 1:
+        raise ValueError(f"out.shape[1] ({cols}) must be >= 1, got {out.shape[1]}")
+    return r, w, dev
+
+
+def block_size_arg(block_size) -> int:
+    """``block_size`` checked: an int >= 1 (positions per candidate block)."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    return block_size
+
+
+def check_candidates(candidates: torch.Tensor, rows: int, device: torch.device, block_size,
+                     check_values: bool | None = None) -> int:
+    """Check the ``candidates=`` of a candidate-restricted top-k: ``[rows, K_b]`` int32 (unit last stride) on
+    ``device``, ``block_size`` an int >= 1; with value checks (default on the CPU), ids >= -1 and no id twice in
+    a row (-1 apart). Returns ``block_size``."""
+    C.tensor("candidates", candidates, ndim=2, dtypes=torch.int32, device=device, shape=(rows, None),
+             last_contiguous=True)
+    if candidates.shape[1] < 1:
+        raise ValueError(f"candidates must have >= 1 column (K_b), got shape {tuple(candidates.shape)}")
+    b = block_size_arg(block_size)
+    if C.want_value_checks(check_values, candidates) and candidates.numel():
+        C.values_in("candidates", candidates, -1, None, "candidate block ids must be >= 0 (or -1 for none)")
+        srt = candidates.sort(dim=1).values
+        dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+        if bool(dup.any()):
+            row = int(dup.any(dim=1).nonzero()[0])
+            raise ValueError(f"candidates row {row} names a block twice: ids must be distinct (-1 apart)")
+    return b
+
+
+def check_windows(row_starts: torch.Tensor, row_ends: torch.Tensor, w: int) -> None:
+    """The windows' values: starts >= 0 and ends <= ``w`` where a window is not empty (reads the values)."""
     nonempty = lambda: row_ends > row_starts  # noqa: E731 - built only when a value is out of range
     C.values_in("row_starts", row_starts, 0, None, "window starts must be >= 0", mask=nonempty)
     C.values_in("row_ends", row_ends, None, w + 1, lambda: f"window ends must be <= W = {w}", mask=nonempty)
