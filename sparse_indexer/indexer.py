@@ -540,16 +540,13 @@ def _run_step(plan, metadata: IndexerMetadata, buffers: Buffers, q_fp8: torch.Te
     :func:`_run_direct`; without, on views made here and through :func:`_run_op`. The one place that calls the
     step's ops. ``candidates`` (two-level indexer, docs/spec.md §6a): written per token row by a source layer
     (``write_candidates``), read by a consumer layer's top-k."""
-    if candidates is not None:
-        _run_candidate_step(plan, metadata, buffers, q_fp8, weights, k, kv_cache, topk_out, backend, scale_fmt,
-                            prefill, decode, candidates, write_candidates)
-        return
     run = _run_direct
     if plan is None:
         run = _run_op
         plan = _StepPlan(metadata, buffers, prefill, decode, spans=False)
         kv_cache = as_3d(kv_cache)
     dev = q_fp8.device
+    write = candidates is not None and write_candidates
     try:
         if k is not None:  # (in the cache's format, limits.cache: plan.write_kw holds its fp8_dtype)
             run("write_k_cache", backend, dev, (k, kv_cache, metadata.slot_mapping),
@@ -557,108 +554,77 @@ def _run_step(plan, metadata: IndexerMetadata, buffers: Buffers, q_fp8: torch.Te
         # docs/spec.md §7 step 2 (fill topk_out[:T] with -1): rows [0, num_tokens) are all written below, by the
         # top-k of their prefill chunk or decode slot (windows <= topk come out as 0..len-1, -1...), so only the
         # padding tokens [num_tokens, T) of a padded batch (CUDA graphs) are filled here. Filling every row would
-        # cost a second write of topk_out and, under torch.compile, a staged copy of its rows.
-        n, t = metadata.num_tokens, q_fp8.shape[0]
-        if prefill and decode and t > n:
-            topk_out[n:t].fill_(-1)
-        if prefill:  # prefill rows of chunks without keys (compressed caches): no kernel, all -1
-            for a, b in metadata.empty_rows:
-                topk_out[a:b].fill_(-1)
-        for c, k_fp8, k_scale, logits in plan.chunks:
-            _chunk_ops(run, backend, dev, q_fp8, weights, kv_cache, c, k_fp8, k_scale, logits, plan.gather_kw)
-            run("top_k_per_row", backend, dev, (logits, *c.topk_bounds),
-                {"out": _rows(topk_out, c.token_start, c.token_end)})
-        if plan.subs:
-            dm = metadata.decode
-            nd = metadata.num_decode_tokens
-            q, w, sel = _decode_inputs(q_fp8, weights, dm, nd, buffers, topk_out)
-            # Sub-batches of whole requests (one unless IndexerLimits.max_decode_logits_bytes binds): host integers
-            # only, so every shape is fixed by the step's metadata and the loop captures in a CUDA graph; each
-            # reuses the same region at the start of buffers.logits (and of qk, topk_scratch). Rows are
-            # independent, so the top-k is the one of a single batch.
-            for b0, b1, r0, r1, logits, qk, ws, row_starts, row_ends, ctx, bt in plan.subs:
-                _sub_batch_ops(run, backend, dev, q, w, kv_cache, b0, b1, r0, r1, logits, qk, ctx, bt, plan.paged_kw)
-                kw = {"out": _rows(sel, r0, r1)} if ws is None else {"out": _rows(sel, r0, r1), "workspace": ws}
-                run("top_k_per_row", backend, dev, (logits, row_starts, row_ends), kw)
-            if not dm.uniform:
-                torch.index_select(sel, 0, dm.unpack_src, out=_rows(topk_out, 0, nd))
-    finally:
-        if run is _run_direct:  # what the ops wrote, once (their ADInplaceOrView kernels would, op by op)
-            library.bump_versions((topk_out, *plan.written) if k is None else (topk_out, kv_cache, *plan.written))
-
-
-def _run_candidate_step(plan, metadata: IndexerMetadata, buffers: Buffers, q_fp8, weights, k, kv_cache, topk_out,
-                        backend, scale_fmt, prefill: bool, decode: bool, candidates: torch.Tensor,
-                        write: bool) -> None:
-    """:func:`_run_step` of a two-level indexer layer: a source layer (``write``) selects every row's candidate
-    blocks from its logits into ``candidates`` (token rows; a non-uniform decode through ``buffers.cand_pack``)
-    before its ordinary top-k; a consumer layer's top-k reads only the cells of its rows' candidate blocks."""
-    run = _run_direct
-    if plan is None:
-        run = _run_op
-        plan = _StepPlan(metadata, buffers, prefill, decode, spans=False)
-        kv_cache = as_3d(kv_cache)
-    dev = q_fp8.device
-    b = metadata.limits.candidate_block_size
-    kb = candidates.shape[1]
-    try:
-        if k is not None:
-            run("write_k_cache", backend, dev, (k, kv_cache, metadata.slot_mapping),
-                {"scale_fmt": scale_fmt, **plan.write_kw})
+        # cost a second write of topk_out and, under torch.compile, a staged copy of its rows. A source layer's
+        # candidate rows likewise.
         n, t = metadata.num_tokens, q_fp8.shape[0]
         if prefill and decode and t > n:
             topk_out[n:t].fill_(-1)
             if write:
                 candidates[n:t].fill_(-1)
-        if prefill:
-            for a, z in metadata.empty_rows:
-                topk_out[a:z].fill_(-1)
+        if prefill:  # prefill rows of chunks without keys (compressed caches): no kernel, all -1
+            for a, b in metadata.empty_rows:
+                topk_out[a:b].fill_(-1)
                 if write:
-                    candidates[a:z].fill_(-1)
+                    candidates[a:b].fill_(-1)
         for i, (c, k_fp8, k_scale, logits) in enumerate(plan.chunks):
             _chunk_ops(run, backend, dev, q_fp8, weights, kv_cache, c, k_fp8, k_scale, logits, plan.gather_kw)
-            rows = _rows(candidates, c.token_start, c.token_end)
             out = _rows(topk_out, c.token_start, c.token_end)
-            if write:
-                kw = {"out": rows, "block_size": b}
-                if plan.chunk_scores:
-                    kw["workspace"] = plan.chunk_scores[i]
-                run("select_candidate_blocks", backend, dev, (logits, *c.topk_bounds), kw)
+            if candidates is None:
                 run("top_k_per_row", backend, dev, (logits, *c.topk_bounds), {"out": out})
             else:
-                run("top_k_per_row", backend, dev, (logits, *c.topk_bounds),
-                    {"out": out, "candidates": rows, "candidate_block_size": b})
+                _selection_ops(run, backend, dev, metadata, logits, c.topk_bounds, out, None,
+                               _rows(candidates, c.token_start, c.token_end),
+                               plan.chunk_scores[i] if plan.chunk_scores else None, write)
         if plan.subs:
             dm = metadata.decode
             nd = metadata.num_decode_tokens
             q, w, sel = _decode_inputs(q_fp8, weights, dm, nd, buffers, topk_out)
-            if dm.uniform:
-                cand = _rows(candidates, 0, nd)
-            else:
-                cand = buffers.cand_pack_view(dm.num_rows, kb)
-                if not write:
-                    torch.index_select(candidates, 0, dm.pack_src, out=cand)
+            cand = None
+            if candidates is not None:  # the candidate rows of the decode slots: token rows, or packed like sel
+                if dm.uniform:
+                    cand = _rows(candidates, 0, nd)
+                else:
+                    cand = buffers.cand_pack_view(dm.num_rows, candidates.shape[1])
+                    if not write:
+                        torch.index_select(candidates, 0, dm.pack_src, out=cand)
+            # Sub-batches of whole requests (one unless IndexerLimits.max_decode_logits_bytes binds): host integers
+            # only, so every shape is fixed by the step's metadata and the loop captures in a CUDA graph; each
+            # reuses the same region at the start of buffers.logits (and of qk, topk_scratch). Rows are
+            # independent, so the top-k is the one of a single batch.
             for i, (b0, b1, r0, r1, logits, qk, ws, row_starts, row_ends, ctx, bt) in enumerate(plan.subs):
                 _sub_batch_ops(run, backend, dev, q, w, kv_cache, b0, b1, r0, r1, logits, qk, ctx, bt, plan.paged_kw)
-                rows = _rows(cand, r0, r1)
-                if write:
-                    kw = {"out": rows, "block_size": b}
-                    if plan.sub_scores:
-                        kw["workspace"] = plan.sub_scores[i]
-                    run("select_candidate_blocks", backend, dev, (logits, row_starts, row_ends), kw)
+                if cand is None:
                     kw = {"out": _rows(sel, r0, r1)} if ws is None else {"out": _rows(sel, r0, r1), "workspace": ws}
                     run("top_k_per_row", backend, dev, (logits, row_starts, row_ends), kw)
                 else:
-                    run("top_k_per_row", backend, dev, (logits, row_starts, row_ends),
-                        {"out": _rows(sel, r0, r1), "candidates": rows, "candidate_block_size": b})
+                    _selection_ops(run, backend, dev, metadata, logits, (row_starts, row_ends), _rows(sel, r0, r1),
+                                   ws, _rows(cand, r0, r1), plan.sub_scores[i] if plan.sub_scores else None, write)
             if not dm.uniform:
                 torch.index_select(sel, 0, dm.unpack_src, out=_rows(topk_out, 0, nd))
                 if write:
                     torch.index_select(cand, 0, dm.unpack_src, out=_rows(candidates, 0, nd))
     finally:
-        if run is _run_direct:
+        if run is _run_direct:  # what the ops wrote, once (their ADInplaceOrView kernels would, op by op)
             written = (topk_out, *plan.written) if k is None else (topk_out, kv_cache, *plan.written)
             library.bump_versions((candidates, *written) if write else written)
+
+
+def _selection_ops(run, backend: str | None, dev: torch.device, metadata: IndexerMetadata, logits: torch.Tensor,
+                   bounds: tuple, out: torch.Tensor, ws: torch.Tensor | None, rows: torch.Tensor,
+                   scores: torch.Tensor | None, write: bool) -> None:
+    """The selection of one chunk or sub-batch of a two-level indexer layer (docs/spec.md §6a): a source layer
+    (``write``) selects the candidate blocks into ``rows`` (with ``scores``, the block-score workspace, when the
+    record has one) and then its ordinary top-k (with the top-k workspace ``ws``); a consumer layer's top-k reads
+    only the cells of ``rows``' candidate blocks."""
+    b = metadata.limits.candidate_block_size
+    if write:
+        kw = {"out": rows, "block_size": b} if scores is None else {"out": rows, "block_size": b, "workspace": scores}
+        run("select_candidate_blocks", backend, dev, (logits, *bounds), kw)
+        run("top_k_per_row", backend, dev, (logits, *bounds),
+            {"out": out} if ws is None else {"out": out, "workspace": ws})
+    else:
+        run("top_k_per_row", backend, dev, (logits, *bounds),
+            {"out": out, "candidates": rows, "candidate_block_size": b})
 
 
 def _check_candidates(candidates: torch.Tensor, write: bool, metadata: IndexerMetadata, buffers: Buffers,
