@@ -76,19 +76,23 @@ def cap_for(topk: int) -> int:
     return max(4096, 4 * topk)
 
 
+SMALL_MAX_CELLS = 32768
+"""Longest rows a launch may load whole into shared memory (the small-row list's 16-bit positions allow 65535)."""
+
+
 def layout(topk: int, width: int, small: bool | None = None) -> tuple[int, int, int, int]:
     """``(cap, sample words, small_max, dynamic shared bytes)`` of a launch over rows of at most ``width`` cells.
 
-    ``small`` (default: ``width <= cap_for(topk)``): every window of the launch fits the candidate buffer and
-    is selected in shared memory without sampling; the launch then gets only the counters, the histogram and
-    ``width`` key slots, so more CTAs share an SM. Otherwise windows up to ``cap`` cells are still selected
+    ``small`` (default: ``width <= cap_for(topk)``; allowed up to :data:`SMALL_MAX_CELLS`): every window of the
+    launch is loaded whole into shared memory and selected there without sampling; the launch then gets only the
+    counters, the histogram and ``width`` key slots. Otherwise windows up to ``cap`` cells are still selected
     that way and longer ones sample a threshold first."""
     cap = cap_for(topk)
     if small is None:
         small = width <= cap
     if small:
-        if width > cap:
-            raise ValueError(f"small layout needs width <= {cap}, got {width}")
+        if width > max(cap, SMALL_MAX_CELLS):
+            raise ValueError(f"small layout needs width <= {max(cap, SMALL_MAX_CELLS)}, got {width}")
         return max(width, 1), 0, width, 4 * (SM_WORDS - SMAX + max(width, 1))
     return cap, SMAX, 0 if width <= cap else cap, 4 * (SM_WORDS + 2 * cap + topk)
 
@@ -222,28 +226,59 @@ def prefetch_bytes(rows: int, cs: int) -> int:
     return PREFETCH_BYTES
 
 
-def _config(index: int, rows: int, width: int, topk: int) -> tuple[int, int]:
-    sms = _sm_count(index)
+SPEC_ROW_BYTES = 131072
+
+
+def speculative_bytes(rows: int, row_bytes: int, cs: int, sms: int) -> int:
+    """Bytes of the row each CTA asks L2 for before it has read the row's window bounds (its share of the row's
+    first ``cs x`` that many bytes; 0: none). Only for launches of at most one row per SM (decode: the bounds'
+    round trip is a large part of the time, and the windows start at column 0); at most
+    :data:`SPEC_ROW_BYTES` per CTA, whole 128-byte lines inside the row."""
     if rows > sms:
-        return (256 if width <= cap_for(topk) else 512), 1
+        return 0
+    return min(SPEC_ROW_BYTES, row_bytes // cs) // 128 * 128
+
+
+SMALL_FEW_CELLS = 32768
+"""Launches of at most one row per SM load rows up to this many cells whole into shared memory (one CTA of 1024
+threads per row)."""
+SMALL_MANY_CELLS = 16384
+"""Launches of more rows than SMs load rows up to this many cells whole into shared memory."""
+SMALL_MANY_NT = 512
+
+
+def _config(index: int, rows: int, width: int, topk: int) -> tuple[int, int, bool]:
+    sms = _sm_count(index)
+    cap = cap_for(topk)
+    if rows > sms:
+        if width <= cap:
+            return 256, 1, True
+        if width <= SMALL_MANY_CELLS:
+            return SMALL_MANY_NT, 1, True
+        return 512, 1, False
+    if width <= max(cap, SMALL_FEW_CELLS):
+        return 1024, 1, True
     cs = 1
     if _capability(index)[0] >= 9:
         for c, budget in ((8, sms // 2), (4, sms // 2), (2, sms)):
             if rows * c <= budget and width // c >= MIN_SPLIT_CELLS:
                 cs = c
                 break
-    return (512 if cs == 8 else 1024), cs
+    return (512 if cs == 8 else 1024), cs, False
 
 
 @functools.lru_cache(maxsize=256)
-def config(rows: int, width: int, device: torch.device, topk: int = 2048) -> tuple[int, int]:
-    """``(threads per CTA, CTAs per row)`` for a call of ``rows`` rows of ``width`` cells (shapes only).
+def config(rows: int, width: int, device: torch.device, topk: int = 2048) -> tuple[int, int, bool]:
+    """``(threads per CTA, CTAs per row, small)`` for a call of ``rows`` rows of ``width`` cells (shapes only;
+    ``small``: every window is loaded whole into shared memory, see :func:`layout`).
 
-    Measured on an H200 (``bench --sweep topk``, docs/benchmarks.md): up to one row per SM, the rows split over
-    clusters (sm_90+) of 8 CTAs of 512 threads while ``8 rows`` fit half the SMs, of 4 CTAs of 1024 threads
-    likewise, of 2 while ``2 rows`` fit the SMs (larger clusters wait for a free group of SMs in one GPC), each
-    piece at least :data:`MIN_SPLIT_CELLS` cells; more rows one CTA each, 512 threads (256 when every window fits
-    shared memory: more rows in flight per SM)."""
+    Measured on an H200 (``bench --sweep topk``, docs/benchmarks.md): up to one row per SM, rows of at most
+    :data:`SMALL_FEW_CELLS` cells (or ``4 topk``) in shared memory, one CTA of 1024 threads each; longer rows
+    split over clusters (sm_90+) of 8 CTAs of 512 threads while ``8 rows`` fit half the SMs, of 4 CTAs of 1024
+    threads likewise, of 2 while ``2 rows`` fit the SMs (larger clusters wait for a free group of SMs in one GPC),
+    each piece at least :data:`MIN_SPLIT_CELLS` cells. More rows: one CTA each, 256 threads when every window
+    fits ``4 topk`` cells (more rows in flight per SM), :data:`SMALL_MANY_NT` in shared memory up to
+    :data:`SMALL_MANY_CELLS`, else 512 threads sampling a threshold."""
     return _config(torch.device(device).index or 0, rows, width, topk)
 
 
@@ -263,7 +298,8 @@ class _Params(ctypes.Structure):
     _fields_ = [("logits", ctypes.c_void_p), ("stride_l", ctypes.c_longlong), ("starts", ctypes.c_void_p),
                 ("ends", ctypes.c_void_p), ("out", ctypes.c_void_p), ("stride_o", ctypes.c_longlong),
                 ("k", ctypes.c_int), ("cap", ctypes.c_int), ("samp", ctypes.c_int), ("small_max", ctypes.c_int),
-                ("vec_ok", ctypes.c_int), ("stop", ctypes.c_int), ("pf_bytes", ctypes.c_int)]
+                ("vec_ok", ctypes.c_int), ("stop", ctypes.c_int), ("pf_bytes", ctypes.c_int),
+                ("spec_bytes", ctypes.c_int)]
 
 
 class _ThreadParams(threading.local):
@@ -327,11 +363,14 @@ def _launch_error(rc: int) -> RuntimeError:
 class _Plan:
     """Everything a launch needs that depends on shapes only: kernel, grid, layout and launch configurations."""
 
-    __slots__ = ("index", "kern", "handle", "nt", "cs", "grid", "cap", "samp", "small_max", "smem", "pf", "cfgs")
+    __slots__ = ("index", "kern", "handle", "nt", "cs", "grid", "cap", "samp", "small_max", "smem", "pf", "spec",
+                 "cfgs")
 
-    def __init__(self, index, nt, cs, rows, topk, width, bf16, small=None, defines=(), pf=None):
+    def __init__(self, index, nt, cs, rows, topk, width, bf16, small=None, defines=(), pf=None, spec=None):
         self.index, self.nt, self.cs, self.grid = index, nt, cs, rows * cs
         self.pf = prefetch_bytes(rows, cs) if pf is None else pf
+        self.spec = (speculative_bytes(rows, width * (2 if bf16 else 4), cs, _sm_count(index)) if spec is None
+                     else spec)
         self.cap, self.samp, self.small_max, self.smem = layout(topk, width, small)
         self.kern = _kernel(index, nt, cs, bf16, defines)[1]
         self.handle = int(self.kern)
@@ -386,6 +425,7 @@ class _Plan:
         p.vec_ok = not ptr & 15
         p.stop = stop
         p.pf_bytes = self.pf
+        p.spec_bytes = self.spec
         rc = _driver_launch()(got[1], self.handle, tp.ptrs, None)
         if rc:
             raise _launch_error(rc)
@@ -395,31 +435,36 @@ class _Plan:
 def _plan(index: int, rows: int, width: int, topk: int, bf16: bool) -> _Plan | str:
     """The plan of the default configuration, or why this GPU cannot run the case (a ``str``; the caller raises
     ``NotImplementedError`` before anything is written, so ``auto`` takes Triton)."""
-    nt, cs = _config(index, rows, width, topk)
-    smem = layout(topk, width)[3]
+    nt, cs, small = _config(index, rows, width, topk)
+    smem = layout(topk, width, small)[3]
+    if small and smem > _smem_optin(index) and width > cap_for(topk):  # a long row's layout instead
+        nt, cs, small = 512 if rows > _sm_count(index) else 1024, 1, False
+        smem = layout(topk, width, small)[3]
     if smem > _smem_optin(index):
         return (f"the CUDA top-k needs {smem} bytes of shared memory per CTA for topk={topk}; "
                 f"cuda:{index} allows {_smem_optin(index)}")
     why = _usable(index, nt, cs, bf16)
     if why is not None:
         return why
-    return _Plan(index, nt, cs, rows, topk, width, bf16)
+    return _Plan(index, nt, cs, rows, topk, width, bf16, small)
 
 
 def launch(logits, row_starts, row_ends, out, *, nt: int, cs: int, stop: int = 0, small: bool | None = None,
-           defines: tuple = (), pf: int | None = None) -> None:
+           defines: tuple = (), pf: int | None = None, spec: int | None = None) -> None:
     """One launch of the kernel with ``nt`` threads and ``cs`` CTAs per row (arguments already checked).
 
     ``stop`` (timing of the phases only; ``out`` is then not written): 3 returns after reading the window
     bounds, 4 after loading the sample, 1 after the sample threshold, 5 after staging (before the cluster's
     merge), 2 after the filter pass and the merge. ``small``: see
     :func:`layout`. ``defines``: extra ``-D`` options of the kernel source (measurements only). ``pf``: bytes of
-    its share each CTA asks L2 for after issuing the sample loads (default :func:`prefetch_bytes`)."""
+    its share each CTA asks L2 for after issuing the sample loads (default :func:`prefetch_bytes`). ``spec``:
+    bytes each CTA asks L2 for before reading the bounds (default :func:`speculative_bytes`)."""
     r, w = logits.shape
     if r == 0:
         return
     index = logits.device.index or 0
-    plan = _Plan(index, nt, cs, r, out.shape[1], w, logits.dtype == torch.bfloat16, small, tuple(defines), pf)
+    plan = _Plan(index, nt, cs, r, out.shape[1], w, logits.dtype == torch.bfloat16, small, tuple(defines), pf,
+                 spec)
     plan.fire(logits, row_starts, row_ends, out, stop)
 
 

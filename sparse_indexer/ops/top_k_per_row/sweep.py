@@ -257,9 +257,10 @@ def run(env) -> tuple[list[tuple[str, str, str, str]], dict]:
             cfg = tkc.config(r, w, x.device)
             add(case, f"ours cuda (auto {cfg})", d["cuda"])
         if not SMOKE:
-            d["cuda_launch"] = bench(lambda: tkc.launch(x, s, e, out, nt=cfg[0], cs=cfg[1]))
+            d["cuda_launch"] = bench(lambda: tkc.launch(x, s, e, out, nt=cfg[0], cs=cfg[1], small=cfg[2]))
             add(case, "  same, kernel launch only (no checks/dispatch)", d["cuda_launch"])
-            ph = [bench(lambda st=st: tkc.launch(x, s, e, out, nt=cfg[0], cs=cfg[1], stop=st)) for st in (3, 4, 1, 2)]
+            ph = [bench(lambda st=st: tkc.launch(x, s, e, out, nt=cfg[0], cs=cfg[1], small=cfg[2], stop=st))
+                  for st in (3, 4, 1, 2)]
             d["cuda_phases"] = ph
             add(case, f"  phases: bounds {ph[0]:.1f}, +sample load {ph[1]:.1f}, +threshold {ph[2]:.1f}, +filter "
                 f"{ph[3]:.1f}, +select", d["cuda_launch"])
