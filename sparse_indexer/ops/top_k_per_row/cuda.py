@@ -93,7 +93,8 @@ def layout(topk: int, width: int, small: bool | None = None) -> tuple[int, int, 
     if small:
         if width > max(cap, SMALL_MAX_CELLS):
             raise ValueError(f"small layout needs width <= {max(cap, SMALL_MAX_CELLS)}, got {width}")
-        return max(width, 1), 0, width, 4 * (SM_WORDS - SMAX + max(width, 1))
+        slots = (max(width, 1) + 3) // 4 * 4  # whole 16-byte words (the small-row list reads them 4 at a time)
+        return slots, 0, width, 4 * (SM_WORDS - SMAX + slots)
     return cap, SMAX, 0 if width <= cap else cap, 4 * (SM_WORDS + 2 * cap + topk)
 
 
@@ -190,6 +191,8 @@ def _kernel(index: int, nt: int, cs: int, bf16: bool = False, defines: tuple = (
     smem = _check(driver.cuDeviceGetAttribute(
         driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev), "cuDeviceGetAttribute")
     A = driver.CUfunction_attribute
+    smem -= _check(driver.cuKernelGetAttribute(A.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, kern, dev),
+                   "cuKernelGetAttribute(static shared)")  # (static shared memory: measurement builds only)
     _check(driver.cuKernelSetAttribute(A.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem, kern, dev),
            "cuKernelSetAttribute(max dynamic shared)")
     if cs > 8:

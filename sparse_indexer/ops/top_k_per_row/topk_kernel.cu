@@ -69,6 +69,30 @@ typedef float elem_t;
 #define SU 4  // 16-byte loads per thread in flight while a small row is loaded
 #define SCHUNK (32 / (int)sizeof(elem_t))  // sample cells per run (one 32-byte sector)
 
+#ifndef PROBE
+#define PROBE 0  // 1 (measurements only): clock64() at phase marks, written over out[row, 0..8) at the end
+#endif
+#if PROBE
+__shared__ long long probe_t[8];
+#define MARK(i)                                   \
+    do {                                          \
+        __syncthreads();                          \
+        if (threadIdx.x == 0) probe_t[i] = clock64(); \
+    } while (0)
+#define PROBE_OUT(orow)                                                                         \
+    do {                                                                                        \
+        __syncthreads();                                                                        \
+        if (threadIdx.x < 8) (orow)[threadIdx.x] = (int)(probe_t[threadIdx.x] - probe_t[0]);    \
+    } while (0)
+#else
+#define MARK(i) \
+    do {        \
+    } while (0)
+#define PROBE_OUT(orow) \
+    do {                \
+    } while (0)
+#endif
+
 #define NB 2048  // histogram bins (11-bit digits)
 #define NW (NT / 32)
 #define FULL 0xffffffffu
@@ -86,7 +110,6 @@ typedef float elem_t;
 #define C_D 8     // find_digit results: digit, cells above it, cells in it
 #define C_ABOVE 9
 #define C_CNT 10
-#define C_LST 11  // small rows: cells listed (small_list_select)
 
 __device__ __forceinline__ u32 fkey(float x) {
     u32 u = __float_as_uint(x);
@@ -275,36 +298,76 @@ __device__ u32 sample_threshold(const u32* samp, int m, u32 r, u32 rlimit, u32* 
     return prefix;
 }
 
+// Warp-uniform call: slots for this thread's cells of two classes (bit j of ma / mb: its cell j is of class A /
+// B): a warp scan of the packed per-thread counts and one shared atomic add per warp and class on the counters
+// ctr2[0] (class A), ctr2[1] (class B). Returns false (slots untouched) when the warp has no cell of either
+// class. (One atomic per warp and batch of cells: one per warp and cell, all on one address, serialized the
+// output passes.)
+__device__ __forceinline__ bool claim(u32 ma, u32 mb, u32* ctr2, u32& oa, u32& ob) {
+    const u32 cnt = (u32)__popc(ma) | ((u32)__popc(mb) << 16);  // <= 32 each: no carry in a warp sum
+    if (__ballot_sync(FULL, cnt != 0) == 0) return false;
+    u32 incl = cnt;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        u32 y = __shfl_up_sync(FULL, incl, o);
+        if ((int)lane_id() >= o) incl += y;
+    }
+    u32 ba = 0, bb = 0;
+    if (lane_id() == 31) {  // two 32-bit adds: a 64-bit shared atomic add is a compare-and-swap loop in SASS
+        if (incl & 0xffffu) ba = atomicAdd(&ctr2[0], incl & 0xffffu);
+        if (incl >> 16) bb = atomicAdd(&ctr2[1], incl >> 16);
+    }
+    ba = __shfl_sync(FULL, ba, 31);
+    bb = __shfl_sync(FULL, bb, 31);
+    const u32 excl = incl - cnt;
+    oa = ba + (excl & 0xffffu);
+    ob = bb + (excl >> 16);
+    return true;
+}
+
+#ifndef CB
+#define CB 8  // cells per thread and batch in collect
+#endif
+#ifndef LB
+#define LB 16  // cells per thread and batch in the small-row list pass
+#endif
+
 // Block-wide: write the positions of the kr largest of the keys load(0..m) to orow (classes from radix_select):
 // keys > hi at orow[ctr[C_OG]++], krem of the keys in [lo, hi] at orow[k - krem + ctr[C_OE]++].
 template <class Load, class Pos>
 __device__ void collect(Load load, Pos pos, int m, int k, u32 lo, u32 hi, u32 krem, u32* ctr, int* orow) {
     const u32 n_above = (u32)k - krem;
-    for (int i0 = 0; i0 < m; i0 += NT) {  // warp-uniform trip count (ballots below)
-        const int i = i0 + threadIdx.x;
-        u32 key = i < m ? load(i) : 0u;
-        bool gt = i < m && key > hi;
-        bool eq = i < m && key >= lo && key <= hi;
-        u32 bg = __ballot_sync(FULL, gt), be = __ballot_sync(FULL, eq);
-        if (bg) {
-            u32 base = 0;
-            if (lane_id() == 0) base = atomicAdd(&ctr[C_OG], (u32)__popc(bg));
-            base = __shfl_sync(FULL, base, 0);
-            if (gt) orow[base + __popc(bg & lanemask_lt())] = pos(i);
+    for (int i0 = 0; i0 < m; i0 += CB * NT) {  // warp-uniform trip count (warp scans below)
+        u32 key[CB];
+#pragma unroll
+        for (int j = 0; j < CB; ++j) {
+            const int i = i0 + j * NT + (int)threadIdx.x;
+            key[j] = i < m ? load(i) : 0u;
         }
-        if (be) {
-            u32 base = 0;
-            if (lane_id() == 0) base = atomicAdd(&ctr[C_OE], (u32)__popc(be));
-            base = __shfl_sync(FULL, base, 0);
-            u32 slot = base + __popc(be & lanemask_lt());
-            if (eq && slot < krem) orow[n_above + slot] = pos(i);
+        u32 mg = 0, me = 0;
+#pragma unroll
+        for (int j = 0; j < CB; ++j) {
+            const bool in = i0 + j * NT + (int)threadIdx.x < m;
+            mg |= (u32)(in && key[j] > hi) << j;
+            me |= (u32)(in && key[j] >= lo && key[j] <= hi) << j;
+        }
+        u32 og, oe;
+        if (!claim(mg, me, ctr + C_OG, og, oe)) continue;
+        const int it = i0 + (int)threadIdx.x;
+        while (mg) {  // the set bits only (a few cells per thread)
+            orow[og++] = pos(it + (__ffs(mg) - 1) * NT);
+            mg &= mg - 1u;
+        }
+        while (me && oe < krem) {
+            orow[n_above + oe++] = pos(it + (__ffs(me) - 1) * NT);
+            me &= me - 1u;
         }
     }
 }
 
 // Warp-uniform call: stage this thread's NC cells (keys, positions, validity bits) in the CTA's own buffers:
-// key > t -> candidate (key, position), key == t -> tie (position). Slots: a warp scan of the per-thread counts
-// and one 64-bit shared atomic per warp on the packed (candidates, ties) counter ctr[0..1].
+// key > t -> candidate (key, position), key == t -> tie (position). Slots: claim() on the (candidates, ties)
+// counter ctr[0..1].
 template <int NC, class PosF>
 __device__ __forceinline__ void stage(const u32 (&key)[NC], PosF pos, u32 valid, u32 t, u32* ctr, u32* ckey,
                                       u32* cpos, u32* tpos, u32 cap, u32 k) {
@@ -315,22 +378,8 @@ __device__ __forceinline__ void stage(const u32 (&key)[NC], PosF pos, u32 valid,
         mg |= (u32)(v && key[j] > t) << j;
         me |= (u32)(v && key[j] == t) << j;
     }
-    const u32 cnt = (u32)__popc(mg) | ((u32)__popc(me) << 16);  // <= 16 each: no carry in a warp sum
-    if (__ballot_sync(FULL, cnt != 0) == 0) return;
-    u32 incl = cnt;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        u32 y = __shfl_up_sync(FULL, incl, o);
-        if ((int)lane_id() >= o) incl += y;
-    }
-    u64 base = 0;
-    if (lane_id() == 31)
-        base = atomicAdd(reinterpret_cast<unsigned long long*>(ctr),
-                         (unsigned long long)(incl & 0xffffu) | ((unsigned long long)(incl >> 16) << 32));
-    base = __shfl_sync(FULL, base, 31);
-    const u32 excl = incl - cnt;
-    u32 og = (u32)base + (excl & 0xffffu);
-    u32 oe = (u32)(base >> 32) + (excl >> 16);
+    u32 og, oe;
+    if (!claim(mg, me, ctr, og, oe)) return;
 #pragma unroll
     for (int j = 0; j < NC; ++j) {
         if ((mg >> j) & 1u) {
@@ -355,24 +404,38 @@ __device__ __forceinline__ void stage(const u32 (&key)[NC], PosF pos, u32 valid,
 __device__ void small_list_select(int n, int k, u32 d1, u32 kr1, u32 cnt1, const u32* ckey, u32* hist, u32* wsum,
                                   u32* ctr, int* orow) {
     unsigned short* lst = reinterpret_cast<unsigned short*>(hist + NB / 2);
-    for (int i0 = 0; i0 < n; i0 += NT) {  // warp-uniform trip count (ballots below)
-        const int i = i0 + (int)threadIdx.x;
-        const u32 dg = i < n ? ckey[i] >> 21 : 0u;
-        const bool gt = i < n && dg > d1, eq = i < n && dg == d1;
-        const u32 bg = __ballot_sync(FULL, gt), be = __ballot_sync(FULL, eq);
-        if (bg) {
-            u32 base = 0;
-            if (lane_id() == 0) base = atomicAdd(&ctr[C_OG], (u32)__popc(bg));
-            base = __shfl_sync(FULL, base, 0);
-            if (gt) orow[base + __popc(bg & lanemask_lt())] = i;
+    // cells of a batch: thread t's bit j is cell i0 + 4 (NT (j / 4) + t) + j % 4 (16-byte shared loads; the
+    // key slots are a multiple of 4)
+    for (int i0 = 0; i0 < n; i0 += LB * NT) {  // warp-uniform trip count (warp scans below)
+        u32 mg = 0, me = 0;
+#pragma unroll
+        for (int q = 0; q < LB / 4; ++q) {
+            const int b = i0 + 4 * (q * NT + (int)threadIdx.x);
+            const uint4 v = b < n ? *reinterpret_cast<const uint4*>(ckey + b) : make_uint4(0u, 0u, 0u, 0u);
+            const u32 kv[4] = {v.x >> 21, v.y >> 21, v.z >> 21, v.w >> 21};
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                mg |= (u32)(b + c < n && kv[c] > d1) << (4 * q + c);
+                me |= (u32)(b + c < n && kv[c] == d1) << (4 * q + c);
+            }
         }
-        if (be) {
-            u32 base = 0;
-            if (lane_id() == 0) base = atomicAdd(&ctr[C_LST], (u32)__popc(be));
-            base = __shfl_sync(FULL, base, 0);
-            if (eq) lst[base + __popc(be & lanemask_lt())] = (unsigned short)i;
+        u32 og, ol;  // the list's slots count in C_OE during this pass
+        if (!claim(mg, me, ctr + C_OG, og, ol)) continue;
+        const int it = i0 + 4 * (int)threadIdx.x;
+        while (mg) {  // the set bits only (a few cells per thread)
+            const int j = __ffs(mg) - 1;
+            orow[og++] = it + 4 * NT * (j >> 2) + (j & 3);
+            mg &= mg - 1u;
+        }
+        while (me) {
+            const int j = __ffs(me) - 1;
+            lst[ol++] = (unsigned short)(it + 4 * NT * (j >> 2) + (j & 3));
+            me &= me - 1u;
         }
     }
+    __syncthreads();
+    if (threadIdx.x == 0) ctr[C_OE] = 0;  // (the list's count; collect counts its "equal" class there)
+    MARK(4);
     auto ldl = [&](int j) { return ckey[lst[j]]; };
     u32 prefix = d1 << 21, mask = 0x7ffu << 21, kr = kr1;
 #pragma unroll 1
@@ -391,7 +454,9 @@ __device__ void small_list_select(int n, int k, u32 d1, u32 kr1, u32 cnt1, const
         if (cnt == kr) break;
         if (BF16 && pass == 0) break;  // bits 20..11 resolved: a bfloat16 key's bits below 16 are all equal
     }
+    MARK(5);
     collect(ldl, [&](int j) { return (int)lst[j]; }, (int)cnt1, k, prefix, prefix | ~mask, kr, ctr, orow);
+    MARK(6);
 }
 #endif
 
@@ -426,11 +491,16 @@ si_top_k_per_row(const elem_t* __restrict__ logits, long long stride_l, const in
         if (start == -2147483647 && end == start) orow[0] = 0;
         return;
     }
+#if PROBE
+    if (threadIdx.x < 8) probe_t[threadIdx.x] = 0;
+#endif
+    MARK(0);
     if (n <= k) {  // short row: 0..n-1, -1...
         if (rank == 0)
             for (int i = threadIdx.x; i < k; i += NT) orow[i] = i < n ? i : -1;
         return;
     }
+    MARK(1);
     if (n <= small_max) {  // small row (small_max <= cap): the leader selects among all its cells in shared memory
         if (rank != 0) return;
         if (threadIdx.x < 16) ctr[threadIdx.x] = 0;
@@ -481,6 +551,7 @@ si_top_k_per_row(const elem_t* __restrict__ logits, long long stride_l, const in
         }
         __syncthreads();
         if (stop == 4) return;  // (timing) keys loaded, first histogram built
+        MARK(2);
         u32 lo, hi, krem;
         auto ld = [&](int i) { return ckey[i]; };
 #if LIST
@@ -488,7 +559,9 @@ si_top_k_per_row(const elem_t* __restrict__ logits, long long stride_l, const in
         const u32 d1 = ctr[C_D], cnt1 = ctr[C_CNT], kr1 = (u32)k - ctr[C_ABOVE];
         if (stop == 1) return;  // (timing) first digit found
         if (cnt1 != kr1 && d1 != 0 && cnt1 <= NB) {
+            MARK(3);
             small_list_select(n, k, d1, kr1, cnt1, ckey, hist, wsum, ctr, orow);
+            PROBE_OUT(orow);
             return;
         }
         if (cnt1 == kr1 || d1 == 0) {  // the first digit's whole bin is taken, or its cells are all equal (key 0)
@@ -502,6 +575,7 @@ si_top_k_per_row(const elem_t* __restrict__ logits, long long stride_l, const in
         radix_select(ld, n, (u32)k, hist, wsum, ctr, &lo, &hi, &krem, true);
 #endif
         collect(ld, [](int i) { return i; }, n, k, lo, hi, krem, ctr, orow);
+        PROBE_OUT(orow);
         return;
     }
 
@@ -554,10 +628,12 @@ si_top_k_per_row(const elem_t* __restrict__ logits, long long stride_l, const in
     }
     __syncthreads();
     if (stop == 4) return;
+    MARK(2);
     const float kk = (float)k * (float)S / (float)n;
     int r = (int)ceilf(kk + 3.0f * sqrtf(kk) + 3.0f);
     r = r < 1 ? 1 : (r > S ? S : r);
     const u32 T = sample_threshold(samp, S, (u32)r, 2u * (u32)r, hist, wsum, ctr);
+    MARK(3);
     if (stop == 1) return;
 
     // ---- filter: this CTA's share of the window, staged in its own buffers
@@ -596,6 +672,7 @@ si_top_k_per_row(const elem_t* __restrict__ logits, long long stride_l, const in
     }
     __syncthreads();
     if (stop == 5) return;
+    MARK(4);
     u32 gt = ctr[C_GT], eq = ctr[C_EQ];
 #if CS > 1
     cluster_sync();  // A: every CTA's staged counts are final
@@ -636,6 +713,7 @@ si_top_k_per_row(const elem_t* __restrict__ logits, long long stride_l, const in
     eq = ctr[7];
     cluster_sync();  // B: every append has landed in the leader
 #endif
+    MARK(5);
     if (stop == 2 || rank != 0) return;
 
     // ---- the leader: exact selection
@@ -643,7 +721,10 @@ si_top_k_per_row(const elem_t* __restrict__ logits, long long stride_l, const in
     if (gt >= (u32)k && gt <= (u32)cap) {
         auto ld = [&](int i) { return ckey[i]; };
         radix_select(ld, (int)gt, (u32)k, hist, wsum, ctr, &lo, &hi, &krem);
+        MARK(6);
         collect(ld, [&](int i) { return (int)cpos[i]; }, (int)gt, k, lo, hi, krem, ctr, orow);
+        MARK(7);
+        PROBE_OUT(orow);
     } else if (gt < (u32)k && gt + eq >= (u32)k) {
         for (int i = threadIdx.x; i < (int)gt; i += NT) orow[i] = (int)cpos[i];
         for (int i = threadIdx.x; i < k - (int)gt; i += NT) orow[gt + i] = (int)tpos[i];
