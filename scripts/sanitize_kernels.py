@@ -129,6 +129,20 @@ def _cuda_topk(dev) -> bool:
         out = torch.full((r, topk), -7, dtype=torch.int32, device=dev)
         tkc.launch(x, s, e, out, nt=nt, cs=cs)
         ok &= not topk_errors(out, x, s, e)
+    # rows loaded whole into shared memory (up to 32K cells), float32 and bfloat16, k 512 and 2048
+    w2 = 16387
+    x2 = torch.randn(4, w2 + 1, device=dev, generator=g)[:, 1:]
+    x2[1] = torch.randint(0, 4, (w2,), device=dev, generator=g).float()
+    x2[2, ::3] = float("nan")
+    x2[2, 1::3] = float("-inf")
+    s2 = torch.tensor([0, 3, 0, 11], dtype=torch.int32, device=dev)
+    e2 = torch.tensor([w2, w2, w2, 11 + 9000], dtype=torch.int32, device=dev)
+    for dtype in (torch.float32, torch.bfloat16):
+        for nt, k in ((1024, 512), (512, 2048), (256, 512)):
+            xx = x2.to(dtype)
+            out = torch.full((4, k), -7, dtype=torch.int32, device=dev)
+            tkc.launch(xx, s2, e2, out, nt=nt, cs=1, small=True)
+            ok &= not topk_errors(out, xx, s2, e2)
     print("top_k_per_row (cuda backend, all paths) multisets equal:", ok)
     return ok
 

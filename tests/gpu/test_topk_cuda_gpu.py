@@ -67,6 +67,40 @@ def test_cuda_topk_matches_reference(rows, width, topk, dist, kind):
     _check(x, s, e, out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["full", "ragged", "starts"])
+@pytest.mark.parametrize("dist", DISTRIBUTIONS)
+@pytest.mark.parametrize("rows,width,topk", [(64, 16384, 512), (3, 16385, 1024), (64, 32768, 2048), (200, 16384, 512),
+                                             (140, 12000, 1024)])
+def test_cuda_topk_rows_in_shared_memory(rows, width, topk, dist, kind, dtype):
+    """DeepSeek-V4's shapes: rows of up to 32K cells loaded whole into shared memory (one CTA of 1024 threads per
+    row for at most one row per SM, 512 threads for more rows), every distribution, unaligned rows with an odd
+    stride, windows from column 0 and ragged ``[ks, ke)``."""
+    tkc = _cuda()
+    assert tkc.config(rows, width, torch.device(DEV), topk)[2], "expected the in-shared-memory path"
+    g = torch.Generator(device=DEV).manual_seed(rows + width + topk)
+    x = _dist(dist, rows, width + 1, g).to(dtype)[:, 1:]
+    s, e = _windows(kind, rows, width, topk, g)
+    out = torch.full((rows, topk), -7, dtype=torch.int32, device=DEV)
+    si.top_k_per_row(x, s, e, out=out, backend="cuda")
+    _check(x, s, e, out)
+
+
+@pytest.mark.parametrize("nt", [256, 512, 1024])
+@pytest.mark.parametrize("width", [16384, 32768])
+def test_cuda_topk_list_edges_long_rows(width, nt):
+    """The small-row list's edges (capacity, one past it, ties, a whole bin, a k-th largest of -inf / NaN) on rows
+    of 16K and 32K cells in shared memory, at every thread count."""
+    tkc = _cuda()
+    x = _list_edge_rows(width).to(device=DEV)
+    r, w = x.shape
+    s = torch.zeros(r, dtype=torch.int32, device=DEV)
+    e = torch.full((r,), w, dtype=torch.int32, device=DEV)
+    out = torch.full((r, 2048), -7, dtype=torch.int32, device=DEV)
+    tkc.launch(x, s, e, out, nt=nt, cs=1, small=True)
+    _check(x, s, e, out)
+
+
 @pytest.mark.parametrize("kind", ["full", "ragged", "causal", "short", "starts"])
 @pytest.mark.parametrize("dist", DISTRIBUTIONS)
 @pytest.mark.parametrize("rows,width,topk", [(64, 65536, 2048), (300, 9000, 2048), (7, 70001, 512), (1, 65536, 2048)])

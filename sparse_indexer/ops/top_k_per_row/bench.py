@@ -13,7 +13,10 @@ from ...testing import TOPK_DISTRIBUTIONS, topk_values
 from ..fp8_paged_mqa_logits.bench import DecodeCase
 from . import top_k_per_row
 
-__all__ = ["TOPK_DISTRIBUTIONS", "TopKCase", "build", "specs", "topk_logits"]
+__all__ = ["TOPK_DISTRIBUTIONS", "VLLM_DECODE_TOPK", "TopKCase", "build", "specs", "topk_logits"]
+
+VLLM_DECODE_TOPK = (512, 1024, 2048)
+"""The topk values vLLM's persistent and cooperative top-k kernels take (its prefill kernel: 2048 only)."""
 
 
 def specs(smoke: bool = False) -> list[CaseSpec]:
@@ -26,20 +29,28 @@ def specs(smoke: bool = False) -> list[CaseSpec]:
     else:
         shapes = [("decode", 64, 65536, 2048), ("decode-nows", 64, 65536, 2048), ("ragged", 64, 65536, 2048),
                   ("decode", 16, 65536, 2048), ("decode", 1, 65536, 2048), ("prefill", 8192, 65536, 2048),
-                  ("causal", 8192, 65536, 2048), ("causal", 8192, 8192, 2048)]
-        dist = (64, 65536, 2048)
+                  ("causal", 8192, 65536, 2048), ("causal", 8192, 8192, 2048),
+                  # DeepSeek-V4: compressed windows (64K tokens are 16K entries at ratio 4), topk 512 / 1024
+                  ("decode", 64, 16384, 512), ("decode", 64, 16384, 1024), ("decode", 1, 16384, 512),
+                  ("decode", 16, 65536, 512), ("decode", 64, 65536, 512), ("decode", 64, 262144, 512),
+                  ("decode", 8192, 16384, 512)]
+        dist = [(64, 65536, 2048), (64, 16384, 512)]
         dists = TOPK_DISTRIBUTIONS
-    out = [CaseSpec("topk", f"topk-{kind}-{k_str(r)}x{k_str(w)}", f"topk {kind} R={r} W={w} topk={k}",
+    out = [CaseSpec("topk", _id(kind, r, w, k), f"topk {kind} R={r} W={w} topk={k}",
                     dict(kind=kind, R=r, W=w, topk=k)) for kind, r, w, k in shapes]
     # bfloat16 logits (the logits_dtype option): the same values rounded, half the bytes read
     bf16 = [shapes[0], shapes[-1]] if smoke else [("decode", 64, 65536, 2048), ("decode", 1, 65536, 2048),
-                                                  ("causal", 8192, 8192, 2048)]
-    out += [CaseSpec("topk", f"topk-{kind}-bf16-{k_str(r)}x{k_str(w)}", f"topk {kind} bf16 R={r} W={w} topk={k}",
+                                                  ("causal", 8192, 8192, 2048), ("decode", 64, 16384, 512)]
+    out += [CaseSpec("topk", _id(f"{kind}-bf16", r, w, k), f"topk {kind} bf16 R={r} W={w} topk={k}",
                      dict(kind=kind, R=r, W=w, topk=k, dtype="bfloat16")) for kind, r, w, k in bf16]
-    r, w, k = dist
-    out += [CaseSpec("topk", f"topk-dist-{name}-{k_str(r)}x{k_str(w)}", f"topk {name} R={r} W={w} topk={k}",
-                     dict(kind="decode", R=r, W=w, topk=k, dist=name)) for name in dists]
+    out += [CaseSpec("topk", _id(f"dist-{name}", r, w, k), f"topk {name} R={r} W={w} topk={k}",
+                     dict(kind="decode", R=r, W=w, topk=k, dist=name)) for r, w, k in dist for name in dists]
     return out
+
+
+def _id(kind: str, r: int, w: int, k: int) -> str:
+    """A case's id: ``topk-<kind>-<R>x<W>``, with ``-k<topk>`` unless topk is 2048."""
+    return f"topk-{kind}-{k_str(r)}x{k_str(w)}" + ("" if k == 2048 else f"-k{k}")
 
 
 def build(spec: CaseSpec, ctx: Ctx) -> Case:
@@ -97,11 +108,13 @@ class TopKCase(Case):
     def anchors(self, found) -> list[tuple[str, Callable[[], object]]]:
         """vLLM's kernels that apply to this case (``found.vllm_topk``: the loaded anchor module, or ``None``)."""
         mod = found.vllm_topk
-        if mod is None or self.topk != getattr(mod, "K", 2048) or self.logits.dtype != torch.float32:
+        if mod is None or self.logits.dtype != torch.float32:
             return []
         lg, s, e, o = self.logits, self.starts, self.ends, self.out
-        if self.kind in ("prefill", "causal"):
-            return [("vLLM prefill kernel", lambda: mod.prefill(lg, s, e, o))]
+        if self.kind in ("prefill", "causal"):  # vLLM's prefill kernel: topk 2048 only
+            return [("vLLM prefill kernel", lambda: mod.prefill(lg, s, e, o))] if self.topk == mod.K else []
+        if self.topk not in VLLM_DECODE_TOPK:
+            return []
         found = [("vLLM persistent kernel", lambda: mod.persistent(lg, e, o))]
         if self.R <= 16:  # what vLLM's dispatcher picks for few rows on Hopper
             found.append(("vLLM cooperative kernel", lambda: mod.cooperative(lg, e, o)))

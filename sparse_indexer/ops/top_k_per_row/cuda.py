@@ -232,12 +232,13 @@ def prefetch_bytes(rows: int, cs: int) -> int:
 SPEC_ROW_BYTES = 131072
 
 
-def speculative_bytes(rows: int, row_bytes: int, cs: int, sms: int) -> int:
+def speculative_bytes(rows: int, row_bytes: int, cs: int, sms: int, small: bool) -> int:
     """Bytes of the row each CTA asks L2 for before it has read the row's window bounds (its share of the row's
-    first ``cs x`` that many bytes; 0: none). Only for launches of at most one row per SM (decode: the bounds'
-    round trip is a large part of the time, and the windows start at column 0); at most
-    :data:`SPEC_ROW_BYTES` per CTA, whole 128-byte lines inside the row."""
-    if rows > sms:
+    first ``cs x`` that many bytes; 0: none): the whole row (at most :data:`SPEC_ROW_BYTES`, whole 128-byte lines)
+    for launches of at most one row per SM that load rows whole into shared memory (decode: the windows start at
+    column 0). Measured on the H200: 0.3-0.5 us off 1-64 rows of 16K cells; sampled rows lose up to 2 us with it
+    (64 x 64K: the prefetch competes with the sample's loads), so they get none."""
+    if rows > sms or not small:
         return 0
     return min(SPEC_ROW_BYTES, row_bytes // cs) // 128 * 128
 
@@ -372,9 +373,10 @@ class _Plan:
     def __init__(self, index, nt, cs, rows, topk, width, bf16, small=None, defines=(), pf=None, spec=None):
         self.index, self.nt, self.cs, self.grid = index, nt, cs, rows * cs
         self.pf = prefetch_bytes(rows, cs) if pf is None else pf
-        self.spec = (speculative_bytes(rows, width * (2 if bf16 else 4), cs, _sm_count(index)) if spec is None
-                     else spec)
         self.cap, self.samp, self.small_max, self.smem = layout(topk, width, small)
+        if spec is None:
+            spec = speculative_bytes(rows, width * (2 if bf16 else 4), cs, _sm_count(index), self.small_max >= width)
+        self.spec = spec
         self.kern = _kernel(index, nt, cs, bf16, defines)[1]
         self.handle = int(self.kern)
         self.cfgs: dict = {}  # raw stream -> (CUlaunchConfig, its address)
