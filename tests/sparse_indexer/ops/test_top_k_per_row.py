@@ -393,8 +393,11 @@ def test_cuda_backend_layout():
     assert (cap, samp, small_max) == (8192, 0, 8192) and smem < 48 * 1024
     assert tkc.layout(2048, 8192, small=False)[2] == 0  # every long row sampled
     assert 4 * (tkc.SM_WORDS + 2 * tkc.cap_for(tkc.MAX_TOPK) + tkc.MAX_TOPK) <= 227 * 1024
+    cap, samp, small_max, smem = tkc.layout(512, 16383, small=True)  # a row in shared memory: whole 16-byte words
+    assert (cap, samp, small_max) == (16384, 0, 16383) and smem == 4 * (tkc.SM_WORDS - tkc.SMAX + 16384)
+    assert tkc.layout(512, tkc.SMALL_MAX_CELLS, small=True)[3] <= 227 * 1024
     with pytest.raises(ValueError, match="small layout"):
-        tkc.layout(2048, 9000, small=True)
+        tkc.layout(2048, tkc.SMALL_MAX_CELLS + 1, small=True)
 
 
 # ---------------------------------------------------------------- bfloat16 logits, compressed rows
