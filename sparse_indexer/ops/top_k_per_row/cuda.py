@@ -459,8 +459,10 @@ def launch(logits, row_starts, row_ends, out, *, nt: int, cs: int, stop: int = 0
     """One launch of the kernel with ``nt`` threads and ``cs`` CTAs per row (arguments already checked).
 
     ``stop`` (timing of the phases only; ``out`` is then not written): 3 returns after reading the window
-    bounds, 4 after loading the sample, 1 after the sample threshold, 5 after staging (before the cluster's
-    merge), 2 after the filter pass and the merge. ``small``: see
+    bounds, 4 after loading the sample (a row in shared memory: after loading it), 1 after the sample threshold
+    (after its first digit), 5 after staging (before the cluster's merge), 2 after the filter pass and the merge.
+    ``defines=("PROBE=1",)`` builds a measurement kernel that writes the ``clock64()`` of its phase marks over
+    ``out[row, :8]``. ``small``: see
     :func:`layout`. ``defines``: extra ``-D`` options of the kernel source (measurements only). ``pf``: bytes of
     its share each CTA asks L2 for after issuing the sample loads (default :func:`prefetch_bytes`). ``spec``:
     bytes each CTA asks L2 for before reading the bounds (default :func:`speculative_bytes`)."""

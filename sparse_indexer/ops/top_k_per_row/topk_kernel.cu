@@ -7,11 +7,13 @@
 // Keys: an order-preserving uint32 of the float32 value; -inf and NaN map to 0 (below every finite value), -0.0 to
 // the key of +0.0. A row of len n (window [start, start + n)):
 //   * n <= k: out = 0, 1, ..., n - 1, -1, ... (the logits are not read).
-//   * n <= small_max (<= cap, a launch argument): the leader loads the window's keys into shared memory (16-byte
-//     loads, SU per thread in flight, the first radix histogram fused) and finds the first digit d1 (the bin of
-//     the k-th largest). Then (LIST) one pass writes the cells above d1 to the output and lists the positions of
-//     the cells in d1 (up to 2048, 16-bit, in the upper half of the histogram), which are radix-selected on their
-//     21 low bits (1024-bin histograms); a larger d1 bin takes the radix select over all n keys.
+//   * n <= small_max (a launch argument: the candidate capacity cap, or, in a launch whose rows all fit shared
+//     memory, the width, up to 32K cells): the leader loads the window's keys into shared memory (16-byte loads,
+//     SU per thread in flight, the first radix histogram fused) and finds the first digit d1 (the bin of the k-th
+//     largest). Then (LIST) one pass (keys read 16 bytes at a time, only the set bits of each thread's class masks
+//     visited) writes the cells above d1 to the output and lists the positions of the cells in d1 (up to 2048,
+//     16-bit, in the upper half of the histogram), which are radix-selected on their 21 low bits (1024-bin
+//     histograms); a larger d1 bin takes the radix select over all n keys.
 //   * otherwise: every CTA of the cluster computes the same threshold key T from a strided sample of the window
 //     (the r-th largest of S sampled keys, r a few binomial sigmas above the expected rank of the k-th largest;
 //     the sample is S / SCHUNK evenly spread runs of SCHUNK cells, one 32-byte sector each, so it reads 1/8 of
@@ -19,8 +21,9 @@
 //     the first pf_bytes (a launch argument) of its CTA's share, so the sample does not queue behind the prefetch.
 //     One pass over the window (each CTA its contiguous share, 16-byte loads, 16 cells per thread in flight)
 //     stages cells with key > T in the CTA's own candidate buffer (cap slots) and the positions of cells with
-//     key == T in its tie buffer (k slots); slots come from a warp scan of per-thread counts and one shared
-//     atomic per warp and 16 cells. After a cluster barrier every CTA appends its staged cells to the leader's
+//     key == T in its tie buffer (k slots); slots come from a warp scan of per-thread counts and one 32-bit
+//     shared atomic per warp, class and 16 cells (claim; a 64-bit shared atomic add compiles to a
+//     compare-and-swap loop). After a cluster barrier every CTA appends its staged cells to the leader's
 //     buffers (offsets from the other CTAs' counts, read through distributed shared memory). Then the leader:
 //       - gt = count(key > T) >= k and gt <= cap: radix select (11/11/10-bit digits) among the candidates;
 //       - gt < k <= gt + count(key == T): all candidates plus the first k - gt ties;
