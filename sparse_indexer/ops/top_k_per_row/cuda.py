@@ -80,14 +80,19 @@ SMALL_MAX_CELLS = 32768
 """Longest rows a launch may load whole into shared memory (the small-row list's 16-bit positions allow 65535)."""
 
 
-def layout(topk: int, width: int, small: bool | None = None) -> tuple[int, int, int, int]:
+SAMPLE_SHORT = 2048
+"""Sample cells of rows up to 64K cells (longer rows: :data:`SMAX`), topk_kernel.cu's ``S``."""
+
+
+def layout(topk: int, width: int, small: bool | None = None, cap: int | None = None) -> tuple[int, int, int, int]:
     """``(cap, sample words, small_max, dynamic shared bytes)`` of a launch over rows of at most ``width`` cells.
 
     ``small`` (default: ``width <= cap_for(topk)``; allowed up to :data:`SMALL_MAX_CELLS`): every window of the
     launch is loaded whole into shared memory and selected there without sampling; the launch then gets only the
-    counters, the histogram and ``width`` key slots. Otherwise windows up to ``cap`` cells are still selected
-    that way and longer ones sample a threshold first."""
-    cap = cap_for(topk)
+    counters, the histogram and ``width`` key slots. Otherwise windows up to ``cap`` cells (default
+    :func:`cap_for`) are still selected that way and longer ones sample a threshold first (sample slots for
+    :data:`SAMPLE_SHORT` cells when no row exceeds 64K cells)."""
+    cap = cap_for(topk) if cap is None else cap
     if small is None:
         small = width <= cap
     if small:
@@ -95,7 +100,8 @@ def layout(topk: int, width: int, small: bool | None = None) -> tuple[int, int, 
             raise ValueError(f"small layout needs width <= {max(cap, SMALL_MAX_CELLS)}, got {width}")
         slots = (max(width, 1) + 3) // 4 * 4  # whole 16-byte words (the small-row list reads them 4 at a time)
         return slots, 0, width, 4 * (SM_WORDS - SMAX + slots)
-    return cap, SMAX, 0 if width <= cap else cap, 4 * (SM_WORDS + 2 * cap + topk)
+    samp = SAMPLE_SHORT if width <= 65536 else SMAX
+    return cap, samp, 0 if width <= cap else cap, 4 * (SM_WORDS - SMAX + samp + 2 * cap + topk)
 
 
 def _cache_dir() -> pathlib.Path:
@@ -370,10 +376,11 @@ class _Plan:
     __slots__ = ("index", "kern", "handle", "nt", "cs", "grid", "cap", "samp", "small_max", "smem", "pf", "spec",
                  "cfgs")
 
-    def __init__(self, index, nt, cs, rows, topk, width, bf16, small=None, defines=(), pf=None, spec=None):
+    def __init__(self, index, nt, cs, rows, topk, width, bf16, small=None, defines=(), pf=None, spec=None,
+                 cap=None):
         self.index, self.nt, self.cs, self.grid = index, nt, cs, rows * cs
         self.pf = prefetch_bytes(rows, cs) if pf is None else pf
-        self.cap, self.samp, self.small_max, self.smem = layout(topk, width, small)
+        self.cap, self.samp, self.small_max, self.smem = layout(topk, width, small, cap)
         if spec is None:
             spec = speculative_bytes(rows, width * (2 if bf16 else 4), cs, _sm_count(index), self.small_max >= width)
         self.spec = spec
@@ -455,7 +462,7 @@ def _plan(index: int, rows: int, width: int, topk: int, bf16: bool) -> _Plan | s
 
 
 def launch(logits, row_starts, row_ends, out, *, nt: int, cs: int, stop: int = 0, small: bool | None = None,
-           defines: tuple = (), pf: int | None = None, spec: int | None = None) -> None:
+           defines: tuple = (), pf: int | None = None, spec: int | None = None, cap: int | None = None) -> None:
     """One launch of the kernel with ``nt`` threads and ``cs`` CTAs per row (arguments already checked).
 
     ``stop`` (timing of the phases only; ``out`` is then not written): 3 returns after reading the window
@@ -465,13 +472,14 @@ def launch(logits, row_starts, row_ends, out, *, nt: int, cs: int, stop: int = 0
     ``out[row, :8]``. ``small``: see
     :func:`layout`. ``defines``: extra ``-D`` options of the kernel source (measurements only). ``pf``: bytes of
     its share each CTA asks L2 for after issuing the sample loads (default :func:`prefetch_bytes`). ``spec``:
-    bytes each CTA asks L2 for before reading the bounds (default :func:`speculative_bytes`)."""
+    bytes each CTA asks L2 for before reading the bounds (default :func:`speculative_bytes`). ``cap``: candidate
+    slots (default :func:`cap_for`)."""
     r, w = logits.shape
     if r == 0:
         return
     index = logits.device.index or 0
     plan = _Plan(index, nt, cs, r, out.shape[1], w, logits.dtype == torch.bfloat16, small, tuple(defines), pf,
-                 spec)
+                 spec, cap)
     plan.fire(logits, row_starts, row_ends, out, stop)
 
 

@@ -59,6 +59,9 @@ typedef unsigned long long u64;
 #ifndef BF16
 #define BF16 0
 #endif
+#ifndef RLIM
+#define RLIM 8  // the sample threshold is refined while more than RLIM / 4 x r sample keys lie at or above it
+#endif
 #ifndef LIST
 #define LIST 1  // small rows: after the first digit, one pass writes the cells above it and lists the cells in it
 #endif
@@ -597,7 +600,8 @@ si_top_k_per_row(const elem_t* __restrict__ logits, long long stride_l, const in
     // cells, each run spread evenly and aligned to its 32-byte sector. The sample's loads are issued first, then
     // this CTA asks L2 for the first pf_bytes of its share (so the sample does not queue behind the prefetch).
     if (threadIdx.x < 16) ctr[threadIdx.x] = 0;
-    const int S = n <= 65536 ? (SMAX < 2048 ? SMAX : 2048) : SMAX;
+    int S = n <= 65536 ? (SMAX < 2048 ? SMAX : 2048) : SMAX;
+    S = S < samp_words ? S : samp_words;  // (the launch's sample slots)
     {
         constexpr int C = SCHUNK;
         constexpr int G = 4;  // sample loads per thread in flight
@@ -635,7 +639,7 @@ si_top_k_per_row(const elem_t* __restrict__ logits, long long stride_l, const in
     const float kk = (float)k * (float)S / (float)n;
     int r = (int)ceilf(kk + 3.0f * sqrtf(kk) + 3.0f);
     r = r < 1 ? 1 : (r > S ? S : r);
-    const u32 T = sample_threshold(samp, S, (u32)r, 2u * (u32)r, hist, wsum, ctr);
+    const u32 T = sample_threshold(samp, S, (u32)r, (u32)(RLIM * r) / 4u, hist, wsum, ctr);
     MARK(3);
     if (stop == 1) return;
 

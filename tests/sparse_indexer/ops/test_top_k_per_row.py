@@ -387,6 +387,9 @@ def test_cuda_backend_layout():
     from sparse_indexer.ops.top_k_per_row import cuda as tkc
 
     cap, samp, small_max, smem = tkc.layout(2048, 65536)
+    assert (cap, samp, small_max) == (8192, tkc.SAMPLE_SHORT, 8192)
+    assert smem == 4 * (tkc.SM_WORDS - tkc.SMAX + tkc.SAMPLE_SHORT + 2 * 8192 + 2048) <= 227 * 1024
+    cap, samp, small_max, smem = tkc.layout(2048, 65537)  # longer rows: the larger sample
     assert (cap, samp, small_max) == (8192, tkc.SMAX, 8192)
     assert smem == 4 * (tkc.SM_WORDS + 2 * 8192 + 2048) <= 227 * 1024
     cap, samp, small_max, smem = tkc.layout(2048, 8192)  # every window fits: no sample, keys only
