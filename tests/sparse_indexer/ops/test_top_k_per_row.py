@@ -401,6 +401,13 @@ def test_cuda_backend_layout():
     assert tkc.layout(512, tkc.SMALL_MAX_CELLS, small=True)[3] <= 227 * 1024
     with pytest.raises(ValueError, match="small layout"):
         tkc.layout(2048, tkc.SMALL_MAX_CELLS + 1, small=True)
+    # the L2 request before the bounds: the row's share per CTA, whole lines inside the row, capped; rows in
+    # shared memory and at most one row per SM only
+    assert tkc.speculative_bytes(64, 65536, 1, 132, True) == 65536
+    assert tkc.speculative_bytes(1, 100000, 2, 132, True) == 50000 // 128 * 128
+    assert tkc.speculative_bytes(1, 1 << 20, 1, 132, True) == tkc.SPEC_ROW_BYTES
+    assert tkc.speculative_bytes(133, 65536, 1, 132, True) == 0
+    assert tkc.speculative_bytes(64, 65536, 2, 132, False) == 0
 
 
 # ---------------------------------------------------------------- bfloat16 logits, compressed rows
