@@ -153,12 +153,6 @@ __device__ __forceinline__ void vec_keys(const uint4& v, u32* key) {
 
 __device__ __forceinline__ u32 lane_id() { return threadIdx.x & 31; }
 
-__device__ __forceinline__ u32 lanemask_lt() {
-    u32 m;
-    asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
-    return m;
-}
-
 // ---- distributed shared memory (clusters); CS == 1 needs none of it
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
