@@ -84,15 +84,15 @@ SAMPLE_SHORT = 2048
 """Sample cells of rows up to 64K cells (longer rows: :data:`SMAX`), topk_kernel.cu's ``S``."""
 
 
-def layout(topk: int, width: int, small: bool | None = None, cap: int | None = None) -> tuple[int, int, int, int]:
+def layout(topk: int, width: int, small: bool | None = None) -> tuple[int, int, int, int]:
     """``(cap, sample words, small_max, dynamic shared bytes)`` of a launch over rows of at most ``width`` cells.
 
     ``small`` (default: ``width <= cap_for(topk)``; allowed up to :data:`SMALL_MAX_CELLS`): every window of the
     launch is loaded whole into shared memory and selected there without sampling; the launch then gets only the
-    counters, the histogram and ``width`` key slots. Otherwise windows up to ``cap`` cells (default
-    :func:`cap_for`) are still selected that way and longer ones sample a threshold first (sample slots for
-    :data:`SAMPLE_SHORT` cells when no row exceeds 64K cells)."""
-    cap = cap_for(topk) if cap is None else cap
+    counters, the histogram and ``width`` key slots. Otherwise windows up to ``cap`` (:func:`cap_for`) cells are
+    still selected that way and longer ones sample a threshold first (sample slots for :data:`SAMPLE_SHORT` cells
+    when no row exceeds 64K cells)."""
+    cap = cap_for(topk)
     if small is None:
         small = width <= cap
     if small:
@@ -312,6 +312,12 @@ class _Params(ctypes.Structure):
                 ("spec_bytes", ctypes.c_int)]
 
 
+def _pointers(rec: ctypes.Structure):
+    """The addresses of ``rec``'s fields, as a kernelParams array."""
+    base = ctypes.addressof(rec)
+    return (ctypes.c_void_p * len(rec._fields_))(*[base + getattr(type(rec), f).offset for f, _ in rec._fields_])
+
+
 class _ThreadParams(threading.local):
     """One argument record per thread (launches from several threads never share one), and whether this thread
     has a current CUDA context (checked at its first launch: the driver launches into the calling thread's
@@ -320,9 +326,7 @@ class _ThreadParams(threading.local):
     def __init__(self):
         self.has_ctx = False
         self.p = _Params()
-        base = ctypes.addressof(self.p)
-        self.ptrs = (ctypes.c_void_p * len(_Params._fields_))(
-            *[base + getattr(_Params, name).offset for name, _ in _Params._fields_])
+        self.ptrs = _pointers(self.p)
 
 
 _PARAMS = _ThreadParams()
@@ -376,11 +380,10 @@ class _Plan:
     __slots__ = ("index", "kern", "handle", "nt", "cs", "grid", "cap", "samp", "small_max", "smem", "pf", "spec",
                  "cfgs")
 
-    def __init__(self, index, nt, cs, rows, topk, width, bf16, small=None, defines=(), pf=None, spec=None,
-                 cap=None):
+    def __init__(self, index, nt, cs, rows, topk, width, bf16, small=None, defines=(), pf=None, spec=None):
         self.index, self.nt, self.cs, self.grid = index, nt, cs, rows * cs
         self.pf = prefetch_bytes(rows, cs) if pf is None else pf
-        self.cap, self.samp, self.small_max, self.smem = layout(topk, width, small, cap)
+        self.cap, self.samp, self.small_max, self.smem = layout(topk, width, small)
         if spec is None:
             spec = speculative_bytes(rows, width * (2 if bf16 else 4), cs, _sm_count(index), self.small_max >= width)
         self.spec = spec
@@ -462,7 +465,7 @@ def _plan(index: int, rows: int, width: int, topk: int, bf16: bool) -> _Plan | s
 
 
 def launch(logits, row_starts, row_ends, out, *, nt: int, cs: int, stop: int = 0, small: bool | None = None,
-           defines: tuple = (), pf: int | None = None, spec: int | None = None, cap: int | None = None) -> None:
+           defines: tuple = (), pf: int | None = None, spec: int | None = None) -> None:
     """One launch of the kernel with ``nt`` threads and ``cs`` CTAs per row (arguments already checked).
 
     ``stop`` (timing of the phases only; ``out`` is then not written): 3 returns after reading the window
@@ -472,14 +475,13 @@ def launch(logits, row_starts, row_ends, out, *, nt: int, cs: int, stop: int = 0
     ``out[row, :8]``. ``small``: see
     :func:`layout`. ``defines``: extra ``-D`` options of the kernel source (measurements only). ``pf``: bytes of
     its share each CTA asks L2 for after issuing the sample loads (default :func:`prefetch_bytes`). ``spec``:
-    bytes each CTA asks L2 for before reading the bounds (default :func:`speculative_bytes`). ``cap``: candidate
-    slots (default :func:`cap_for`)."""
+    bytes each CTA asks L2 for before reading the bounds (default :func:`speculative_bytes`)."""
     r, w = logits.shape
     if r == 0:
         return
     index = logits.device.index or 0
     plan = _Plan(index, nt, cs, r, out.shape[1], w, logits.dtype == torch.bfloat16, small, tuple(defines), pf,
-                 spec, cap)
+                 spec)
     plan.fire(logits, row_starts, row_ends, out, stop)
 
 
@@ -503,11 +505,7 @@ def top_k_per_row(logits, row_starts, row_ends, *, out, workspace=None, candidat
     plan = _plan(index, r, w, topk, logits.dtype == torch.bfloat16)
     if type(plan) is str:  # cases this GPU cannot run: before anything is written, so auto takes Triton
         raise NotImplementedError(plan)
-    if torch._C._cuda_getDevice() != index:  # the launch goes to the current context: make it the tensors'
-        with torch.cuda.device(index):
-            plan.fire(logits, row_starts, row_ends, out)
-        return
-    plan.fire(logits, row_starts, row_ends, out)
+    on_device(index, plan.fire, logits, row_starts, row_ends, out)  # (the launch goes to the current context)
 
 
 # ---------------------------------------------------------------- the two-level indexer's kernels
@@ -530,11 +528,6 @@ class _TopkArgs(ctypes.Structure):
                 ("ends", ctypes.c_void_p), ("cand", ctypes.c_void_p), ("stride_c", ctypes.c_longlong),
                 ("kb", ctypes.c_int), ("bs", ctypes.c_int), ("out", ctypes.c_void_p), ("stride_o", ctypes.c_longlong),
                 ("topk", ctypes.c_int)]
-
-
-def _pointers(rec: ctypes.Structure):
-    base = ctypes.addressof(rec)
-    return (ctypes.c_void_p * len(rec._fields_))(*[base + getattr(type(rec), f).offset for f, _ in rec._fields_])
 
 
 class _CandArgs(threading.local):
