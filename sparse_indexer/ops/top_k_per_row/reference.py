@@ -30,15 +30,21 @@ def top_k_per_row(logits, row_starts, row_ends, *, out, candidates=None, candida
         n = (e - s).clamp(min=0)
         short = torch.where(ar[None, :] < n, ar[None, :], -1)  # [rows, topk]
         if w >= topk:
-            x = logits[r0:r1].double()
-            x = torch.where(torch.isnan(x) | (x == float("-inf")), torch.full_like(x, -1e300), x)
             inside = (cols[None, :] >= s) & (cols[None, :] < e)
-            x = torch.where(inside, x, torch.full_like(x, float("-inf")))
-            idx = torch.topk(x, topk, dim=1, sorted=False).indices - s
-            res = torch.where(n > topk, idx, short)
+            res = torch.where(n > topk, _top_inside(logits[r0:r1], inside, topk) - s, short)
         else:  # every window is shorter than topk
             res = short
         out[r0:r1] = res.to(torch.int32)
+
+
+def _top_inside(x: torch.Tensor, inside: torch.Tensor, topk: int) -> torch.Tensor:
+    """Columns of the ``topk`` largest cells of each row of ``x`` among those ``inside`` (docs/spec.md §6 order:
+    ``-inf`` and NaN below every finite value, in float64); meaningful for rows with more than ``topk`` cells
+    inside."""
+    x = x.double()
+    x = torch.where(torch.isnan(x) | (x == float("-inf")), torch.full_like(x, -1e300), x)
+    x = torch.where(inside, x, torch.full_like(x, float("-inf")))
+    return torch.topk(x, topk, dim=1, sorted=False).indices
 
 
 def eligible_cells(w: int, row_starts, row_ends, candidates, block_size: int) -> torch.Tensor:
@@ -79,11 +85,7 @@ def _candidate_top_k(logits, row_starts, row_ends, out, candidates, block_size) 
         short = torch.full((r1 - r0, topk), -1, dtype=torch.int64, device=logits.device)
         short[:, :k] = torch.where(ar[None, :k] < n, first - s, -1)
         if w > topk:
-            x = logits[r0:r1].double()
-            x = torch.where(torch.isnan(x) | (x == float("-inf")), torch.full_like(x, -1e300), x)
-            x = torch.where(elig, x, torch.full_like(x, float("-inf")))
-            idx = torch.topk(x, topk, dim=1, sorted=False).indices - s
-            res = torch.where(n > topk, idx, short)
+            res = torch.where(n > topk, _top_inside(logits[r0:r1], elig, topk) - s, short)
         else:
             res = short
         out[r0:r1] = res.to(torch.int32)
