@@ -1,0 +1,226 @@
+"""CUDA backend of ``fp8_paged_mqa_topk``: decode scores and their exact top-k in one kernel (NVIDIA Hopper).
+
+``fused_kernel.cu`` beside this file (its header describes the algorithm), compiled at first use by NVRTC and
+cached by source hash and architecture through the CUDA top-k backend's loader
+(``sparse_indexer/ops/top_k_per_row/cuda.py``). One cooperative grid of one CTA per SM scores the keys with
+wgmma and keeps every logit in shared memory; an exact radix select over the grid (global histograms in
+``workspace``, grid barriers) writes the top-k. No ``[rows, W]`` logits are written unless ``logits`` is given
+(then they are, as the test mode that proves the selection exact for the values the kernel computed).
+
+The logits of a call must fit the grid's shared memory: the host checks the worst case the shapes allow
+(``B * ceil(W / 64)`` tiles of ``64 * next_n`` cells over the SMs) and raises :class:`NotImplementedError`
+before anything is written when they do not (:func:`capacity_tiles`), so ``auto`` composes the logits op and
+the top-k instead. Also not taken (``NotImplementedError``): anything but sm_90, D != 128, H not in (32, 64),
+``next_n > 4``, block size != 64, a cache in a format other than e4m3fn values with float32 scales in the flat
+order, int64 lengths or block tables, unaligned tensors.
+
+The grid barrier's state (two words: arrivals, 0 between barriers, and a generation) is one small buffer per
+device, created at the first call; a first call inside CUDA-graph capture raises ``NotImplementedError``
+(engines warm up eagerly before they capture). Launches of this kernel on one device must not overlap
+(two cooperative grids of one CTA per SM cannot be resident together).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import pathlib
+import threading
+
+import torch
+
+from ..top_k_per_row import cuda as _T
+from .workspace import FUSED_WORKSPACE_COLS
+
+__all__ = ["FUSED", "capacity_tiles", "fp8_paged_mqa_topk", "takes"]
+
+FUSED = True
+"""Marks this backend's implementation as a fused kernel (the public function's ``auto`` tries only these)."""
+
+SOURCE = pathlib.Path(__file__).with_name("fused_kernel.cu")
+NT = 256
+STAGES = 4
+TILE_KEYS = 64
+D = 128
+HEADS = (32, 64)
+MAX_NEXT_N = 4
+KERNEL = b"si_paged_mqa_topk"
+
+
+def _fixed_smem(next_n: int, h: int, b: int) -> int:
+    """Shared bytes other than the logits: alignment slack, the ring, two query buffers, scales, histogram,
+    scratch words and the request table (``fused_kernel.cu``'s ``carve``)."""
+    return (1024 + STAGES * 2 * 8192 + 2 * next_n * h * 128 + STAGES * 2 * 256 + 2048 * 4 + 64 + 16
+            + ((b + 1) * 4 + 15) // 16 * 16)
+
+
+def capacity_tiles(next_n: int, h: int, b: int, smem_optin: int) -> int:
+    """Key tiles (64 positions of ``next_n`` rows) one CTA holds in ``smem_optin`` bytes of shared memory."""
+    return max(0, (smem_optin - _fixed_smem(next_n, h, b)) // (next_n * TILE_KEYS * 4))
+
+
+class _Params(ctypes.Structure):
+    _fields_ = [("cache", ctypes.c_void_p), ("block_stride", ctypes.c_longlong), ("q", ctypes.c_void_p),
+                ("w", ctypes.c_void_p), ("stride_w", ctypes.c_longlong), ("cl", ctypes.c_void_p),
+                ("stride_clb", ctypes.c_longlong), ("bt", ctypes.c_void_p), ("stride_bt", ctypes.c_longlong),
+                ("out", ctypes.c_void_p), ("stride_o", ctypes.c_longlong), ("ws", ctypes.c_void_p),
+                ("stride_ws", ctypes.c_longlong), ("lg", ctypes.c_void_p), ("stride_lg", ctypes.c_longlong),
+                ("bar", ctypes.c_void_p), ("B", ctypes.c_int), ("cap", ctypes.c_int), ("topk", ctypes.c_int),
+                ("cl_2d", ctypes.c_int), ("capt", ctypes.c_int)]
+
+
+class _Args(threading.local):
+    def __init__(self):
+        self.p = _Params()
+        self.ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(self.p))
+
+
+_ARGS = _Args()
+_STATE: dict[int, torch.Tensor] = {}
+_STATE_LOCK = threading.Lock()
+
+
+def _barrier_state(dev: torch.device) -> torch.Tensor:
+    index = dev.index or 0
+    st = _STATE.get(index)
+    if st is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise NotImplementedError("the fused top-k's barrier state is created at the first call, which must "
+                                      "not be inside CUDA-graph capture (call it once eagerly first)")
+        with _STATE_LOCK:
+            st = _STATE.get(index)
+            if st is None:
+                st = _STATE[index] = torch.zeros(4, dtype=torch.int32, device=dev)
+    return st
+
+
+@functools.cache
+def _why_not_device(index: int) -> str | None:
+    why = _T.unavailable_reason()
+    if why is not None:
+        return why
+    if _T._capability(index) != (9, 0):
+        major, minor = _T._capability(index)
+        return f"the fused kernel uses Hopper's wgmma (sm_90), not sm_{major}{minor}"
+    return None
+
+
+class _Launch:
+    """A launch configuration (cooperative, one CTA per SM) per kernel build, stream and shared size."""
+
+    def __init__(self):
+        self.cfgs: dict = {}
+
+    def get(self, index: int, kern, stream: int, smem: int):
+        key = (index, int(kern), stream, smem)
+        got = self.cfgs.get(key)
+        if got is None:
+            from cuda.bindings import driver
+
+            cfg = driver.CUlaunchConfig()
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = _T._sm_count(index), 1, 1
+            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = NT, 1, 1
+            cfg.sharedMemBytes = smem
+            cfg.hStream = driver.CUstream(stream)
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+            attr.value.cooperative = 1
+            cfg.attrs = [attr]
+            cfg.numAttrs = 1
+            if len(self.cfgs) >= 64:
+                self.cfgs.clear()
+            got = self.cfgs[key] = (cfg, cfg.getPtr())
+        return got
+
+
+_LAUNCH = _Launch()
+
+
+def takes(q, kv_cache, weights, context_lens, block_table, out, logits=None) -> str | None:
+    """``None`` when the fused kernel takes this call (shapes, dtypes, alignment and the shared-memory capacity
+    for the worst case the shapes allow), else why not. Reads no device values."""
+    dev = q.device
+    if dev.type != "cuda" or torch.version.hip is not None:
+        return f"the fused CUDA kernel runs on NVIDIA GPUs, not {dev}"
+    index = dev.index or 0
+    why = _why_not_device(index)
+    if why is not None:
+        return why
+    b, next_n, h, d = q.shape
+    if q.dtype != torch.float8_e4m3fn or d != D or h not in HEADS or not 1 <= next_n <= MAX_NEXT_N:
+        return f"the fused kernel takes e4m3fn queries with D = {D}, H in {HEADS}, next_n <= {MAX_NEXT_N}"
+    if kv_cache.dim() != 3 or kv_cache.shape[1] != TILE_KEYS or kv_cache.shape[2] != D + 4:
+        return f"the fused kernel reads blocks of {TILE_KEYS} keys of {D} values"
+    if (kv_cache.stride(1), kv_cache.stride(2)) != (D + 4, 1) or kv_cache.stride(0) % 16 or kv_cache.data_ptr() % 16:
+        return "the fused kernel needs each cache block's bytes contiguous and 16-byte aligned"
+    if not q.is_contiguous() or q.data_ptr() % 16:
+        return "the fused kernel needs contiguous, 16-byte aligned queries"
+    if context_lens.dtype != torch.int32 or block_table.dtype != torch.int32:
+        return "the fused kernel reads int32 lengths and block tables"
+    if out.stride(1) != 1 or weights.stride(1) != 1 or block_table.stride(1) != 1:
+        return "the fused kernel needs unit last strides"
+    if logits is not None and logits.dtype not in (torch.float32, torch.bfloat16):
+        return "the fused kernel writes float32 or bfloat16 logits"
+    width = block_table.shape[1] * TILE_KEYS
+    if logits is not None:
+        width = min(width, logits.shape[1])
+    tiles = b * -(-width // TILE_KEYS)
+    per_cta = -(-tiles // _T._sm_count(index))
+    capt = capacity_tiles(next_n, h, b, _T._smem_optin(index))
+    if per_cta > capt:
+        return (f"the worst case of these shapes ({b} requests x {width} keys x next_n {next_n}) needs {per_cta} "
+                f"tiles of logits per CTA in shared memory; cuda:{index} holds {capt}")
+    return None
+
+
+def fp8_paged_mqa_topk(q, kv_cache, weights, context_lens, block_table, *, out, logits=None, workspace=None,
+                       logits_dtype=None) -> None:
+    """See :func:`sparse_indexer.fp8_paged_mqa_topk`; arguments are checked. ``NotImplementedError`` (before
+    anything is written) for the cases :func:`takes` declines."""
+    why = takes(q, kv_cache, weights, context_lens, block_table, out, logits)
+    if why is not None:
+        raise NotImplementedError(why)
+    dev = q.device
+    index = dev.index or 0
+    b, next_n, h, _ = q.shape
+    rows = b * next_n
+    if workspace is not None and (workspace.dtype != torch.int32 or workspace.shape[0] < rows
+                                  or workspace.shape[1] < FUSED_WORKSPACE_COLS or workspace.stride(1) != 1
+                                  or workspace.stride(0) % 4 or workspace.data_ptr() % 16):
+        raise NotImplementedError(f"the fused kernel needs an int32 workspace of [>= {rows}, "
+                                  f">= {FUSED_WORKSPACE_COLS}] with 16-byte aligned rows")
+    state = _barrier_state(dev)
+    if rows == 0:
+        return
+    if workspace is None:  # (a call outside the step; the step passes its buffer)
+        workspace = torch.empty(rows, FUSED_WORKSPACE_COLS, dtype=torch.int32, device=dev)
+    bf16 = (logits.dtype if logits is not None else (logits_dtype or torch.float32)) == torch.bfloat16
+    defines = (f"NEXT_N={next_n}", f"H={h}", f"STAGES={STAGES}", f"LG_OUT={int(logits is not None)}")
+    kern = _T._kernel(index, NT, 1, bf16, defines, KERNEL, SOURCE)[1]
+    smem = _T._smem_optin(index)
+    width = block_table.shape[1] * TILE_KEYS
+    if logits is not None:
+        width = min(width, logits.shape[1])
+    a = _ARGS.p
+    a.cache, a.block_stride = kv_cache.data_ptr(), kv_cache.stride(0)
+    a.q = q.data_ptr()
+    a.w, a.stride_w = weights.data_ptr(), weights.stride(0)
+    a.cl, a.stride_clb = context_lens.data_ptr(), context_lens.stride(0)
+    a.bt, a.stride_bt = block_table.data_ptr(), block_table.stride(0)
+    a.out, a.stride_o = out.data_ptr(), out.stride(0)
+    a.ws, a.stride_ws = workspace.data_ptr(), workspace.stride(0)
+    a.lg, a.stride_lg = (None, 0) if logits is None else (logits.data_ptr(), logits.stride(0))
+    a.bar = state.data_ptr()
+    a.B, a.cap, a.topk, a.cl_2d = b, width, out.shape[1], int(context_lens.dim() == 2)
+    a.capt = capacity_tiles(next_n, h, b, smem)
+    _T.on_device(index, _fire, index, kern, smem)
+
+
+def _fire(index: int, kern, smem: int) -> None:
+    if not _T._PARAMS.has_ctx:
+        _T._ensure_context(index)
+    stream = torch._C._cuda_getCurrentRawStream(index)
+    got = _LAUNCH.get(index, kern, stream, smem)
+    rc = _T._driver_launch()(got[1], int(kern), _ARGS.ptrs, None)
+    if rc:
+        raise _T._launch_error(rc)

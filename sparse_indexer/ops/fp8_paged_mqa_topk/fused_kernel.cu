@@ -1,0 +1,573 @@
+// Fused paged decode scoring + exact top-k (docs/spec.md §5 and §6): the logits never leave shared memory.
+//
+// One persistent cooperative grid of one CTA per SM (NT = 256 threads: two warpgroups). The key tiles of every
+// request that needs a selection (a row whose window is longer than topk; every request when the logits are
+// also written out) form one global range of 64-key tiles cut into P equal contiguous pieces, one per CTA, as
+// in the Gluon logits kernel. Phases, separated by grid barriers:
+//
+//   score   a cp.async ring of STAGES slots of two tiles (the tile's 64 x 128 fp8 values stored with the
+//           128-byte swizzle wgmma reads, and its 64 float32 scales); warpgroup g takes the slot's tile g:
+//           per query token j one wgmma chain K[64 keys, 128] x Q_j^T[128, H] (fp8 in, f32 accumulators), then
+//           relu, times the head weights, the head sum (within a thread and its quad), times the key scale.
+//           Each logit's order-preserving 32-bit key is stored in the CTA's shared memory (rows of next_n x 64
+//           keys per tile); with LG_OUT the logit also goes to global memory (the test mode).
+//   round 0 per row piece of the CTA: a shared-memory histogram of the top 11 key bits, added to the row's
+//           global histogram (workspace).
+//   round 1 per row piece: the row's histogram gives the bin of the topk-th largest key; cells above it are
+//           written to out (slots claimed by one global atomic per warp), cells in it are counted by the next
+//           11 bits (unless the bin holds exactly the cells still needed: then they are all written).
+//   round 2 the same one digit lower (the next 11 bits), round 3 the last 10 bits; cells equal to the final
+//           key take tickets from a per-row counter, and only the first ones still needed are written.
+//
+// Every CTA recomputes a row's digits from the global histograms (nothing per row is kept between rounds), so
+// the rounds hold no per-row state and a CTA may hold pieces of any number of rows. Rows of at most topk cells
+// are written 0..len-1, -1... without any selection (their requests are not even scored unless LG_OUT).
+//
+// The grid barrier is a self-resetting counter (bar[0], back to 0 after each barrier) and a generation word
+// (bar[1]) in a small per-device state buffer only this kernel writes; the cooperative launch guarantees that
+// every CTA is resident.
+//
+// Workspace row r (int32, FUSED_WORKSPACE_COLS = 5128): histograms H0 [2048], H1 [2048], H2 [1024], then
+// counters: SEL (output slots taken), TIE (tickets of the final tie class).
+
+#ifndef NEXT_N
+#define NEXT_N 1
+#endif
+#ifndef H
+#define H 64
+#endif
+#ifndef BF16
+#define BF16 0
+#endif
+#ifndef STAGES
+#define STAGES 4
+#endif
+#ifndef LG_OUT
+#define LG_OUT 0
+#endif
+
+#define NT 256
+#define NW (NT / 32)
+#define FULL 0xffffffffu
+#define TILE_BYTES 8192   // 64 keys x 128 fp8 values
+#define BLOCK_KEYS 64
+#define WS_H0 0
+#define WS_H1 2048
+#define WS_H2 4096
+#define WS_SEL 5120
+#define WS_TIE 5121
+#define WS_COLS 5128
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+struct Params {
+    const unsigned char* cache;  // [num_blocks, block_stride] bytes: 64 x 128 fp8 values, then 64 float32 scales
+    long long block_stride;
+    const unsigned char* q;      // [B, NEXT_N, H, 128] fp8, contiguous
+    const float* w;              // [B * NEXT_N, H] float32, row stride stride_w
+    long long stride_w;
+    const int* cl;               // [B] or [B, NEXT_N] int32
+    long long stride_clb;
+    const int* bt;               // [B, max_blocks] int32
+    long long stride_bt;
+    int* out;                    // [B * NEXT_N, topk] int32
+    long long stride_o;
+    int* ws;                     // [>= B * NEXT_N, WS_COLS] int32
+    long long stride_ws;
+    void* lg;                    // LG_OUT: [B * NEXT_N, W] float32 or bfloat16
+    long long stride_lg;
+    u32* bar;                    // grid barrier state: [0] arrivals (0 between barriers), [1] generation
+    int B;
+    int cap;                     // min(W, max_blocks * 64): limits are clamped to it
+    int topk;
+    int cl_2d;
+    int capt;                    // tiles of shared memory per CTA
+};
+
+// ---------------------------------------------------------------- small helpers
+__device__ __forceinline__ u32 lane_id() { return threadIdx.x & 31; }
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ u32 fkey(float x) {
+    u32 u = __float_as_uint(x);
+    u32 key = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    key = (x == 0.0f) ? 0x80000000u : key;
+    return (x > __int_as_float(0xff800000)) ? key : 0u;  // -inf and NaN -> 0, below every finite value
+}
+
+__device__ __forceinline__ float round_cell(float x) {
+#if BF16
+    u32 u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return x;  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);                  // to nearest, ties to even (torch's rounding)
+    return __uint_as_float(u & 0xffff0000u);
+#else
+    return x;
+#endif
+}
+
+__device__ __forceinline__ int row_limit(const Params& p, int b, int j) {
+    int lim = p.cl_2d ? p.cl[(long long)b * p.stride_clb + j] : p.cl[(long long)b * p.stride_clb] - NEXT_N + j + 1;
+    return min(max(lim, 0), p.cap);
+}
+
+__device__ __forceinline__ int seq_max_limit(const Params& p, int b) {
+    int m = 0;
+#pragma unroll
+    for (int j = 0; j < NEXT_N; ++j) m = max(m, row_limit(p, b, j));
+    return m;
+}
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+__device__ __forceinline__ u32 ld_acquire(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Every CTA of the (cooperative, so co-resident) grid; bar[0] is 0 on entry and on exit.
+__device__ void grid_barrier(u32* bar) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const u32 gen = ld_acquire(bar + 1);
+        __threadfence();
+        if (atomicAdd(bar, 1u) == gridDim.x - 1) {
+            atomicExch(bar, 0u);
+            __threadfence();
+            atomicAdd(bar + 1, 1u);
+        } else {
+            while (ld_acquire(bar + 1) == gen) __nanosleep(32);
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+// Block-wide exclusive prefix sum of one int per thread; returns the total in *total.
+__device__ int block_scan(int v, int* wsum, int* total) {
+    int incl = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        int y = __shfl_up_sync(FULL, incl, o);
+        if ((int)lane_id() >= o) incl += y;
+    }
+    const int w = threadIdx.x >> 5;
+    if (lane_id() == 31) wsum[w] = incl;
+    __syncthreads();
+    if (w == 0) {
+        int x = lane_id() < NW ? wsum[lane_id()] : 0;
+        int xi = x;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            int y = __shfl_up_sync(FULL, xi, o);
+            if ((int)lane_id() >= o) xi += y;
+        }
+        if (lane_id() < NW) wsum[lane_id()] = xi - x;
+        if (lane_id() == NW - 1) wsum[NW] = xi;
+    }
+    __syncthreads();
+    const int r = wsum[w] + incl - v;
+    *total = wsum[NW];
+    __syncthreads();
+    return r;
+}
+
+// Block-wide over the global histogram g[0..NBINS): the bin d with count(> d) < kr <= count(>= d).
+// res[0] = d, res[1] = cells above d, res[2] = cells in d.
+template <int NBINS>
+__device__ void find_digit(const int* g, u32 kr, int* wsum, u32* res) {
+    constexpr int PB = NBINS / NT;
+    const int t = threadIdx.x;
+    const int top = NBINS - 1 - t * PB;
+    u32 v[PB];
+    u32 s = 0;
+#pragma unroll
+    for (int j = 0; j < PB; ++j) {
+        v[j] = (u32)__ldcg(g + top - j);
+        s += v[j];
+    }
+    int total;
+    u32 acc = (u32)block_scan((int)s, wsum, &total);
+#pragma unroll
+    for (int j = 0; j < PB; ++j) {
+        if (acc < kr && acc + v[j] >= kr) {
+            res[0] = (u32)(top - j);
+            res[1] = acc;
+            res[2] = v[j];
+        }
+        acc += v[j];
+    }
+    __syncthreads();
+}
+
+// Adds the shared histogram h[0..NBINS) to the global one and clears it.
+template <int NBINS>
+__device__ void flush_hist(u32* h, int* g) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < NBINS; i += NT) {
+        const u32 c = h[i];
+        if (c) atomicAdd(g + i, (int)c);
+        h[i] = 0;
+    }
+    __syncthreads();
+}
+
+// Warp-aggregated: one slot of out's row per selected lane (one global atomic per warp).
+__device__ __forceinline__ void emit(bool sel, int pos, int* orow, int* ctr) {
+    const u32 m = __ballot_sync(FULL, sel);
+    if (!m) return;
+    const int leader = __ffs(m) - 1;
+    int base = 0;
+    if ((int)lane_id() == leader) base = atomicAdd(ctr, __popc(m));
+    base = __shfl_sync(FULL, base, leader);
+    if (sel) orow[base + __popc(m & ((1u << lane_id()) - 1u))] = pos;
+}
+
+// ---------------------------------------------------------------- wgmma
+__device__ __forceinline__ u64 smem_desc(u32 addr) {
+    // K-major operand, 128-byte swizzle: rows of 128 bytes, 8-row groups 1024 bytes apart
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+
+#if H == 64
+#define ACC_N 32
+__device__ __forceinline__ void wgmma_k32(float* d, u64 da, u64 db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "%32, %33, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(acc));
+}
+#elif H == 32
+#define ACC_N 16
+__device__ __forceinline__ void wgmma_k32(float* d, u64 da, u64 db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "%16, %17, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(da), "l"(db), "r"(acc));
+}
+#else
+#error "H must be 32 or 64"
+#endif
+
+// One tile's scores for query token j: d (ACC_N f32 per thread) = K tile [64, 128] x Q_j^T [128, H].
+__device__ __forceinline__ void mma_tile(float* d, u32 ka, u32 qa) {
+    const u64 da = smem_desc(ka), db = smem_desc(qa);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) wgmma_k32(d, da + 2 * k, db + 2 * k, k);  // 32 bytes per k-step: +2 in 16-byte units
+}
+
+// ---------------------------------------------------------------- shared memory
+struct Smem {
+    unsigned char* vals;   // [STAGES * 2][TILE_BYTES], 1024-aligned
+    unsigned char* qbuf;   // [2 warpgroups][NEXT_N][H * 128], 1024-aligned
+    float* scales;         // [STAGES * 2][64]
+    u32* hist;             // [2048]
+    int* wsum;             // [NW + 1]
+    u32* res;              // [4]
+    int* cum;              // [B + 1] tiles before request b
+    u32* lg;               // [capt][NEXT_N][64] keys
+};
+
+__device__ __forceinline__ Smem carve(unsigned char* raw, int B) {
+    Smem s;
+    unsigned char* p = (unsigned char*)(((unsigned long long)raw + 1023) & ~1023ull);
+    s.vals = p;
+    p += STAGES * 2 * TILE_BYTES;
+    s.qbuf = p;
+    p += 2 * NEXT_N * H * 128;
+    s.scales = (float*)p;
+    p += STAGES * 2 * 64 * 4;
+    s.hist = (u32*)p;
+    p += 2048 * 4;
+    s.wsum = (int*)p;
+    p += 16 * 4;
+    s.res = (u32*)p;
+    p += 4 * 4;
+    s.cum = (int*)p;
+    p += ((B + 1) * 4 + 15) / 16 * 16;
+    s.lg = (u32*)p;
+    return s;
+}
+
+// The request of global tile g, walking forward from *b (cum ascending).
+__device__ __forceinline__ int seq_of(const int* cum, int g, int b) {
+    while (cum[b + 1] <= g) ++b;
+    return b;
+}
+
+// Issues the cp.async copies of ring stage s (local tiles 2s, 2s+1 of this CTA's piece [start, start + n)).
+__device__ __forceinline__ void load_stage(const Params& p, const Smem& sm, int s, int start, int n, int* lb) {
+    const int slot = s % STAGES;
+    const int lt0 = 2 * s;
+    if (lt0 < n) {
+        const int g0 = start + lt0, g1 = start + min(lt0 + 1, n - 1);
+        const int b0 = seq_of(sm.cum, g0, *lb);
+        const int b1 = seq_of(sm.cum, g1, b0);
+        *lb = b0;
+        const unsigned char* src0 =
+            p.cache + (long long)p.bt[(long long)b0 * p.stride_bt + (g0 - sm.cum[b0])] * p.block_stride;
+        const unsigned char* src1 =
+            p.cache + (long long)p.bt[(long long)b1 * p.stride_bt + (g1 - sm.cum[b1])] * p.block_stride;
+        const int tiles = min(2, n - lt0);
+        for (int c = threadIdx.x; c < tiles * 528; c += NT) {
+            const int t = c >= 528;
+            const int r = c - t * 528;
+            const unsigned char* src = t ? src1 : src0;
+            if (r < 512) {
+                const int row = r >> 3, col = r & 7;
+                const u32 dst = smem_u32(sm.vals + (slot * 2 + t) * TILE_BYTES + row * 128 + ((col ^ (row & 7)) << 4));
+                cp_async16(dst, src + row * 128 + col * 16);
+            } else {
+                const int sc = r - 512;
+                cp_async16(smem_u32(sm.scales + (slot * 2 + t) * 64 + sc * 4), src + TILE_BYTES + sc * 16);
+            }
+        }
+    }
+    cp_commit();
+}
+
+// ---------------------------------------------------------------- the kernel
+extern "C" __global__ void __launch_bounds__(NT, 1) si_paged_mqa_topk(const Params p) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const Smem sm = carve(smem_raw, p.B);
+    const int tid = threadIdx.x;
+    const int P = gridDim.x, pid = blockIdx.x;
+    const int rows = p.B * NEXT_N;
+
+    // Tiles per request (only requests with a row longer than topk, unless every logit is written out).
+    {
+        const int per = (p.B + NT - 1) / NT;
+        int s = 0;
+        for (int i = 0; i < per; ++i) {
+            const int b = tid * per + i;
+            if (b < p.B) {
+                const int m = seq_max_limit(p, b);
+                s += (LG_OUT || m > p.topk) ? (m + BLOCK_KEYS - 1) / BLOCK_KEYS : 0;
+            }
+        }
+        int total;
+        int run = block_scan(s, sm.wsum, &total);
+        for (int i = 0; i < per; ++i) {
+            const int b = tid * per + i;
+            if (b < p.B) {
+                sm.cum[b] = run;
+                const int m = seq_max_limit(p, b);
+                run += (LG_OUT || m > p.topk) ? (m + BLOCK_KEYS - 1) / BLOCK_KEYS : 0;
+            }
+        }
+        if (tid == 0) sm.cum[p.B] = total;
+        for (int i = tid; i < 2048; i += NT) sm.hist[i] = 0;
+        __syncthreads();
+    }
+    const int total = sm.cum[p.B];
+    const int start = (int)((long long)pid * total / P);
+    const int end = (int)((long long)(pid + 1) * total / P);
+    const int n = end - start;
+    if (n > p.capt) __trap();  // the host sizes capt for the worst case; never taken
+
+    // Rows of at most topk cells: 0..len-1, then -1. Longer rows: their workspace row zeroed.
+    for (int r = pid; r < rows; r += P) {
+        const int lim = row_limit(p, r / NEXT_N, r % NEXT_N);
+        if (lim <= p.topk) {
+            for (int i = tid; i < p.topk; i += NT) p.out[(long long)r * p.stride_o + i] = i < lim ? i : -1;
+        } else {
+            int4* wr = (int4*)(p.ws + (long long)r * p.stride_ws);
+            for (int i = tid; i < WS_COLS / 4; i += NT) wr[i] = make_int4(0, 0, 0, 0);
+        }
+    }
+
+    // ---- score
+    {
+        int lb = 0;
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) load_stage(p, sm, s, start, n, &lb);
+        const int wg = tid >> 7;           // warpgroup
+        const int wt = tid & 127;          // thread in the warpgroup
+        const int warp = wt >> 5, lane = lane_id();
+        const int m0 = 16 * warp + (lane >> 2), c = lane & 3;
+        int cb = 0;                         // this warpgroup's walk over requests
+        int qseq = -1;                      // request whose queries and weights are loaded
+        float wreg[NEXT_N][H / 4];
+        int lims[NEXT_N];
+        unsigned char* qb = sm.qbuf + wg * NEXT_N * H * 128;
+        const int stages = (n + 1) / 2;
+        for (int s = 0; s < stages; ++s) {
+            cp_wait<STAGES - 2>();
+            fence_async_smem();
+            __syncthreads();
+            load_stage(p, sm, s + STAGES - 1, start, n, &lb);
+            const int lt = 2 * s + wg;
+            if (lt < n) {
+                const int g = start + lt;
+                cb = seq_of(sm.cum, g, cb);
+                if (cb != qseq) {  // this warpgroup's queries and weights of request cb
+                    qseq = cb;
+                    const uint4* qsrc = (const uint4*)(p.q + (long long)cb * NEXT_N * H * 128);
+                    for (int i = wt; i < NEXT_N * H * 8; i += 128) {
+                        const int row = i >> 3, col = i & 7;
+                        *(uint4*)(qb + row * 128 + ((col ^ (row & 7)) << 4)) = qsrc[i];
+                    }
+#pragma unroll
+                    for (int j = 0; j < NEXT_N; ++j) {
+                        const float* wr = p.w + (long long)(cb * NEXT_N + j) * p.stride_w;
+#pragma unroll
+                        for (int i = 0; i < H / 8; ++i) {
+                            wreg[j][2 * i] = wr[8 * i + 2 * c];
+                            wreg[j][2 * i + 1] = wr[8 * i + 2 * c + 1];
+                        }
+                        lims[j] = row_limit(p, cb, j);
+                    }
+                    fence_async_smem();
+                    asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
+                }
+                const int slot = s % STAGES;
+                const u32 ka = smem_u32(sm.vals + (slot * 2 + wg) * TILE_BYTES);
+                const float* ksc = sm.scales + (slot * 2 + wg) * 64;
+                const int pos0 = (g - sm.cum[cb]) * BLOCK_KEYS;
+#pragma unroll
+                for (int j = 0; j < NEXT_N; ++j) {
+                    float d[ACC_N];
+#pragma unroll
+                    for (int i = 0; i < ACC_N; ++i) d[i] = 0.f;
+                    wg_fence();
+                    mma_tile(d, ka, smem_u32(qb + j * H * 128));
+                    wg_commit();
+                    wg_wait0();
+                    float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+                    for (int i = 0; i < ACC_N / 4; ++i) {
+                        s0 += fmaxf(d[4 * i], 0.f) * wreg[j][2 * i] + fmaxf(d[4 * i + 1], 0.f) * wreg[j][2 * i + 1];
+                        s1 += fmaxf(d[4 * i + 2], 0.f) * wreg[j][2 * i] + fmaxf(d[4 * i + 3], 0.f) * wreg[j][2 * i + 1];
+                    }
+                    s0 += __shfl_xor_sync(FULL, s0, 1);
+                    s1 += __shfl_xor_sync(FULL, s1, 1);
+                    s0 += __shfl_xor_sync(FULL, s0, 2);
+                    s1 += __shfl_xor_sync(FULL, s1, 2);
+                    if (c < 2) {
+                        const int m = m0 + 8 * c;
+                        const float v = round_cell((c ? s1 : s0) * ksc[m]);
+                        sm.lg[(lt * NEXT_N + j) * 64 + m] = fkey(v);
+#if LG_OUT
+                        const int pos = pos0 + m;
+                        if (pos < lims[j]) {
+                            const long long o = (long long)(cb * NEXT_N + j) * p.stride_lg + pos;
+#if BF16
+                            ((unsigned short*)p.lg)[o] = (unsigned short)(__float_as_uint(v) >> 16);
+#else
+                            ((float*)p.lg)[o] = v;
+#endif
+                        }
+#endif
+                    }
+                }
+                (void)pos0;
+                (void)lims;
+            }
+        }
+        cp_wait<0>();
+    }
+    grid_barrier(p.bar);
+
+    // ---- rounds 0-3 over this CTA's row pieces
+    const int b_first = total > 0 && n > 0 ? seq_of(sm.cum, start, 0) : p.B;
+    for (int round = 0; round < 4; ++round) {
+        if (n > 0) {
+            for (int b = b_first; b < p.B && sm.cum[b] < end; ++b) {
+                const int la = max(sm.cum[b], start) - start;
+                const int le = min(sm.cum[b + 1], end) - start;
+                if (le <= la) continue;
+                const int t0 = la + start - sm.cum[b];  // the piece's first tile within request b
+                for (int j = 0; j < NEXT_N; ++j) {
+                    const int r = b * NEXT_N + j;
+                    const int lim = row_limit(p, b, j);
+                    if (lim <= p.topk) continue;
+                    int* wr = p.ws + (long long)r * p.stride_ws;
+                    int* orow = p.out + (long long)r * p.stride_o;
+                    const int cells = (le - la) * BLOCK_KEYS;
+                    // the digits resolved so far (recomputed from the global histograms)
+                    u32 d0 = 0, d1 = 0, d2 = 0, need = (u32)p.topk, full0 = 0, full1 = 0;
+                    if (round >= 1) {
+                        find_digit<2048>(wr + WS_H0, need, sm.wsum, sm.res);
+                        d0 = sm.res[0];
+                        need -= sm.res[1];
+                        full0 = sm.res[2] == need;
+                    }
+                    if (round >= 2) {
+                        if (full0) continue;
+                        find_digit<2048>(wr + WS_H1, need, sm.wsum, sm.res);
+                        d1 = sm.res[0];
+                        need -= sm.res[1];
+                        full1 = sm.res[2] == need;
+                    }
+                    if (round == 3) {
+                        if (full1) continue;
+                        find_digit<1024>(wr + WS_H2, need, sm.wsum, sm.res);
+                        d2 = sm.res[0];
+                        need -= sm.res[1];
+                    }
+                    // (cells per thread: a whole number of warps' passes, so every lane reaches emit together)
+                    const int iters = (cells + NT - 1) / NT;
+                    for (int it = 0; it < iters; ++it) {
+                        const int i = it * NT + tid;
+                        const int tile = la + i / BLOCK_KEYS, m = i % BLOCK_KEYS;
+                        const int pos = (t0 + i / BLOCK_KEYS) * BLOCK_KEYS + m;
+                        const bool valid = i < cells && pos < lim;
+                        const u32 key = valid ? sm.lg[(tile * NEXT_N + j) * 64 + m] : 0u;
+                        const u32 k0 = key >> 21, k1 = (key >> 10) & 2047u, k2 = key & 1023u;
+                        bool sel = false;
+                        if (round == 0) {
+                            if (valid) atomicAdd(&sm.hist[k0], 1u);
+                        } else if (round == 1) {
+                            sel = valid && (k0 > d0 || (k0 == d0 && full0));
+                            if (valid && k0 == d0 && !full0) atomicAdd(&sm.hist[k1], 1u);
+                        } else if (round == 2) {
+                            const bool in0 = valid && k0 == d0;
+                            sel = in0 && (k1 > d1 || (k1 == d1 && full1));
+                            if (in0 && k1 == d1 && !full1) atomicAdd(&sm.hist[k2], 1u);
+                        } else {
+                            const bool in1 = valid && k0 == d0 && k1 == d1;
+                            sel = in1 && k2 > d2;
+                            const bool tie = in1 && k2 == d2;
+                            const u32 tm = __ballot_sync(FULL, tie);
+                            if (tm) {
+                                const int leader = __ffs(tm) - 1;
+                                int base = 0;
+                                if ((int)lane_id() == leader) base = atomicAdd(wr + WS_TIE, __popc(tm));
+                                base = __shfl_sync(FULL, base, leader);
+                                if (tie && (u32)(base + __popc(tm & ((1u << lane_id()) - 1u))) < need) sel = true;
+                            }
+                        }
+                        emit(sel, pos, orow, wr + WS_SEL);
+                    }
+                    if (round == 0) flush_hist<2048>(sm.hist, wr + WS_H0);
+                    else if (round == 1 && !full0) flush_hist<2048>(sm.hist, wr + WS_H1);
+                    else if (round == 2 && !full1) flush_hist<1024>(sm.hist, wr + WS_H2);
+                    __syncthreads();
+                }
+            }
+        }
+        if (round < 3) grid_barrier(p.bar);
+    }
+}
