@@ -38,8 +38,13 @@ FUSED = True
 """Marks this backend's implementation as a fused kernel (the public function's ``auto`` tries only these)."""
 
 SOURCE = pathlib.Path(__file__).with_name("fused_kernel.cu")
-NT = 256
-STAGES = 4
+NWG = (4, 2)
+"""Warpgroups per CTA (``fused_kernel.cu``'s ``NWG``; the CTA has ``128 * NWG`` threads), in order of
+preference: four where a ring of two or more stages leaves room for the worst case's logits (on the H200,
+B = 32 x 64K keys: 144 against 190 us with two; 64 x 16K: 97 against 119), else two."""
+STAGES = (8, 7, 6, 5, 4, 3, 2)
+"""Ring depths (stages of two tiles) in order of preference: the deepest whose shared memory leaves room for the
+worst case's logits is built (a deeper ring keeps more of the HBM latency covered)."""
 TILE_KEYS = 64
 D = 128
 HEADS = (32, 64)
@@ -47,16 +52,32 @@ MAX_NEXT_N = 4
 KERNEL = b"si_paged_mqa_topk"
 
 
-def _fixed_smem(next_n: int, h: int, b: int) -> int:
-    """Shared bytes other than the logits: alignment slack, the ring, two query buffers, scales, histogram,
-    scratch words and the request table (``fused_kernel.cu``'s ``carve``)."""
-    return (1024 + STAGES * 2 * 8192 + 2 * next_n * h * 128 + STAGES * 2 * 256 + 2048 * 4 + 64 + 16
-            + ((b + 1) * 4 + 15) // 16 * 16)
+TPW = 1
+"""Tiles per warpgroup and ring stage (``fused_kernel.cu``'s ``TPW``: their wgmmas in flight together)."""
 
 
-def capacity_tiles(next_n: int, h: int, b: int, smem_optin: int) -> int:
-    """Key tiles (64 positions of ``next_n`` rows) one CTA holds in ``smem_optin`` bytes of shared memory."""
-    return max(0, (smem_optin - _fixed_smem(next_n, h, b)) // (next_n * TILE_KEYS * 4))
+def _fixed_smem(next_n: int, h: int, b: int, stages: int, tpw: int = TPW, nwg: int = 2) -> int:
+    """Shared bytes other than the per-tile ones: alignment slack, the ring, two query buffers, scales,
+    histogram, scratch words, the request table and the block list's rounding (``fused_kernel.cu``'s
+    ``carve``)."""
+    return (1024 + stages * nwg * tpw * (8192 + 256) + nwg * next_n * h * 128 + 2048 * 4 + 128 + 16
+            + ((b + 1) * 4 + 15) // 16 * 16 + 16)
+
+
+def capacity_tiles(next_n: int, h: int, b: int, smem_optin: int, stages: int, tpw: int = TPW,
+                   nwg: int = 2) -> int:
+    """Key tiles (64 positions of ``next_n`` rows: their keys and cache block) one CTA holds in ``smem_optin``
+    bytes of shared memory next to a ring of ``stages``."""
+    return max(0, (smem_optin - _fixed_smem(next_n, h, b, stages, tpw, nwg)) // (next_n * TILE_KEYS * 4 + 4))
+
+
+def stages_for(per_cta: int, next_n: int, h: int, b: int, smem_optin: int, tpw: int = TPW,
+               nwg: int = 2) -> int | None:
+    """The deepest ring of :data:`STAGES` that leaves room for ``per_cta`` tiles, or ``None``."""
+    for st in STAGES:
+        if capacity_tiles(next_n, h, b, smem_optin, st, tpw, nwg) >= per_cta:
+            return st
+    return None
 
 
 class _Params(ctypes.Structure):
@@ -65,8 +86,8 @@ class _Params(ctypes.Structure):
                 ("stride_clb", ctypes.c_longlong), ("bt", ctypes.c_void_p), ("stride_bt", ctypes.c_longlong),
                 ("out", ctypes.c_void_p), ("stride_o", ctypes.c_longlong), ("ws", ctypes.c_void_p),
                 ("stride_ws", ctypes.c_longlong), ("lg", ctypes.c_void_p), ("stride_lg", ctypes.c_longlong),
-                ("bar", ctypes.c_void_p), ("B", ctypes.c_int), ("cap", ctypes.c_int), ("topk", ctypes.c_int),
-                ("cl_2d", ctypes.c_int), ("capt", ctypes.c_int)]
+                ("bar", ctypes.c_void_p), ("probe", ctypes.c_void_p), ("B", ctypes.c_int), ("cap", ctypes.c_int),
+                ("topk", ctypes.c_int), ("cl_2d", ctypes.c_int), ("capt", ctypes.c_int)]
 
 
 class _Args(threading.local):
@@ -111,15 +132,15 @@ class _Launch:
     def __init__(self):
         self.cfgs: dict = {}
 
-    def get(self, index: int, kern, stream: int, smem: int):
-        key = (index, int(kern), stream, smem)
+    def get(self, index: int, kern, stream: int, smem: int, nt: int):
+        key = (index, int(kern), stream, smem, nt)
         got = self.cfgs.get(key)
         if got is None:
             from cuda.bindings import driver
 
             cfg = driver.CUlaunchConfig()
             cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = _T._sm_count(index), 1, 1
-            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = NT, 1, 1
+            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = nt, 1, 1
             cfg.sharedMemBytes = smem
             cfg.hStream = driver.CUstream(stream)
             attr = driver.CUlaunchAttribute()
@@ -134,6 +155,14 @@ class _Launch:
 
 
 _LAUNCH = _Launch()
+
+
+def _per_cta(b: int, block_table, logits, index: int) -> tuple[int, int]:
+    """``(W, worst-case tiles per CTA)``: every request at ``W = min(max_blocks * 64, logits' width)`` keys."""
+    width = block_table.shape[1] * TILE_KEYS
+    if logits is not None:
+        width = min(width, logits.shape[1])
+    return width, -(-(b * -(-width // TILE_KEYS)) // _T._sm_count(index))
 
 
 def takes(q, kv_cache, weights, context_lens, block_table, out, logits=None) -> str | None:
@@ -161,22 +190,21 @@ def takes(q, kv_cache, weights, context_lens, block_table, out, logits=None) -> 
         return "the fused kernel needs unit last strides"
     if logits is not None and logits.dtype not in (torch.float32, torch.bfloat16):
         return "the fused kernel writes float32 or bfloat16 logits"
-    width = block_table.shape[1] * TILE_KEYS
-    if logits is not None:
-        width = min(width, logits.shape[1])
-    tiles = b * -(-width // TILE_KEYS)
-    per_cta = -(-tiles // _T._sm_count(index))
-    capt = capacity_tiles(next_n, h, b, _T._smem_optin(index))
-    if per_cta > capt:
+    width, per_cta = _per_cta(b, block_table, logits, index)
+    if stages_for(per_cta, next_n, h, b, _T._smem_optin(index)) is None:
+        capt = capacity_tiles(next_n, h, b, _T._smem_optin(index), STAGES[-1])
         return (f"the worst case of these shapes ({b} requests x {width} keys x next_n {next_n}) needs {per_cta} "
                 f"tiles of logits per CTA in shared memory; cuda:{index} holds {capt}")
     return None
 
 
 def fp8_paged_mqa_topk(q, kv_cache, weights, context_lens, block_table, *, out, logits=None, workspace=None,
-                       logits_dtype=None) -> None:
+                       logits_dtype=None, stages=None, probe=None, tpw=None, diag=0, nwg=None) -> None:
     """See :func:`sparse_indexer.fp8_paged_mqa_topk`; arguments are checked. ``NotImplementedError`` (before
-    anything is written) for the cases :func:`takes` declines."""
+    anything is written) for the cases :func:`takes` declines. Measurement knobs: ``stages`` (the ring depth
+    instead of :func:`stages_for`'s) and ``probe`` (an int64 ``[SMs, 8]`` tensor: a ``PROBE=1`` build writes
+    each CTA's ``%globaltimer`` at its phase marks there, ``fused_kernel.cu``), ``tpw`` (tiles per warpgroup and
+    stage) and ``diag`` (1: the copy stream alone, 2: the math alone; results are then wrong)."""
     why = takes(q, kv_cache, weights, context_lens, block_table, out, logits)
     if why is not None:
         raise NotImplementedError(why)
@@ -195,12 +223,17 @@ def fp8_paged_mqa_topk(q, kv_cache, weights, context_lens, block_table, *, out, 
     if workspace is None:  # (a call outside the step; the step passes its buffer)
         workspace = torch.empty(rows, FUSED_WORKSPACE_COLS, dtype=torch.int32, device=dev)
     bf16 = (logits.dtype if logits is not None else (logits_dtype or torch.float32)) == torch.bfloat16
-    defines = (f"NEXT_N={next_n}", f"H={h}", f"STAGES={STAGES}", f"LG_OUT={int(logits is not None)}")
-    kern = _T._kernel(index, NT, 1, bf16, defines, KERNEL, SOURCE)[1]
     smem = _T._smem_optin(index)
-    width = block_table.shape[1] * TILE_KEYS
-    if logits is not None:
-        width = min(width, logits.shape[1])
+    width, per_cta = _per_cta(b, block_table, logits, index)
+    tpw = tpw or TPW
+    if nwg is None:
+        nwg = next((w for w in NWG if stages_for(per_cta, next_n, h, b, smem, tpw, w)), NWG[-1])
+    st = stages or stages_for(per_cta, next_n, h, b, smem, tpw, nwg)
+    if st is None:
+        raise NotImplementedError(f"no ring of {tpw} tiles per warpgroup leaves room for {per_cta} tiles")
+    defines = (f"NEXT_N={next_n}", f"H={h}", f"STAGES={st}", f"LG_OUT={int(logits is not None)}",
+               f"PROBE={int(probe is not None)}", f"TPW={tpw}", f"DIAG={diag}", f"NWG={nwg}")
+    kern = _T._kernel(index, 128 * nwg, 1, bf16, defines, KERNEL, SOURCE)[1]
     a = _ARGS.p
     a.cache, a.block_stride = kv_cache.data_ptr(), kv_cache.stride(0)
     a.q = q.data_ptr()
@@ -211,16 +244,17 @@ def fp8_paged_mqa_topk(q, kv_cache, weights, context_lens, block_table, *, out, 
     a.ws, a.stride_ws = workspace.data_ptr(), workspace.stride(0)
     a.lg, a.stride_lg = (None, 0) if logits is None else (logits.data_ptr(), logits.stride(0))
     a.bar = state.data_ptr()
+    a.probe = None if probe is None else probe.data_ptr()
     a.B, a.cap, a.topk, a.cl_2d = b, width, out.shape[1], int(context_lens.dim() == 2)
-    a.capt = capacity_tiles(next_n, h, b, smem)
-    _T.on_device(index, _fire, index, kern, smem)
+    a.capt = capacity_tiles(next_n, h, b, smem, st, tpw, nwg)
+    _T.on_device(index, _fire, index, kern, smem, 128 * nwg)
 
 
-def _fire(index: int, kern, smem: int) -> None:
+def _fire(index: int, kern, smem: int, nt: int) -> None:
     if not _T._PARAMS.has_ctx:
         _T._ensure_context(index)
     stream = torch._C._cuda_getCurrentRawStream(index)
-    got = _LAUNCH.get(index, kern, stream, smem)
+    got = _LAUNCH.get(index, kern, stream, smem, nt)
     rc = _T._driver_launch()(got[1], int(kern), _ARGS.ptrs, None)
     if rc:
         raise _T._launch_error(rc)

@@ -46,7 +46,33 @@
 #define LG_OUT 0
 #endif
 
-#define NT 256
+#ifndef PROBE
+#define PROBE 0  // 1 (measurements only): %globaltimer at phase marks, written to probe[pid, 0..8)
+#endif
+#if PROBE
+#define MARK(i)                                                                            \
+    if (threadIdx.x == 0) {                                                                \
+        unsigned long long t_;                                                             \
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                             \
+        p.probe[blockIdx.x * 8 + (i)] = t_;                                                \
+    }
+#else
+#define MARK(i)
+#endif
+
+#ifndef TPW
+#define TPW 1  // tiles per warpgroup and ring stage (their wgmmas in flight together)
+#endif
+#ifndef DIAG
+#define DIAG 0  // measurements only: 1 the ring's stages consumed unread (the copy stream alone), 2 no copies
+#endif
+#ifndef NWG
+#define NWG 2  // warpgroups (2 or 4: find_digit needs NT to divide 1024)
+#endif
+#define SPT (NWG * TPW)  // tiles per ring stage
+
+#undef NT  // (the loader passes -DNT; the block size follows NWG)
+#define NT (128 * NWG)
 #define NW (NT / 32)
 #define FULL 0xffffffffu
 #define TILE_BYTES 8192   // 64 keys x 128 fp8 values
@@ -78,6 +104,7 @@ struct Params {
     void* lg;                    // LG_OUT: [B * NEXT_N, W] float32 or bfloat16
     long long stride_lg;
     u32* bar;                    // grid barrier state: [0] arrivals (0 between barriers), [1] generation
+    unsigned long long* probe;   // PROBE builds: [P, 8] %globaltimer marks per CTA (else unused)
     int B;
     int cap;                     // min(W, max_blocks * 64): limits are clamped to it
     int topk;
@@ -144,9 +171,9 @@ __device__ void grid_barrier(u32* bar) {
             __threadfence();
             atomicAdd(bar + 1, 1u);
         } else {
-            while (ld_acquire(bar + 1) == gen) __nanosleep(32);
+            while (ld_acquire(bar + 1) == gen) {
         }
-        __threadfence();
+        }
     }
     __syncthreads();
 }
@@ -220,17 +247,6 @@ __device__ void flush_hist(u32* h, int* g) {
     __syncthreads();
 }
 
-// Warp-aggregated: one slot of out's row per selected lane (one global atomic per warp).
-__device__ __forceinline__ void emit(bool sel, int pos, int* orow, int* ctr) {
-    const u32 m = __ballot_sync(FULL, sel);
-    if (!m) return;
-    const int leader = __ffs(m) - 1;
-    int base = 0;
-    if ((int)lane_id() == leader) base = atomicAdd(ctr, __popc(m));
-    base = __shfl_sync(FULL, base, leader);
-    if (sel) orow[base + __popc(m & ((1u << lane_id()) - 1u))] = pos;
-}
-
 // ---------------------------------------------------------------- wgmma
 __device__ __forceinline__ u64 smem_desc(u32 addr) {
     // K-major operand, 128-byte swizzle: rows of 128 bytes, 8-row groups 1024 bytes apart
@@ -280,33 +296,36 @@ __device__ __forceinline__ void mma_tile(float* d, u32 ka, u32 qa) {
 
 // ---------------------------------------------------------------- shared memory
 struct Smem {
-    unsigned char* vals;   // [STAGES * 2][TILE_BYTES], 1024-aligned
-    unsigned char* qbuf;   // [2 warpgroups][NEXT_N][H * 128], 1024-aligned
-    float* scales;         // [STAGES * 2][64]
+    unsigned char* vals;   // [STAGES * SPT][TILE_BYTES], 1024-aligned
+    unsigned char* qbuf;   // [NWG warpgroups][NEXT_N][H * 128], 1024-aligned
+    float* scales;         // [STAGES * SPT][64]
     u32* hist;             // [2048]
-    int* wsum;             // [NW + 1]
+    int* wsum;             // [NW + 1] (32 words)
     u32* res;              // [4]
     int* cum;              // [B + 1] tiles before request b
+    int* blk;              // [capt] cache block of each local tile
     u32* lg;               // [capt][NEXT_N][64] keys
 };
 
-__device__ __forceinline__ Smem carve(unsigned char* raw, int B) {
+__device__ __forceinline__ Smem carve(unsigned char* raw, int B, int capt) {
     Smem s;
     unsigned char* p = (unsigned char*)(((unsigned long long)raw + 1023) & ~1023ull);
     s.vals = p;
-    p += STAGES * 2 * TILE_BYTES;
+    p += STAGES * SPT * TILE_BYTES;
     s.qbuf = p;
-    p += 2 * NEXT_N * H * 128;
+    p += NWG * NEXT_N * H * 128;
     s.scales = (float*)p;
-    p += STAGES * 2 * 64 * 4;
+    p += STAGES * SPT * 64 * 4;
     s.hist = (u32*)p;
     p += 2048 * 4;
     s.wsum = (int*)p;
-    p += 16 * 4;
+    p += 32 * 4;
     s.res = (u32*)p;
     p += 4 * 4;
     s.cum = (int*)p;
     p += ((B + 1) * 4 + 15) / 16 * 16;
+    s.blk = (int*)p;
+    p += (capt * 4 + 15) / 16 * 16;
     s.lg = (u32*)p;
     return s;
 }
@@ -317,41 +336,57 @@ __device__ __forceinline__ int seq_of(const int* cum, int g, int b) {
     return b;
 }
 
-// Issues the cp.async copies of ring stage s (local tiles 2s, 2s+1 of this CTA's piece [start, start + n)).
-__device__ __forceinline__ void load_stage(const Params& p, const Smem& sm, int s, int start, int n, int* lb) {
-    const int slot = s % STAGES;
-    const int lt0 = 2 * s;
-    if (lt0 < n) {
-        const int g0 = start + lt0, g1 = start + min(lt0 + 1, n - 1);
-        const int b0 = seq_of(sm.cum, g0, *lb);
-        const int b1 = seq_of(sm.cum, g1, b0);
-        *lb = b0;
-        const unsigned char* src0 =
-            p.cache + (long long)p.bt[(long long)b0 * p.stride_bt + (g0 - sm.cum[b0])] * p.block_stride;
-        const unsigned char* src1 =
-            p.cache + (long long)p.bt[(long long)b1 * p.stride_bt + (g1 - sm.cum[b1])] * p.block_stride;
-        const int tiles = min(2, n - lt0);
-        for (int c = threadIdx.x; c < tiles * 528; c += NT) {
-            const int t = c >= 528;
-            const int r = c - t * 528;
-            const unsigned char* src = t ? src1 : src0;
-            if (r < 512) {
-                const int row = r >> 3, col = r & 7;
-                const u32 dst = smem_u32(sm.vals + (slot * 2 + t) * TILE_BYTES + row * 128 + ((col ^ (row & 7)) << 4));
-                cp_async16(dst, src + row * 128 + col * 16);
-            } else {
-                const int sc = r - 512;
-                cp_async16(smem_u32(sm.scales + (slot * 2 + t) * 64 + sc * 4), src + TILE_BYTES + sc * 16);
-            }
+// Issues the cp.async copies of ring stage s: local tiles SPT * s .. SPT * s + SPT - 1 of this CTA's n tiles
+// (SPT = NWG * TPW; tile u of a stage is taken by warpgroup u / TPW).
+__device__ __forceinline__ void load_stage(const Params& p, const Smem& sm, int s, int n) {
+    const int lt0 = SPT * s;
+    if (lt0 < n && DIAG != 2) {
+        const int tiles = min(SPT, n - lt0);
+        unsigned char* vals = sm.vals + (s % STAGES) * SPT * TILE_BYTES;
+        float* scales = sm.scales + (s % STAGES) * SPT * 64;
+        for (int c = threadIdx.x; c < tiles * 512; c += NT) {  // values: 16-byte chunk c & 7 of row (c >> 3) & 63
+            const int t = c >> 9, row = (c >> 3) & 63, col = c & 7;
+            const unsigned char* src = p.cache + (long long)sm.blk[lt0 + t] * p.block_stride;
+            cp_async16(smem_u32(vals + t * TILE_BYTES + row * 128 + ((col ^ (row & 7)) << 4)), src + row * 128 + col * 16);
+        }
+        for (int c = threadIdx.x; c < tiles * 16; c += NT) {  // scales: 16 chunks per tile
+            const int t = c >> 4, sc = c & 15;
+            const unsigned char* src = p.cache + (long long)sm.blk[lt0 + t] * p.block_stride;
+            cp_async16(smem_u32(scales + t * 64 + sc * 4), src + TILE_BYTES + sc * 16);
         }
     }
     cp_commit();
 }
 
+// A cell's class in a round: 1 selected, 2 a tie of the final round (kept while tickets last), 0 neither; with
+// hist, the cells in the round's open bin are counted there by the next digit.
+__device__ __forceinline__ int classify(u32 key, int round, u32 d0, u32 d1, u32 d2, u32 full0, u32 full1,
+                                        u32* hist) {
+    const u32 k0 = key >> 21, k1 = (key >> 10) & 2047u, k2 = key & 1023u;
+    if (round == 0) {
+        if (hist) atomicAdd(&hist[k0], 1u);
+        return 0;
+    }
+    if (k0 != d0) return (round == 1 && k0 > d0) ? 1 : 0;
+    if (round == 1) {
+        if (full0) return 1;
+        if (hist) atomicAdd(&hist[k1], 1u);
+        return 0;
+    }
+    if (k1 != d1) return (round == 2 && k1 > d1) ? 1 : 0;
+    if (round == 2) {
+        if (full1) return 1;
+        if (hist) atomicAdd(&hist[k2], 1u);
+        return 0;
+    }
+    return k2 > d2 ? 1 : (k2 == d2 ? 2 : 0);
+}
+
 // ---------------------------------------------------------------- the kernel
 extern "C" __global__ void __launch_bounds__(NT, 1) si_paged_mqa_topk(const Params p) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    const Smem sm = carve(smem_raw, p.B);
+    const Smem sm = carve(smem_raw, p.B, p.capt);
+    MARK(0);
     const int tid = threadIdx.x;
     const int P = gridDim.x, pid = blockIdx.x;
     const int rows = p.B * NEXT_N;
@@ -386,6 +421,17 @@ extern "C" __global__ void __launch_bounds__(NT, 1) si_paged_mqa_topk(const Para
     const int end = (int)((long long)(pid + 1) * total / P);
     const int n = end - start;
     if (n > p.capt) __trap();  // the host sizes capt for the worst case; never taken
+    // The cache block of every local tile (one round of independent loads instead of one per ring stage).
+    for (int lt = tid; lt < n; lt += NT) {
+        const int g = start + lt;
+        int lo = 0, hi = p.B - 1;  // the last request with cum <= g (never an empty one: g < total)
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (sm.cum[mid] <= g) lo = mid;
+            else hi = mid - 1;
+        }
+        sm.blk[lt] = p.bt[(long long)lo * p.stride_bt + (g - sm.cum[lo])];
+    }
 
     // Rows of at most topk cells: 0..len-1, then -1. Longer rows: their workspace row zeroed.
     for (int r = pid; r < rows; r += P) {
@@ -398,11 +444,13 @@ extern "C" __global__ void __launch_bounds__(NT, 1) si_paged_mqa_topk(const Para
         }
     }
 
+    __syncthreads();
+    MARK(1);
+
     // ---- score
     {
-        int lb = 0;
 #pragma unroll
-        for (int s = 0; s < STAGES - 1; ++s) load_stage(p, sm, s, start, n, &lb);
+        for (int s = 0; s < STAGES - 1; ++s) load_stage(p, sm, s, n);
         const int wg = tid >> 7;           // warpgroup
         const int wt = tid & 127;          // thread in the warpgroup
         const int warp = wt >> 5, lane = lane_id();
@@ -412,16 +460,21 @@ extern "C" __global__ void __launch_bounds__(NT, 1) si_paged_mqa_topk(const Para
         float wreg[NEXT_N][H / 4];
         int lims[NEXT_N];
         unsigned char* qb = sm.qbuf + wg * NEXT_N * H * 128;
-        const int stages = (n + 1) / 2;
+        const int stages = (n + SPT - 1) / SPT;
         for (int s = 0; s < stages; ++s) {
             cp_wait<STAGES - 2>();
             fence_async_smem();
             __syncthreads();
-            load_stage(p, sm, s + STAGES - 1, start, n, &lb);
-            const int lt = 2 * s + wg;
-            if (lt < n) {
-                const int g = start + lt;
-                cb = seq_of(sm.cum, g, cb);
+            load_stage(p, sm, s + STAGES - 1, n);
+            const int lt_base = SPT * s + TPW * wg;  // this warpgroup's tiles lt_base .. lt_base + TPW - 1
+            const unsigned char* vals = sm.vals + (s % STAGES) * SPT * TILE_BYTES + TPW * wg * TILE_BYTES;
+            const float* scales = sm.scales + (s % STAGES) * SPT * 64 + TPW * wg * 64;
+            int u0 = 0;
+            while (u0 < TPW && lt_base + u0 < n) {  // runs of the warpgroup's tiles of one request
+                const int g0 = start + lt_base + u0;
+                cb = seq_of(sm.cum, g0, cb);
+                int u1 = u0 + 1;
+                while (u1 < TPW && lt_base + u1 < n && start + lt_base + u1 < sm.cum[cb + 1]) ++u1;
                 if (cb != qseq) {  // this warpgroup's queries and weights of request cb
                     qseq = cb;
                     const uint4* qsrc = (const uint4*)(p.q + (long long)cb * NEXT_N * H * 128);
@@ -442,53 +495,63 @@ extern "C" __global__ void __launch_bounds__(NT, 1) si_paged_mqa_topk(const Para
                     fence_async_smem();
                     asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
                 }
-                const int slot = s % STAGES;
-                const u32 ka = smem_u32(sm.vals + (slot * 2 + wg) * TILE_BYTES);
-                const float* ksc = sm.scales + (slot * 2 + wg) * 64;
-                const int pos0 = (g - sm.cum[cb]) * BLOCK_KEYS;
+                const int tile0 = g0 - sm.cum[cb];  // tile u0's index within request cb
 #pragma unroll
                 for (int j = 0; j < NEXT_N; ++j) {
-                    float d[ACC_N];
+                    float d[TPW][ACC_N];
 #pragma unroll
-                    for (int i = 0; i < ACC_N; ++i) d[i] = 0.f;
-                    wg_fence();
-                    mma_tile(d, ka, smem_u32(qb + j * H * 128));
-                    wg_commit();
-                    wg_wait0();
-                    float s0 = 0.f, s1 = 0.f;
+                    for (int u = 0; u < TPW; ++u)
 #pragma unroll
-                    for (int i = 0; i < ACC_N / 4; ++i) {
-                        s0 += fmaxf(d[4 * i], 0.f) * wreg[j][2 * i] + fmaxf(d[4 * i + 1], 0.f) * wreg[j][2 * i + 1];
-                        s1 += fmaxf(d[4 * i + 2], 0.f) * wreg[j][2 * i] + fmaxf(d[4 * i + 3], 0.f) * wreg[j][2 * i + 1];
+                        for (int i = 0; i < ACC_N; ++i) d[u][i] = 0.f;
+                    if (DIAG != 1) {
+                        wg_fence();
+#pragma unroll
+                        for (int u = 0; u < TPW; ++u)
+                            if (u >= u0 && u < u1) mma_tile(d[u], smem_u32(vals + u * TILE_BYTES), smem_u32(qb + j * H * 128));
+                        wg_commit();
+                        wg_wait0();
                     }
-                    s0 += __shfl_xor_sync(FULL, s0, 1);
-                    s1 += __shfl_xor_sync(FULL, s1, 1);
-                    s0 += __shfl_xor_sync(FULL, s0, 2);
-                    s1 += __shfl_xor_sync(FULL, s1, 2);
-                    if (c < 2) {
-                        const int m = m0 + 8 * c;
-                        const float v = round_cell((c ? s1 : s0) * ksc[m]);
-                        sm.lg[(lt * NEXT_N + j) * 64 + m] = fkey(v);
+#pragma unroll
+                    for (int u = 0; u < TPW; ++u) {
+                        if (u < u0 || u >= u1) continue;
+                        float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+                        for (int i = 0; i < ACC_N / 4; ++i) {
+                            s0 += fmaxf(d[u][4 * i], 0.f) * wreg[j][2 * i] + fmaxf(d[u][4 * i + 1], 0.f) * wreg[j][2 * i + 1];
+                            s1 += fmaxf(d[u][4 * i + 2], 0.f) * wreg[j][2 * i] + fmaxf(d[u][4 * i + 3], 0.f) * wreg[j][2 * i + 1];
+                        }
+                        s0 += __shfl_xor_sync(FULL, s0, 1);
+                        s1 += __shfl_xor_sync(FULL, s1, 1);
+                        s0 += __shfl_xor_sync(FULL, s0, 2);
+                        s1 += __shfl_xor_sync(FULL, s1, 2);
+                        if (c < 2) {
+                            const int m = m0 + 8 * c;
+                            const float v = round_cell((c ? s1 : s0) * scales[u * 64 + m]);
+                            sm.lg[((lt_base + u) * NEXT_N + j) * 64 + m] = fkey(v);
 #if LG_OUT
-                        const int pos = pos0 + m;
-                        if (pos < lims[j]) {
-                            const long long o = (long long)(cb * NEXT_N + j) * p.stride_lg + pos;
+                            const int pos = (tile0 + u - u0) * BLOCK_KEYS + m;
+                            if (pos < lims[j]) {
+                                const long long o = (long long)(cb * NEXT_N + j) * p.stride_lg + pos;
 #if BF16
-                            ((unsigned short*)p.lg)[o] = (unsigned short)(__float_as_uint(v) >> 16);
+                                ((unsigned short*)p.lg)[o] = (unsigned short)(__float_as_uint(v) >> 16);
 #else
-                            ((float*)p.lg)[o] = v;
+                                ((float*)p.lg)[o] = v;
+#endif
+                            }
 #endif
                         }
-#endif
                     }
                 }
-                (void)pos0;
+                (void)tile0;
                 (void)lims;
+                u0 = u1;
             }
         }
         cp_wait<0>();
     }
+    MARK(2);
     grid_barrier(p.bar);
+    MARK(3);
 
     // ---- rounds 0-3 over this CTA's row pieces
     const int b_first = total > 0 && n > 0 ? seq_of(sm.cum, start, 0) : p.B;
@@ -527,39 +590,59 @@ extern "C" __global__ void __launch_bounds__(NT, 1) si_paged_mqa_topk(const Para
                         d2 = sm.res[0];
                         need -= sm.res[1];
                     }
-                    // (cells per thread: a whole number of warps' passes, so every lane reaches emit together)
-                    const int iters = (cells + NT - 1) / NT;
-                    for (int it = 0; it < iters; ++it) {
-                        const int i = it * NT + tid;
+                    // Pass A: this thread's cells (4 consecutive keys per 16-byte load): the histogram of the
+                    // round's digit, and counts of the cells it selects and of the final round's ties.
+                    const int groups = cells / 4;
+                    u32 na = 0, nt = 0;
+                    for (int gi = tid; gi < groups; gi += NT) {
+                        const int i = gi * 4;
                         const int tile = la + i / BLOCK_KEYS, m = i % BLOCK_KEYS;
                         const int pos = (t0 + i / BLOCK_KEYS) * BLOCK_KEYS + m;
-                        const bool valid = i < cells && pos < lim;
-                        const u32 key = valid ? sm.lg[(tile * NEXT_N + j) * 64 + m] : 0u;
-                        const u32 k0 = key >> 21, k1 = (key >> 10) & 2047u, k2 = key & 1023u;
-                        bool sel = false;
-                        if (round == 0) {
-                            if (valid) atomicAdd(&sm.hist[k0], 1u);
-                        } else if (round == 1) {
-                            sel = valid && (k0 > d0 || (k0 == d0 && full0));
-                            if (valid && k0 == d0 && !full0) atomicAdd(&sm.hist[k1], 1u);
-                        } else if (round == 2) {
-                            const bool in0 = valid && k0 == d0;
-                            sel = in0 && (k1 > d1 || (k1 == d1 && full1));
-                            if (in0 && k1 == d1 && !full1) atomicAdd(&sm.hist[k2], 1u);
-                        } else {
-                            const bool in1 = valid && k0 == d0 && k1 == d1;
-                            sel = in1 && k2 > d2;
-                            const bool tie = in1 && k2 == d2;
-                            const u32 tm = __ballot_sync(FULL, tie);
-                            if (tm) {
-                                const int leader = __ffs(tm) - 1;
-                                int base = 0;
-                                if ((int)lane_id() == leader) base = atomicAdd(wr + WS_TIE, __popc(tm));
-                                base = __shfl_sync(FULL, base, leader);
-                                if (tie && (u32)(base + __popc(tm & ((1u << lane_id()) - 1u))) < need) sel = true;
+                        const uint4 kv = *(const uint4*)(sm.lg + (tile * NEXT_N + j) * 64 + m);
+                        const u32 keys[4] = {kv.x, kv.y, kv.z, kv.w};
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            if (pos + e >= lim) break;
+                            const int c = classify(keys[e], round, d0, d1, d2, full0, full1, sm.hist);
+                            na += c == 1;
+                            nt += c == 2;
+                        }
+                    }
+                    // One block scan of both counts (each below 2^16: a CTA holds fewer than 65536 cells).
+                    int tot;
+                    const int pre = block_scan((int)((na << 16) | nt), sm.wsum, &tot);
+                    const u32 na_tot = (u32)tot >> 16, nt_tot = (u32)tot & 0xffffu;
+                    if (na_tot + nt_tot) {
+                        if (tid == 0) {
+                            const u32 tie0 = nt_tot ? (u32)atomicAdd(wr + WS_TIE, (int)nt_tot) : 0u;
+                            const u32 taken = tie0 >= need ? 0u : min(nt_tot, need - tie0);
+                            sm.res[0] = (u32)atomicAdd(wr + WS_SEL, (int)(na_tot + taken));
+                            sm.res[1] = tie0;
+                        }
+                        __syncthreads();
+                        // Pass B: the selected cells' positions, at slots claimed above for the whole CTA.
+                        const u32 base = sm.res[0], tie0 = sm.res[1];
+                        u32 ia = base + ((u32)pre >> 16), it_ = (u32)pre & 0xffffu;
+                        for (int gi = tid; gi < groups && (na || nt); gi += NT) {
+                            const int i = gi * 4;
+                            const int tile = la + i / BLOCK_KEYS, m = i % BLOCK_KEYS;
+                            const int pos = (t0 + i / BLOCK_KEYS) * BLOCK_KEYS + m;
+                            const uint4 kv = *(const uint4*)(sm.lg + (tile * NEXT_N + j) * 64 + m);
+                            const u32 keys[4] = {kv.x, kv.y, kv.z, kv.w};
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                if (pos + e >= lim) break;
+                                const int c = classify(keys[e], round, d0, d1, d2, full0, full1, nullptr);
+                                if (c == 1) {
+                                    orow[ia++] = pos + e;
+                                    --na;
+                                } else if (c == 2) {
+                                    if (tie0 + it_ < need) orow[base + na_tot + it_] = pos + e;
+                                    ++it_;
+                                    --nt;
+                                }
                             }
                         }
-                        emit(sel, pos, orow, wr + WS_SEL);
                     }
                     if (round == 0) flush_hist<2048>(sm.hist, wr + WS_H0);
                     else if (round == 1 && !full0) flush_hist<2048>(sm.hist, wr + WS_H1);
@@ -568,6 +651,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) si_paged_mqa_topk(const Para
                 }
             }
         }
-        if (round < 3) grid_barrier(p.bar);
+        if (round < 3) {
+            MARK(4 + round);
+            grid_barrier(p.bar);
+        }
     }
+    MARK(7);
 }
