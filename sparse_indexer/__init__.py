@@ -19,7 +19,9 @@ from .metadata import (
     plan_prefill_chunks,
 )
 from .ops.fp8_mqa_logits import fp8_mqa_logits
+from .ops.fp8_mqa_topk import fp8_mqa_topk
 from .ops.fp8_paged_mqa_logits import fp8_paged_mqa_logits, row_limits
+from .ops.fp8_paged_mqa_topk import fp8_paged_mqa_topk
 from .ops.gather_k_cache import gather_k_cache
 from .ops.select_candidate_blocks import select_candidate_blocks
 from .ops.top_k_per_row import top_k_per_row
@@ -35,5 +37,5 @@ __all__ = [
     "allocate", "available", "cache_layout", "cache_views", "fn_to_fnuz", "fp8_max", "fp8_mqa_logits",
     "fp8_paged_mqa_logits", "gather_k_cache", "new_kv_cache", "plan", "quant_max", "quantize_k", "quantize_q",
     "row_limits", "slots_from_block_table", "compressed_slot_mapping", "top_k_per_row", "write_k_cache",
-    "select_candidate_blocks",
+    "select_candidate_blocks", "fp8_mqa_topk", "fp8_paged_mqa_topk",
 ]

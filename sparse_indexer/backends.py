@@ -13,7 +13,10 @@ and the signature of ``reference.py`` (arguments already checked by the public f
 place; raise :class:`NotImplementedError` before writing anything for a case it does not handle, and ``auto``
 tries the next backend), then add one :class:`Backend` entry to :data:`_BUILTIN` (or, outside this package,
 call :func:`register`). A top-k that needs global scratch takes ``workspace=`` and declares its width per row
-with ``topk_workspace=`` in its entry; the plan then holds it (nothing in ``buffers/`` changes).
+with ``topk_workspace=`` in its entry; the plan then holds it (nothing in ``buffers/`` changes). An
+implementation of a fused op (``fp8_paged_mqa_topk``, ``fp8_mqa_topk``: scoring and selection in one call) that is
+one kernel sets ``FUSED = True`` in its module: ``auto`` tries only those for these ops and otherwise composes the
+scoring op and the top-k, each through its own ``auto`` (:data:`sparse_indexer._runtime.dispatch.COMPOSITIONS`).
 Check it with :mod:`sparse_indexer.testing` and ``SPARSE_INDEXER_TEST_BACKENDS=foo``.
 
 The table is process-wide state by design (as a dispatch table is): :func:`register` and :func:`unregister`
@@ -35,8 +38,8 @@ __all__ = ["OPS", "Backend", "auto_order", "generation", "get", "names", "regist
            "unregister"]
 
 OPS = ("write_k_cache", "gather_k_cache", "fp8_mqa_logits", "fp8_paged_mqa_logits", "top_k_per_row",
-       "select_candidate_blocks")
-"""Every op, in the order of a step."""
+       "fp8_mqa_topk", "fp8_paged_mqa_topk", "select_candidate_blocks")
+"""Every op, in the order of a step (the fused ops, scoring and selection in one call, after the two they fuse)."""
 
 ANY_DEVICE = "*"
 
@@ -146,8 +149,9 @@ _BUILTIN = (
             where="NVIDIA (Hopper tested on an H200) and AMD GPUs; the CPU under `TRITON_INTERPRET=1`"),
     Backend("aiter", _aiter_reason, auto=("cuda",), rank=0,
             where="ROCm GPUs with AMD's aiter installed"),
-    Backend("cuda", _cuda_reason, auto=("cuda",), rank=10, ops=("top_k_per_row", "select_candidate_blocks"),
-            where="NVIDIA GPUs (sm_80+), `top_k_per_row` and `select_candidate_blocks` only"),
+    Backend("cuda", _cuda_reason, auto=("cuda",), rank=10,
+            ops=("top_k_per_row", "fp8_paged_mqa_topk", "select_candidate_blocks"),
+            where="NVIDIA GPUs (sm_80+; the fused `fp8_paged_mqa_topk` on Hopper, sm_90), the top-k ops only"),
     Backend("gluon", _gluon_reason, auto=("cuda",), rank=15, ops=("fp8_mqa_logits", "fp8_paged_mqa_logits"),
             where="NVIDIA Hopper (sm_90), the logits ops only"),
 )

@@ -14,18 +14,34 @@ of the ``topk``-th largest.
 
 Logits: inside the windows, the relative L2 error against the expected values (float64 or the reference
 backend's); with ``clean``, the ``-inf`` mask (cells outside the windows) must match exactly.
+
+Fused ops (``fp8_paged_mqa_topk``, ``fp8_mqa_topk``; docs/spec.md §6b): the selection must be exact for the logits
+the op returned (the top-k check above with ``rtol = 0`` on them), and those logits, inside the windows, within
+:data:`FUSED_LOGITS_RTOL_L2` relative L2 of the reference composition's (:data:`FUSED_LOGITS_RTOL_L2_BF16` for
+bfloat16 logits; non-finite scores equal), so a kernel
+cannot select well on wrong scores nor return right scores beside a wrong selection.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["ADVERSARIAL_DISTRIBUTIONS", "LOGITS_RTOL_L2", "TOPK_DISTRIBUTIONS", "assert_candidates", "assert_logits",
-           "assert_topk", "block_scores", "candidate_errors", "capture_cuda_graph", "eligible", "logits_error",
-           "rank_key", "top_values", "topk_errors", "topk_values"]
+__all__ = ["ADVERSARIAL_DISTRIBUTIONS", "FUSED_LOGITS_RTOL_L2", "FUSED_LOGITS_RTOL_L2_BF16", "LOGITS_RTOL_L2",
+           "TOPK_DISTRIBUTIONS",
+           "assert_candidates", "assert_fused_topk", "assert_logits", "assert_topk", "block_scores",
+           "candidate_errors", "capture_cuda_graph", "eligible", "fused_topk_errors", "logits_error",
+           "paged_inputs_for_scores", "paged_windows", "ragged_inputs_for_scores", "rank_key", "top_values",
+           "topk_errors", "topk_values"]
 
 LOGITS_RTOL_L2 = 1e-5
 """Relative L2 error allowed inside the windows against float64 (FP8 products exact in float32, float32 sums)."""
+FUSED_LOGITS_RTOL_L2 = 2e-4
+"""Relative L2 error allowed inside the windows between the float32 logits a fused op returned and the reference
+composition's (tensor-core sums against float32 sums of another order)."""
+FUSED_LOGITS_RTOL_L2_BF16 = 2e-3
+"""The same for bfloat16 logits: each is rounded once from a float32 score about ``1e-4`` from the reference's, so
+near a rounding boundary the two land one bfloat16 step (``2**-8`` relative) apart (measured on an H200: about
+``7e-4``)."""
 NEG_INF = float("-inf")
 
 TOPK_DISTRIBUTIONS = ("gaussian", "logits", "ints0-3", "all-equal", "heavy", "sorted", "95%-inf", "nan+inf")
@@ -224,6 +240,139 @@ def assert_topk(sel: torch.Tensor, logits, starts=None, ends=None, *, rtol: floa
                                        limit=1)
     else:
         errors = topk_errors(sel, logits, starts, ends, rtol=rtol, threshold=threshold, limit=1)
+    if errors:
+        raise AssertionError(errors[0])
+
+
+# ---------------------------------------------------------------- fused ops (docs/spec.md §6b)
+def paged_windows(context_lens: torch.Tensor, next_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(starts, ends)`` int64 ``[B * next_n]`` of the decode rows' windows ``[0, limit[r])`` (docs/spec.md §5:
+    :func:`sparse_indexer.row_limits`), on ``context_lens``'s device."""
+    from .ops.fp8_paged_mqa_logits import row_limits
+
+    ends = row_limits(context_lens, next_n)
+    return torch.zeros_like(ends), ends
+
+
+def paged_inputs_for_scores(values: torch.Tensor, lens=None, *, next_n: int = 1, heads: int = 64,
+                            head_dim: int = 128, block_size: int = 64, generator: torch.Generator | None = None):
+    """Decode inputs ``(q, kv_cache, weights, context_lens, block_table)`` whose §5 scores are exactly ``values``:
+    row ``b * next_n + j`` scores request ``b``'s key ``p`` as ``values[b, p]`` (``values [B, L]`` float32, any
+    finite or non-finite values, on the device the inputs are made on). ``lens`` (``[B]`` ints, default ``L``):
+    each request's context length, so row ``r``'s window is ``[0, limit[r])`` of :func:`paged_windows`.
+
+    So a fused op can be fed any value distribution (:func:`topk_values`) through its scoring: key ``p`` holds
+    ``sign(values[b, p])`` in its first dimension (0 elsewhere) and ``|values[b, p]|`` as its scale; query heads 0
+    and 1 hold ``+1`` and ``-1`` there with weights ``+1`` and ``-1`` (the other heads 0), so the head sum is the
+    key's sign, exactly, and the scale multiplies it after the sum (docs/spec.md §5). The cache's blocks are a
+    random permutation (``generator``, on the values' device)."""
+    from .kcache import cache_views, new_kv_cache
+
+    dev = values.device
+    b, length = values.shape
+    fp8 = torch.float8_e4m3fn
+    per = -(-length // block_size)
+    nb = max(1, b * per)
+    kv = new_kv_cache(nb, block_size, head_dim, device=dev)
+    vals, scales = cache_views(kv, torch.uint8)  # (the value bytes: index_put of FP8 is not on every device)
+    perm = torch.randperm(nb, device=dev, generator=generator)
+    bt = perm[: b * per].view(b, per).to(torch.int32)
+    pos = torch.arange(length, device=dev)
+    blk = bt.long()[:, pos // block_size]  # [B, L]
+    off = (pos % block_size).expand(b, length)
+    v = values.float()
+    vals[blk, off, 0] = torch.where(v < 0, -1.0, 1.0).to(fp8).view(torch.uint8)  # the other dimensions stay 0
+    scales[blk, off] = v.abs()
+    q = torch.zeros(b, next_n, heads, head_dim, device=dev)
+    q[:, :, 0, 0] = 1.0
+    q[:, :, 1, 0] = -1.0
+    w = torch.zeros(b * next_n, heads, device=dev)
+    w[:, 0] = 1.0
+    w[:, 1] = -1.0
+    cl = torch.full((b,), length, dtype=torch.int32, device=dev) if lens is None else torch.as_tensor(
+        lens, dtype=torch.int32).to(dev)
+    return q.to(fp8), kv, w, cl, bt
+
+
+def ragged_inputs_for_scores(values: torch.Tensor, rows: int, *, heads: int = 64, head_dim: int = 128):
+    """Prefill inputs ``(q [rows, H, D], k_fp8 [N, D], k_scale [N], weights [rows, H])`` whose §5 ragged scores are
+    exactly ``values [N]`` (float32) for every query row, built as :func:`paged_inputs_for_scores` builds its keys
+    and queries (so each row's window ``[ks, ke)`` selects from ``values[ks:ke]``)."""
+    dev = values.device
+    fp8 = torch.float8_e4m3fn
+    v = values.float()
+    k = torch.zeros(v.shape[0], head_dim, device=dev)
+    k[:, 0] = torch.where(v < 0, -1.0, 1.0)
+    q = torch.zeros(rows, heads, head_dim, device=dev)
+    q[:, 0, 0] = 1.0
+    q[:, 1, 0] = -1.0
+    w = torch.zeros(rows, heads, device=dev)
+    w[:, 0] = 1.0
+    w[:, 1] = -1.0
+    return q.to(fp8), k.to(fp8), v.abs(), w
+
+
+def _score_errors(actual: torch.Tensor, expected: torch.Tensor, starts, ends, rtol_l2: float) -> str | None:
+    """Why ``actual``'s in-window cells (``[R, W]``, any float dtype) are not ``expected``'s (same shape): a
+    non-finite expected score not matched exactly (the same infinity, or NaN), or a relative L2 error of the
+    finite ones of ``rtol_l2`` or more; ``None`` when they match."""
+    if actual.shape != expected.shape:
+        return f"logits: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}"
+    a = actual.detach().cpu().double()
+    e = expected.detach().cpu().double()
+    s = torch.as_tensor(starts).cpu().long()[:, None]
+    t = torch.as_tensor(ends).cpu().long()[:, None]
+    cols = torch.arange(a.shape[1])[None, :]
+    inside = (cols >= s) & (cols < t)
+    fin = inside & torch.isfinite(e)
+    other = inside & ~torch.isfinite(e)
+    same = (a == e) | (torch.isnan(a) & torch.isnan(e))
+    bad = other & ~same
+    if bool(bad.any()):
+        r, c = (int(i) for i in bad.nonzero()[0])
+        return (f"logits: {int(bad.sum())} non-finite scores differ inside the windows, first at [{r}, {c}]: "
+                f"got {float(a[r, c])!r}, want {float(e[r, c])!r}")
+    if not bool(fin.any()):
+        return None
+    ai, ei = torch.where(fin, a, 0.0), torch.where(fin, e, 0.0)
+    if not bool(torch.isfinite(ai).all()):
+        r, c = (int(i) for i in (~torch.isfinite(ai)).nonzero()[0])
+        return (f"logits: a non-finite score inside the windows at [{r}, {c}]: {float(a[r, c])!r}, want "
+                f"{float(e[r, c])!r}")
+    diff = (ai - ei).abs()
+    err = float(diff.norm()) / max(float(ei.norm()), 1e-300)
+    if err >= rtol_l2 and float(diff.max()) > 0:
+        r, c = (int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
+        return (f"logits: relative L2 error {err:.3e} >= {rtol_l2:.0e} inside the windows; worst at [{r}, {c}]: "
+                f"got {float(a[r, c])!r}, want {float(e[r, c])!r}")
+    return None
+
+
+def fused_topk_errors(sel: torch.Tensor, logits: torch.Tensor, starts, ends, *, expected: torch.Tensor | None = None,
+                      rtol_l2: float | None = None, limit: int | None = None) -> list[str]:
+    """What is wrong with the result of a fused op (docs/spec.md §6b): ``sel [R, topk]`` (int32) and the
+    ``logits [R, W]`` it returned, row ``r``'s window ``[starts[r], ends[r])`` (decode rows:
+    :func:`paged_windows`). ``sel`` must be exactly the top-k (docs/spec.md §6) of ``logits`` (:func:`topk_errors`
+    with ``rtol = 0``: short windows ``0, ..., len - 1, -1, ...``, long ones the multiset of the window's ``topk``
+    largest); with ``expected`` (the reference composition's logits, same shape), the in-window cells of
+    ``logits`` within ``rtol_l2`` relative L2 of it (default :data:`FUSED_LOGITS_RTOL_L2`, for bfloat16 logits
+    :data:`FUSED_LOGITS_RTOL_L2_BF16`) and its non-finite scores matched exactly. ``[]`` when right; at most
+    ``limit`` messages."""
+    errors = topk_errors(sel, logits, starts, ends, limit=limit)
+    if rtol_l2 is None:
+        rtol_l2 = FUSED_LOGITS_RTOL_L2_BF16 if logits.dtype == torch.bfloat16 else FUSED_LOGITS_RTOL_L2
+    if expected is not None and (limit is None or len(errors) < limit):
+        why = _score_errors(logits, expected, starts, ends, rtol_l2)
+        if why is not None:
+            errors.append(why)
+    return errors
+
+
+def assert_fused_topk(sel: torch.Tensor, logits: torch.Tensor, starts, ends, *, expected: torch.Tensor | None = None,
+                      rtol_l2: float | None = None) -> None:
+    """Raise ``AssertionError`` with the first message of :func:`fused_topk_errors`."""
+    assert sel.dtype == torch.int32, f"top-k output must be int32, got {sel.dtype}"
+    errors = fused_topk_errors(sel, logits, starts, ends, expected=expected, rtol_l2=rtol_l2, limit=1)
     if errors:
         raise AssertionError(errors[0])
 

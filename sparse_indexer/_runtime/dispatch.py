@@ -15,6 +15,14 @@ requested backend always runs. Its answer is remembered for later calls of a lay
 proven (:func:`sparse_indexer._runtime.library.run_direct`'s ``memo``), so it may read nothing but the tensors' dtypes,
 shapes and strides and constants (a threshold changed at run time reaches a proven layout only after the
 routes are resolved again: ``_dispatch._resolved.clear()`` and ``_dispatch._routes.cache_clear()``).
+
+The fused ops (scoring and selection in one call: ``fp8_paged_mqa_topk``, ``fp8_mqa_topk``) have a
+*composition* (:data:`COMPOSITIONS`, set by the op's public module): under ``auto`` only their fused
+implementations (those whose module sets ``FUSED = True``) are tried, in ``auto`` order, and the composition,
+which runs the scoring op and the top-k each through its own ``auto``, takes every call they leave (a fused
+implementation that does not import, or raises :class:`NotImplementedError`, or whose ``auto_when`` is false). An
+explicitly named backend runs its own implementation of the op (the reference, Triton and aiter ones compose that
+backend's kernels).
 """
 
 from __future__ import annotations
@@ -31,8 +39,8 @@ from .. import backends as _registry
 from ..backends import OPS
 from .triton_compat import interpreting
 
-__all__ = ["BACKENDS", "OPS", "BackendUnavailable", "available", "call", "candidates", "chosen", "first", "invoke",
-           "invoke_at", "routes", "unavailable_reason"]
+__all__ = ["BACKENDS", "COMPOSED", "COMPOSITIONS", "OPS", "BackendUnavailable", "available", "call", "candidates",
+           "chosen", "compose", "first", "fused", "invoke", "invoke_at", "routes", "unavailable_reason"]
 
 BACKENDS = _registry.BUILTIN
 """The built-in backends (``sparse_indexer.BACKENDS``); :func:`sparse_indexer.backends.names` adds registered ones."""
@@ -88,6 +96,35 @@ def _implementation(op: str, backend: str, generation: int) -> Callable:
 
 OPTIONAL_SCRATCH = ("qk", "workspace")
 """Keyword arguments that only some backends take (scratch views); the others never see them."""
+OPTIONAL_KWARGS = (*OPTIONAL_SCRATCH, "logits_dtype")
+"""Every keyword argument an implementation may leave out of its signature (then it never sees it): the scratch
+views and the fused ops' ``logits_dtype`` (the dtype of the scores a selection runs on when no ``logits`` is
+given)."""
+
+COMPOSITIONS: dict[str, Callable] = {}
+"""``op -> composition`` of the fused ops (see the module docstring): a function of the op's implementation
+signature that runs the scoring op and the top-k through their own ``auto``; set with :func:`compose`."""
+COMPOSED = "composed"
+"""The name of a composition's route (what :func:`chosen` names when ``auto`` composes)."""
+
+
+def compose(op: str, fn: Callable) -> None:
+    """Make ``fn`` the composition of ``op`` (see the module docstring); the resolved routes are resolved again."""
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}")
+    COMPOSITIONS[op] = fn
+    _resolved.clear()
+    _routes.cache_clear()
+
+
+def fused(op: str, backend: str) -> bool:
+    """Whether ``backend``'s implementation module of ``op`` sets ``FUSED = True`` (``False`` when it does not
+    import)."""
+    try:
+        module = importlib.import_module(_registry.get(backend).module_of(op))
+    except Exception:  # noqa: BLE001 - a module that does not import has no fused implementation
+        return False
+    return getattr(module, "FUSED", False) is True
 
 
 @functools.cache
@@ -117,14 +154,20 @@ def _routes(op: str, backend: str | None, device_type: str, interpret: bool | No
     monkeypatch, is never served from an entry made with the original) and the registry's generation. Raises
     what :func:`candidates` raises (not cached)."""
     routes = []
+    composition = COMPOSITIONS.get(op) if backend is None or backend == "auto" else None
     for name in candidates(op, backend, torch.device(device_type)):
+        if composition is not None and not fused(op, name):
+            continue  # auto of a fused op: its fused implementations only, then the composition
         try:
             fn = impl(op, name)
         except (ImportError, AttributeError) as e:
             routes.append(_Route(name, None, e, frozenset()))
             continue
-        drop = frozenset(k for k in OPTIONAL_SCRATCH if k not in _params(fn))
+        drop = frozenset(k for k in OPTIONAL_KWARGS if k not in _params(fn))
         routes.append(_Route(name, fn, None, drop, getattr(fn, "auto_when", None)))
+    if composition is not None:
+        routes.append(_Route(COMPOSED, composition, None,
+                             frozenset(k for k in OPTIONAL_KWARGS if k not in _params(composition))))
     return tuple(routes)
 
 

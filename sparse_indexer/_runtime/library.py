@@ -22,6 +22,17 @@ op                         schema (after ``sparse_indexer::``)                  
                            ``top_k_per_row_with_workspace`` adds ``workspace!`` (the split-   (and
                            row top-k's global scratch), ``top_k_per_row_with_candidates``     ``workspace``)
                            ``candidates, int candidate_block_size`` (read only)
+``fp8_mqa_topk``            ``(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out!,   ``out`` (and
+                           ScalarType? logits_dtype=None, *, str backend)``;                  ``logits``)
+                           ``fp8_mqa_topk_with_logits``: ``(..., out!, str backend,
+                           logits!)`` (the caller's scores scratch)
+``fp8_paged_mqa_topk``      ``(q, kv_cache, weights, context_lens, block_table, out!,          ``out`` (and
+                           ScalarType? logits_dtype=None, *, str backend)``;                  ``logits``,
+                           ``fp8_paged_mqa_topk_with_logits``: ``(..., out!, str backend,     ``workspace``)
+                           logits!)``; ``fp8_paged_mqa_topk_with_workspace``: ``(..., out!,
+                           ScalarType? logits_dtype, str backend, workspace!)`` (the fused
+                           kernels' scratch); ``fp8_paged_mqa_topk_with_logits_workspace``:
+                           ``(..., out!, str backend, logits!, workspace!)``
 ``select_candidate_blocks`` ``(logits, row_starts, row_ends, out!, int block_size, *, str      ``out`` (and
                            backend)``; ``select_candidate_blocks_with_workspace``: ``(...,    ``workspace``)
                            out!, int block_size, str backend, workspace!)`` (block scores)
@@ -181,6 +192,60 @@ def _select_candidate_blocks_with_workspace(logits: Tensor, row_starts: Tensor, 
          block_size=block_size, workspace=workspace)
 
 
+def _dtype_extra(logits_dtype: Optional[torch.dtype]) -> dict:
+    """``logits_dtype`` as the fused ops' keyword argument, only when set (the backends' default: float32)."""
+    return {} if logits_dtype is None else {"logits_dtype": logits_dtype}
+
+
+# The fused ops (scoring and selection in one call). The caller's logits (the scores scratch of composing
+# backends; written by fused kernels only when given) and the fused kernels' workspace are mutated arguments that
+# a call may leave out: one op per combination, for the reason above.
+@torch.library.custom_op(f"{NAMESPACE}::fp8_mqa_topk", mutates_args=("out",))
+def _fp8_mqa_topk(q: Tensor, k_fp8: Tensor, k_scale: Tensor, weights: Tensor, cu_seqlen_ks: Tensor,
+                  cu_seqlen_ke: Tensor, out: Tensor, logits_dtype: Optional[torch.dtype] = None, *,
+                  backend: str) -> None:
+    _run("fp8_mqa_topk", backend, q.device, q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out=out,
+         **_dtype_extra(logits_dtype))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fp8_mqa_topk_with_logits", mutates_args=("out", "logits"))
+def _fp8_mqa_topk_with_logits(q: Tensor, k_fp8: Tensor, k_scale: Tensor, weights: Tensor, cu_seqlen_ks: Tensor,
+                              cu_seqlen_ke: Tensor, out: Tensor, backend: str, logits: Tensor) -> None:
+    _run("fp8_mqa_topk", backend, q.device, q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out=out,
+         logits=logits)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fp8_paged_mqa_topk", mutates_args=("out",))
+def _fp8_paged_mqa_topk(q: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor, block_table: Tensor,
+                        out: Tensor, logits_dtype: Optional[torch.dtype] = None, *, backend: str) -> None:
+    _run("fp8_paged_mqa_topk", backend, q.device, q, kv_cache, weights, context_lens, block_table, out=out,
+         **_dtype_extra(logits_dtype))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fp8_paged_mqa_topk_with_logits", mutates_args=("out", "logits"))
+def _fp8_paged_mqa_topk_with_logits(q: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor,
+                                    block_table: Tensor, out: Tensor, backend: str, logits: Tensor) -> None:
+    _run("fp8_paged_mqa_topk", backend, q.device, q, kv_cache, weights, context_lens, block_table, out=out,
+         logits=logits)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fp8_paged_mqa_topk_with_workspace", mutates_args=("out", "workspace"))
+def _fp8_paged_mqa_topk_with_workspace(q: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor,
+                                       block_table: Tensor, out: Tensor, logits_dtype: Optional[torch.dtype],
+                                       backend: str, workspace: Tensor) -> None:
+    _run("fp8_paged_mqa_topk", backend, q.device, q, kv_cache, weights, context_lens, block_table, out=out,
+         workspace=workspace, **_dtype_extra(logits_dtype))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fp8_paged_mqa_topk_with_logits_workspace",
+                         mutates_args=("out", "logits", "workspace"))
+def _fp8_paged_mqa_topk_with_logits_workspace(q: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor,
+                                              block_table: Tensor, out: Tensor, backend: str, logits: Tensor,
+                                              workspace: Tensor) -> None:
+    _run("fp8_paged_mqa_topk", backend, q.device, q, kv_cache, weights, context_lens, block_table, out=out,
+         logits=logits, workspace=workspace)
+
+
 _DEFS = {
     "write_k_cache": _write_k_cache,
     "gather_k_cache": _gather_k_cache,
@@ -190,6 +255,12 @@ _DEFS = {
     "top_k_per_row": _top_k_per_row,
     "top_k_per_row_with_workspace": _top_k_per_row_with_workspace,
     "top_k_per_row_with_candidates": _top_k_per_row_with_candidates,
+    "fp8_mqa_topk": _fp8_mqa_topk,
+    "fp8_mqa_topk_with_logits": _fp8_mqa_topk_with_logits,
+    "fp8_paged_mqa_topk": _fp8_paged_mqa_topk,
+    "fp8_paged_mqa_topk_with_logits": _fp8_paged_mqa_topk_with_logits,
+    "fp8_paged_mqa_topk_with_workspace": _fp8_paged_mqa_topk_with_workspace,
+    "fp8_paged_mqa_topk_with_logits_workspace": _fp8_paged_mqa_topk_with_logits_workspace,
     "select_candidate_blocks": _select_candidate_blocks,
     "select_candidate_blocks_with_workspace": _select_candidate_blocks_with_workspace,
 }
@@ -275,7 +346,10 @@ _RECORD_NAMES = {name: f"{NAMESPACE}::{name}" for name in OPS}
 # the keyword arguments each op writes (write_k_cache writes its positional kv_cache), as in mutates_args
 _WRITES = {"write_k_cache": (), "gather_k_cache": ("out_k", "out_scale"), "fp8_mqa_logits": ("out",),
            "fp8_paged_mqa_logits": ("out", "qk"), "top_k_per_row": ("out", "workspace"),
+           "fp8_mqa_topk": ("out", "logits"), "fp8_paged_mqa_topk": ("out", "logits", "workspace"),
            "select_candidate_blocks": ("out", "workspace")}
+_MUTATED_OPTIONAL = ("logits", *_dispatch.OPTIONAL_SCRATCH)
+"""The optional mutated keyword arguments, in the order the op variants name them (``<op>_with_<a>_<b>``)."""
 _inference_mode = torch.is_inference_mode_enabled
 _bump = torch._C._increment_version
 _routes = _dispatch.routes
@@ -351,10 +425,12 @@ def call(name: str, backend: str | None, device: torch.device, *args, **kwargs) 
                 f"backend {backend!r} cannot run {name} under torch.func transforms; only 'reference' can")
         _dispatch.call(name, "reference", device, *args, **kwargs)
         return
-    scratch = [k for k in _dispatch.OPTIONAL_SCRATCH if kwargs.get(k) is not None]
+    scratch = [k for k in _MUTATED_OPTIONAL if kwargs.get(k) is not None]
     target = f"{name}_with_{'_'.join(scratch)}" if scratch else name  # the op variant that mutates the scratch
     if kwargs.get("candidates") is not None:  # (never with a workspace: the candidate top-k needs none)
         target = "top_k_per_row_with_candidates"
     if target == "fp8_paged_mqa_logits_with_qk":  # (required arguments there: a mutated qk must follow them)
         kwargs.setdefault("indices", None)
+    elif target == "fp8_paged_mqa_topk_with_workspace":  # (the same)
+        kwargs.setdefault("logits_dtype", None)
     getattr(getattr(torch.ops, NAMESPACE), target)(*args, **kwargs, backend="auto" if backend is None else backend)

@@ -11,6 +11,9 @@ inputs:
   (1-D and 2-D context lengths, ``next_n`` 1 to 4, ``clean`` on and off);
 - ``top_k_per_row``: docs/spec.md §6 on the same logits (short rows exact, long rows by the multiset of selected
   values; with and without the split-row workspace; ties, ``-inf`` and NaN);
+- ``fp8_mqa_topk`` and ``fp8_paged_mqa_topk`` (§6b): the selection exact on the scores the op returned and those
+  within the logits tolerance of the reference's (float32 and bfloat16 scores, the prefill rows in blocks of a
+  smaller scratch, the decode op without logits judged on the reference's scores);
 - ``step``: mixed steps of ``sparse_attn_indexer`` end to end (packed and uniform decode, prefill chunks split
   along queries, padding rows; DeepSeek-V4's compressed cache of one key per 4 tokens with ``topk`` 512 and
   1024), the cache bytes against the reference and every selected key's float64 score against the true top-k.
@@ -40,14 +43,23 @@ from ..indexer import sparse_attn_indexer
 from ..kcache import cache_views, compressed_slot_mapping, new_kv_cache, slots_from_block_table
 from ..metadata import build_metadata
 from ..ops.fp8_mqa_logits import fp8_mqa_logits
+from ..ops.fp8_mqa_topk import fp8_mqa_topk
 from ..ops.fp8_paged_mqa_logits import fp8_paged_mqa_logits, row_limits
+from ..ops.fp8_paged_mqa_topk import fp8_paged_mqa_topk
 from ..ops.gather_k_cache import gather_k_cache
 from ..ops.select_candidate_blocks import select_candidate_blocks
 from ..ops.top_k_per_row import top_k_per_row
 from ..ops.top_k_per_row.workspace import COUNTERS as TOPK_SCRATCH_COUNTERS
 from ..ops.top_k_per_row.workspace import topk_scratch_cap
 from ..ops.write_k_cache import write_k_cache
-from ..testing import candidate_errors, candidate_topk_errors, logits_error, topk_errors
+from ..testing import (
+    FUSED_LOGITS_RTOL_L2_BF16,
+    candidate_errors,
+    candidate_topk_errors,
+    fused_topk_errors,
+    logits_error,
+    topk_errors,
+)
 from .cli import UsageError, require_backend, resolve_device, run_command, use_triton_interpreter
 
 __all__ = ["CHECKS", "add_arguments", "run", "main"]
@@ -301,8 +313,10 @@ def case_ragged(ctx: Ctx, h: int, d: int, clean: bool) -> tuple[str, str, bool]:
     return _logits_verdict(ctx, *logits_error(out, want, inside, clean=clean))
 
 
-def case_paged(ctx: Ctx, next_n: int, two_d: bool, h: int = 64, d: int = 128, bs: int = 64) -> tuple[str, str, bool]:
-    g = ctx.gen(300 + next_n * 2 + two_d + h + bs)
+def _paged_inputs(ctx: Ctx, g: torch.Generator, next_n: int, two_d: bool, h: int, d: int, bs: int):
+    """Decode inputs of the paged cases: ``(q8 [B, next_n, H, D], weights, context_lens, block_table, the
+    reference's cache, the backend's cache, row limits)`` for the requests of ``sizes.paged_ctx`` (1-D lengths,
+    or with ``two_d`` per-token lengths of requests with fewer new tokens, padding slots 0)."""
     lens = [max(n, next_n) if n else 0 for n in ctx.sizes.paged_ctx]
     b = len(lens)
     keys, bt, ref, kv = _paged_requests(ctx, g, lens, d, bs, copy=True)
@@ -318,7 +332,13 @@ def case_paged(ctx: Ctx, next_n: int, two_d: bool, h: int = 64, d: int = 128, bs
     qkeys = torch.stack([keys[r][max(0, int(lim[r * next_n + j]) - 1)] if lens[r] else torch.zeros(d)
                          for r in range(b) for j in range(next_n)])
     q8, w = _queries(g, b * next_n, h, d, ctx.fp8, qkeys)
-    q8 = q8.view(b, next_n, h, d)
+    return q8.view(b, next_n, h, d), w, ctx_lens, bt, ref, kv, lim
+
+
+def case_paged(ctx: Ctx, next_n: int, two_d: bool, h: int = 64, d: int = 128, bs: int = 64) -> tuple[str, str, bool]:
+    g = ctx.gen(300 + next_n * 2 + two_d + h + bs)
+    q8, w, ctx_lens, bt, ref, kv, lim = _paged_inputs(ctx, g, next_n, two_d, h, d, bs)
+    b = q8.shape[0]
     width = bt.shape[1] * bs
     want = fp8_paged_mqa_logits(q8, ref, w, ctx_lens, bt, backend="reference", cache_fp8_dtype=ctx.fp8)
     dev = ctx.device
@@ -329,6 +349,73 @@ def case_paged(ctx: Ctx, next_n: int, two_d: bool, h: int = 64, d: int = 128, bs
     ctx.sync()
     inside = torch.arange(width)[None, :] < lim[:, None]
     return _logits_verdict(ctx, *logits_error(out, want, inside, clean=clean))
+
+
+def _fused_verdict(ctx: Ctx, sel: torch.Tensor, logits, want: torch.Tensor, starts, ends) -> tuple[str, str, bool]:
+    """A fused op's result (docs/spec.md §6b): with the scores it returned (``logits``), its selection exact on them
+    and they within the logits tolerance of the reference's (``want``; bfloat16 scores: also one rounding);
+    without, its selection on the reference's scores within that tolerance of the ``topk``-th largest."""
+    bf16 = want.dtype == torch.bfloat16
+    tol = max(ctx.logits_rtol, FUSED_LOGITS_RTOL_L2_BF16) if bf16 else ctx.logits_rtol
+    if logits is not None:
+        errors = fused_topk_errors(sel, logits.cpu(), starts, ends, expected=want, rtol_l2=tol)
+    else:
+        errors = topk_errors(sel, want, starts, ends, rtol=tol * 4 if bf16 else tol, threshold=True)
+    rows = sum(e.startswith("row ") for e in errors)
+    text = f"{rows} of {sel.shape[0]} rows wrong" + (", scores off" if len(errors) > rows else "")
+    return text, f"{tol:.0e}, 0 rows", not errors
+
+
+def case_paged_topk(ctx: Ctx, next_n: int, two_d: bool, dtype: torch.dtype, given: bool, topk: int = 256,
+                    h: int = 64, d: int = 128, bs: int = 64) -> tuple[str, str, bool]:
+    """``fp8_paged_mqa_topk`` against the reference's on the inputs of :func:`case_paged` (``given``: with the
+    caller's logits, which the op must fill with the scores it selected on)."""
+    if ctx.fp8 != FN:
+        raise NotImplementedError("the fused ops read e4m3fn caches only")
+    g = ctx.gen(700 + next_n * 2 + two_d + given)
+    q8, w, ctx_lens, bt, ref, kv, lim = _paged_inputs(ctx, g, next_n, two_d, h, d, bs)
+    rows, width = q8.shape[0] * next_n, bt.shape[1] * bs
+    want_logits = torch.zeros(rows, width, dtype=dtype)
+    fp8_paged_mqa_topk(q8, ref, w, ctx_lens, bt, out=torch.empty(rows, topk, dtype=torch.int32),
+                       logits=want_logits, backend="reference")
+    dev = ctx.device
+    out = torch.full((rows, topk), -7, dtype=torch.int32, device=dev)
+    logits = torch.full((rows, width), float("nan"), dtype=dtype, device=dev) if given else None
+    fp8_paged_mqa_topk(q8.to(dev), kv, w.to(dev), ctx_lens.to(dev), bt.to(dev), out=out, logits=logits,
+                       logits_dtype=dtype, backend=ctx.op_backend)
+    ctx.sync()
+    return _fused_verdict(ctx, out.cpu(), logits, want_logits, torch.zeros_like(lim), lim)
+
+
+def case_ragged_topk(ctx: Ctx, topk: int, block_rows: int | None, dtype: torch.dtype, h: int = 32,
+                     d: int = 64) -> tuple[str, str, bool]:
+    """``fp8_mqa_topk`` on causal windows as :func:`case_ragged`'s (``block_rows``: a scratch of that many rows,
+    the rows in blocks; ``None``: the whole ``[M, N]`` scratch, whose scores are then judged too)."""
+    if ctx.fp8 != FN:
+        raise NotImplementedError("checked in e4m3fn only")
+    g = ctx.gen(800 + topk + (block_rows or 0))
+    seq, qry = ctx.sizes.ragged_seq, ctx.sizes.ragged_query
+    keys = _keys(g, sum(seq), d)
+    k8, ks = quantize_k(keys, fp8_dtype=ctx.fp8)
+    starts, ends, c = [], [], 0
+    for s, q in zip(seq, qry):
+        for j in range(0, q, 4):  # every 4th query (the top-k's rows are most of the interpreter's time)
+            starts.append(c)
+            ends.append(c + s - q + j + 1)
+        c += s
+    q8, w = _queries(g, len(starts), h, d, ctx.fp8, keys[torch.tensor(ends) - 1])
+    st, en = torch.tensor(starts, dtype=torch.int32), torch.tensor(ends, dtype=torch.int32)
+    m, n = len(starts), sum(seq)
+    want_logits = torch.zeros(m, n, dtype=dtype)
+    fp8_mqa_topk(q8, k8, ks, w, st, en, out=torch.empty(m, topk, dtype=torch.int32), logits=want_logits,
+                 backend="reference")
+    dev = ctx.device
+    out = torch.full((m, topk), -7, dtype=torch.int32, device=dev)
+    logits = torch.full((block_rows or m, n), float("nan"), dtype=dtype, device=dev)
+    fp8_mqa_topk(q8.to(dev), k8.to(dev), ks.to(dev), w.to(dev), st.to(dev), en.to(dev), out=out, logits=logits,
+                 backend=ctx.op_backend)
+    ctx.sync()
+    return _fused_verdict(ctx, out.cpu(), None if block_rows else logits, want_logits, st, en)
 
 
 def _topk_rows_wrong(sel: torch.Tensor, logits: torch.Tensor, starts, ends) -> int:
@@ -547,6 +634,16 @@ def cases(sizes: Sizes) -> list[tuple[str, str, Callable[[Ctx], tuple[str, str, 
         ("top_k_per_row", "topk=512 in 2048 x 8 candidates", lambda c: case_candidate_topk(c, 8, 2048, 512, False)),
         ("top_k_per_row", "topk=64 in 40 x 5 candidates, ties, -inf, NaN",
          lambda c: case_candidate_topk(c, 5, 40, 64, True)),
+        ("fp8_mqa_topk", "topk=64 H=32 D=64, scores returned",
+         lambda c: case_ragged_topk(c, 64, None, torch.float32)),
+        ("fp8_mqa_topk", "topk=128 H=32 D=64 bf16, in blocks of 5 rows",
+         lambda c: case_ragged_topk(c, 128, 5, torch.bfloat16)),
+        ("fp8_paged_mqa_topk", "topk=256 next_n=2 [B], scores returned",
+         lambda c: case_paged_topk(c, 2, False, torch.float32, True)),
+        ("fp8_paged_mqa_topk", "topk=256 next_n=3 [B, next_n] bf16, scores returned",
+         lambda c: case_paged_topk(c, 3, True, torch.bfloat16, True)),
+        ("fp8_paged_mqa_topk", "topk=256 next_n=1 [B], no logits",
+         lambda c: case_paged_topk(c, 1, False, torch.float32, False)),
         ("select_candidate_blocks", "b=8 K_b=2048", lambda c: case_select(c, 8, 2048, False)),
         ("select_candidate_blocks", "b=8 K_b=100 ties, -inf, NaN", lambda c: case_select(c, 8, 100, True)),
         ("step", "next_n=2 packed decode + 2 prefills (split)",
@@ -564,7 +661,7 @@ def cases(sizes: Sizes) -> list[tuple[str, str, Callable[[Ctx], tuple[str, str, 
 
 
 CHECKS = ("write_k_cache", "gather_k_cache", "fp8_mqa_logits", "fp8_paged_mqa_logits", "top_k_per_row",
-          "select_candidate_blocks", "step")
+          "fp8_mqa_topk", "fp8_paged_mqa_topk", "select_candidate_blocks", "step")
 
 
 # ------------------------------------------------------------------------------------------------ CLI

@@ -7,10 +7,29 @@ import torch
 from ..._runtime import checks as C
 from ..._runtime import library
 
-__all__ = ["LOGITS_DTYPES", "fp8_mqa_logits"]
+__all__ = ["LOGITS_DTYPES", "check_ragged_inputs", "check_ragged_windows", "fp8_mqa_logits"]
 
 LOGITS_DTYPES = (torch.float32, torch.bfloat16)
 """The dtypes both logits ops write (``out``'s dtype; docs/spec.md §5)."""
+
+
+def check_ragged_inputs(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, weights: torch.Tensor,
+                        cu_seqlen_ks: torch.Tensor, cu_seqlen_ke: torch.Tensor) -> tuple[int, int, torch.device]:
+    """Check the inputs of a ragged (prefill) call (everything but its outputs and value checks): ``q [M, H, D]``
+    fp8, ``k_fp8 [N, D]`` fp8 (any FP8 format: another one than ``q``'s is an explicit mix), both with unit last
+    stride, ``k_scale [N]`` float32, ``weights [M, H]`` float32, ``cu_seqlen_ks``/``cu_seqlen_ke [M]`` int32, all on
+    ``q``'s device. Returns ``(M, N, device)``; ``TypeError``/``ValueError`` naming the argument otherwise."""
+    C.fp8("q", q, ndim=3, last_contiguous=True)
+    m, h, d = q.shape
+    dev = q.device
+    # (any FP8 format: keys in another one than q's are an explicit mix)
+    C.fp8("k_fp8", k_fp8, ndim=2, device=dev, shape=(None, d), last_contiguous=True)
+    n = k_fp8.shape[0]
+    C.tensor("k_scale", k_scale, dtypes=torch.float32, device=dev, shape=(n,), contiguous=True)
+    C.tensor("weights", weights, dtypes=torch.float32, device=dev, shape=(m, h), last_contiguous=True)
+    C.tensor("cu_seqlen_ks", cu_seqlen_ks, dtypes=C.INDEX_DTYPES, device=dev, shape=(m,), contiguous=True)
+    C.tensor("cu_seqlen_ke", cu_seqlen_ke, dtypes=C.INDEX_DTYPES, device=dev, shape=(m,), contiguous=True)
+    return m, n, dev
 
 
 def fp8_mqa_logits(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, weights: torch.Tensor,
@@ -66,21 +85,12 @@ def fp8_mqa_logits(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, 
         if proven:  # the layout of a call that passed every check below: only aliasing (matched) and values
             dev, n, cpu, memo = facts
             if C.values_wanted(check_values, cpu):
-                _check_values(cu_seqlen_ks, cu_seqlen_ke, n, max_seqlen_k)
+                check_ragged_windows(cu_seqlen_ks, cu_seqlen_ke, n, max_seqlen_k)
             _run("fp8_mqa_logits", backend, dev, (q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke),
                  {"out": out, "clean": bool(clean)} if max_seqlen_k is None else
                  {"out": out, "clean": bool(clean), "compressed": True}, (out,), memo)
             return out
-    C.fp8("q", q, ndim=3, last_contiguous=True)
-    m, h, d = q.shape
-    dev = q.device
-    # (any FP8 format: keys in another one than q's are an explicit mix)
-    C.fp8("k_fp8", k_fp8, ndim=2, device=dev, shape=(None, d), last_contiguous=True)
-    n = k_fp8.shape[0]
-    C.tensor("k_scale", k_scale, dtypes=torch.float32, device=dev, shape=(n,), contiguous=True)
-    C.tensor("weights", weights, dtypes=torch.float32, device=dev, shape=(m, h), last_contiguous=True)
-    C.tensor("cu_seqlen_ks", cu_seqlen_ks, dtypes=C.INDEX_DTYPES, device=dev, shape=(m,), contiguous=True)
-    C.tensor("cu_seqlen_ke", cu_seqlen_ke, dtypes=C.INDEX_DTYPES, device=dev, shape=(m,), contiguous=True)
+    m, n, dev = check_ragged_inputs(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke)
     if max_seqlen_k is not None:
         if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int) or max_seqlen_k < 0:
             raise ValueError(f"max_seqlen_k must be None or an int >= 0, got {max_seqlen_k!r}")
@@ -96,7 +106,7 @@ def fp8_mqa_logits(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, 
         C.no_alias("out", out, q=q, k_fp8=k_fp8, k_scale=k_scale, weights=weights, cu_seqlen_ks=cu_seqlen_ks,
                    cu_seqlen_ke=cu_seqlen_ke)
     if C.want_value_checks(check_values, cu_seqlen_ks, cu_seqlen_ke):
-        _check_values(cu_seqlen_ks, cu_seqlen_ke, n, max_seqlen_k)
+        check_ragged_windows(cu_seqlen_ks, cu_seqlen_ke, n, max_seqlen_k)
     if given and library.runs_directly(dev, ts):
         _LAYOUTS.remember(ts, 1, (max_seqlen_k, logits_dtype), (dev, n, dev.type == "cpu", {}))
     if max_seqlen_k is None:
@@ -113,7 +123,10 @@ _plain_eager = library.plain_eager
 _run = library.run_direct
 
 
-def _check_values(cu_seqlen_ks: torch.Tensor, cu_seqlen_ke: torch.Tensor, n: int, max_seqlen_k: int | None) -> None:
+def check_ragged_windows(cu_seqlen_ks: torch.Tensor, cu_seqlen_ke: torch.Tensor, n: int,
+                         max_seqlen_k: int | None = None) -> None:
+    """The value checks of a ragged call (``check_values``; reads values): every non-empty window inside
+    ``[0, n)``, and with ``max_seqlen_k`` at most that long."""
     nonempty = lambda: cu_seqlen_ke > cu_seqlen_ks  # noqa: E731 - built only when a value is out of range
     C.values_in("cu_seqlen_ks", cu_seqlen_ks, 0, None, "window starts must be >= 0", mask=nonempty)
     C.values_in("cu_seqlen_ke", cu_seqlen_ke, None, n + 1, lambda: f"window ends must be <= N = {n}",

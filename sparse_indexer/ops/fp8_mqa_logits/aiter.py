@@ -13,7 +13,7 @@ import torch
 from ...fp8 import fn_to_fnuz
 from .._aiter import aiter_triton_module, gcn_arch
 
-__all__ = ["fnuz_operands", "fp8_mqa_logits"]
+__all__ = ["check_case", "fnuz_operands", "fp8_mqa_logits"]
 
 
 def fnuz_operands(q, k_fp8, k_scale, weights):
@@ -27,15 +27,35 @@ def fnuz_operands(q, k_fp8, k_scale, weights):
     return q_nuz, k_nuz, s2, w2
 
 
+def _mix_case(q, k_fp8) -> None:
+    if k_fp8.dtype != q.dtype:
+        raise NotImplementedError(f"aiter's fp8_mqa_logits: {q.dtype} queries against {k_fp8.dtype} keys (a mix of "
+                                  "FP8 formats)")
+
+
+def _kernel_case(q) -> None:
+    _, h, d = q.shape
+    if h & (h - 1) or d & (d - 1):
+        raise NotImplementedError(f"aiter's fp8_mqa_logits needs H and D powers of two, got H={h}, D={d}")
+    arch = gcn_arch(q.device)
+    if arch != "gfx942" and q.dtype == torch.float8_e4m3fnuz:
+        raise NotImplementedError(f"aiter's fp8_mqa_logits on {arch} reads e4m3fn, got e4m3fnuz")
+
+
+def check_case(q, k_fp8) -> None:
+    """``NotImplementedError`` for a call aiter's ``fp8_mqa_logits`` does not take (``q [M, H, D]``, ``k_fp8``):
+    a mix of FP8 formats, ``H`` or ``D`` not a power of two, e4m3fnuz queries off gfx942."""
+    _mix_case(q, k_fp8)
+    _kernel_case(q)
+
+
 def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, out, clean, compressed=False) -> None:
     """See :func:`sparse_indexer.fp8_mqa_logits`; arguments are checked.
 
     aiter writes float32 ``[M, N]``; a bfloat16 ``out`` receives it rounded by the copy, and compressed rows
     (``compressed=True``) are gathered from it (``out[m, j] = logits[m, ks[m] + j]``, in row tiles)."""
-    if k_fp8.dtype != q.dtype:
-        raise NotImplementedError(f"aiter's fp8_mqa_logits: {q.dtype} queries against {k_fp8.dtype} keys (a mix of "
-                                  "FP8 formats)")
-    m, h, d = q.shape
+    _mix_case(q, k_fp8)
+    m = q.shape[0]
     n = k_fp8.shape[0]
     if m == 0 or out.shape[1] == 0:
         return
@@ -43,13 +63,9 @@ def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, ou
         if clean:
             out.fill_(float("-inf"))
         return
-    if h & (h - 1) or d & (d - 1):
-        raise NotImplementedError(f"aiter's fp8_mqa_logits needs H and D powers of two, got H={h}, D={d}")
-    arch = gcn_arch(q.device)
-    if arch == "gfx942" and q.dtype == torch.float8_e4m3fn:
+    _kernel_case(q)
+    if gcn_arch(q.device) == "gfx942" and q.dtype == torch.float8_e4m3fn:
         q, k_fp8, k_scale, weights = fnuz_operands(q, k_fp8, k_scale, weights)
-    elif arch != "gfx942" and q.dtype == torch.float8_e4m3fnuz:
-        raise NotImplementedError(f"aiter's fp8_mqa_logits on {arch} reads e4m3fn, got e4m3fnuz")
     logits = aiter_triton_module("fp8_mqa_logits").fp8_mqa_logits(
         q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits=clean)
     if not compressed:

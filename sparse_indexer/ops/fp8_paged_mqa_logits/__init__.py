@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from buffers.limits import CacheFormat
@@ -12,7 +14,55 @@ from ...kcache import as_3d, cache_layout, view_3d
 from ..fp8_mqa_logits import LOGITS_DTYPES
 from .reference import row_limits
 
-__all__ = ["fp8_paged_mqa_logits", "row_limits"]
+__all__ = ["PagedInputs", "check_paged_inputs", "check_paged_values", "fp8_paged_mqa_logits", "row_limits"]
+
+
+class PagedInputs(NamedTuple):
+    """What :func:`check_paged_inputs` proved about a paged call: ``q``'s shape ``[b, next_n, h, d]`` and device,
+    the cache format's backend keyword arguments (``{}`` for the plain format), the 3-D cache view and its
+    layout, and ``capacity = max_blocks * block_size`` (the positions the block table covers)."""
+
+    b: int
+    next_n: int
+    h: int
+    d: int
+    dev: torch.device
+    fmt_kw: dict
+    kv3: torch.Tensor
+    lay: object
+    capacity: int
+
+
+def check_paged_inputs(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
+                       block_table: torch.Tensor, indices: torch.Tensor | None = None,
+                       cache_format: CacheFormat | None = None,
+                       cache_fp8_dtype: torch.dtype | None = None) -> PagedInputs:
+    """Check the inputs of a paged decode call (everything but its outputs and value checks): ``q [B, next_n, H,
+    D]`` fp8 (unit last stride) in the cache's format unless one is declared (docs/spec.md §4), the cache's layout
+    and head dim, ``weights [B * next_n, H]`` float32, ``context_lens [B]`` or ``[B, next_n]`` int32,
+    ``block_table [B, max_blocks]`` int32 (``[num_requests, max_blocks]`` with ``indices [B]`` int32).
+    ``TypeError``/``ValueError`` naming the argument otherwise."""
+    C.fp8("q", q, ndim=4, last_contiguous=True)
+    b, next_n, h, d = q.shape
+    dev = q.device
+    fmt = C.read_format("q", q.dtype, cache_format, cache_fp8_dtype)
+    # the format's backend keyword arguments, only where it is not the plain case (a mix: the FP8 format; then the
+    # scale encoding and the byte order); the backends read the cache in q's format otherwise
+    fmt_kw = C.format_kwargs(fmt, q.dtype)
+    kv3 = as_3d(kv_cache)
+    lay = cache_layout(kv3)
+    C.check_order(fmt, lay.block_size, lay.head_dim)
+    C.tensor("kv_cache", kv_cache, device=dev)
+    if lay.head_dim != d:
+        raise ValueError(f"kv_cache holds D={lay.head_dim} but q has D={d}")
+    C.tensor("weights", weights, dtypes=torch.float32, device=dev, shape=(b * next_n, h), last_contiguous=True)
+    C.tensor("context_lens", context_lens, dtypes=C.INDEX_DTYPES, device=dev, contiguous=True,
+             shape=(b,) if context_lens.dim() == 1 else (b, next_n))
+    C.tensor("block_table", block_table, ndim=2, dtypes=C.INDEX_DTYPES, device=dev,
+             shape=(b if indices is None else None, None), last_contiguous=True)
+    if indices is not None:
+        C.tensor("indices", indices, dtypes=C.INDEX_DTYPES, device=dev, shape=(b,), contiguous=True)
+    return PagedInputs(b, next_n, h, d, dev, fmt_kw, kv3, lay, block_table.shape[1] * lay.block_size)
 
 
 def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
@@ -98,7 +148,7 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
             # alignment (above) and the values
             dev, lay, capacity, next_n, cpu, fmt_kw, memo = facts
             if C.values_wanted(check_values, cpu) and context_lens.numel():
-                _values(context_lens, block_table, indices, next_n, out.shape[1], capacity, lay)
+                check_paged_values(context_lens, block_table, indices, next_n, out.shape[1], capacity, lay)
             kw = {"out": out, "clean": bool(clean)}
             if fmt_kw:
                 kw.update(fmt_kw)
@@ -110,27 +160,8 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
                  (q, view_3d(kv_cache), weights, context_lens, block_table),
                  kw, (out, qk) if "qk" in kw else (out,), memo)
             return out
-    C.fp8("q", q, ndim=4, last_contiguous=True)
-    b, next_n, h, d = q.shape
-    dev = q.device
-    fmt = C.read_format("q", q.dtype, cache_format, cache_fp8_dtype)
-    # the format's backend keyword arguments, only where it is not the plain case (a mix: the FP8 format; then the
-    # scale encoding and the byte order); the backends read the cache in q's format otherwise
-    fmt_kw = C.format_kwargs(fmt, q.dtype)
-    kv3 = as_3d(kv_cache)
-    lay = cache_layout(kv3)
-    C.check_order(fmt, lay.block_size, lay.head_dim)
-    C.tensor("kv_cache", kv_cache, device=dev)
-    if lay.head_dim != d:
-        raise ValueError(f"kv_cache holds D={lay.head_dim} but q has D={d}")
-    C.tensor("weights", weights, dtypes=torch.float32, device=dev, shape=(b * next_n, h), last_contiguous=True)
-    C.tensor("context_lens", context_lens, dtypes=C.INDEX_DTYPES, device=dev, contiguous=True,
-             shape=(b,) if context_lens.dim() == 1 else (b, next_n))
-    C.tensor("block_table", block_table, ndim=2, dtypes=C.INDEX_DTYPES, device=dev,
-             shape=(b if indices is None else None, None), last_contiguous=True)
-    if indices is not None:
-        C.tensor("indices", indices, dtypes=C.INDEX_DTYPES, device=dev, shape=(b,), contiguous=True)
-    capacity = block_table.shape[1] * lay.block_size
+    b, next_n, h, d, dev, fmt_kw, kv3, lay, capacity = check_paged_inputs(
+        q, kv_cache, weights, context_lens, block_table, indices, cache_format, cache_fp8_dtype)
     if logits_dtype is not None and logits_dtype not in LOGITS_DTYPES:
         raise TypeError(f"logits_dtype must be one of {LOGITS_DTYPES}, got {logits_dtype}")
     given = out is not None
@@ -143,7 +174,7 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
                    block_table=block_table, indices=indices)
     w = out.shape[1]
     if C.want_value_checks(check_values, context_lens, block_table, indices) and context_lens.numel():
-        _values(context_lens, block_table, indices, next_n, w, capacity, lay)
+        check_paged_values(context_lens, block_table, indices, next_n, w, capacity, lay)
     extra = {} if indices is None else {"indices": indices}
     extra.update(fmt_kw)
     if qk is not None:
@@ -165,18 +196,21 @@ _plain_eager = library.plain_eager
 _run = library.run_direct
 
 
-def _values(context_lens, block_table, indices, next_n: int, w: int, capacity: int, lay) -> None:
-    """The value checks (``check_values``): ``indices`` within the block table's rows, then the row limits and
-    the block ids they use (:func:`_check_values`)."""
+def check_paged_values(context_lens, block_table, indices, next_n: int, w: int, capacity: int, lay,
+                       width_of: str | None = "out") -> None:
+    """The value checks of a paged call (``check_values``): ``indices`` within the block table's rows, then the
+    row limits within ``min(w, capacity)`` and the block ids they use within the cache (reads values).
+    ``width_of``: the tensor whose ``w`` columns the windows must fit, for the message (``None``: ``w`` is the
+    capacity itself)."""
     if indices is not None:
         C.values_in("indices", indices, 0, block_table.shape[0],
                     lambda: f"indices must be in [0, block_table rows = {block_table.shape[0]})")
-        _check_values(context_lens, block_table.index_select(0, indices.long()), next_n, w, capacity, lay)
+        _check_values(context_lens, block_table.index_select(0, indices.long()), next_n, w, capacity, lay, width_of)
     else:
-        _check_values(context_lens, block_table, next_n, w, capacity, lay)
+        _check_values(context_lens, block_table, next_n, w, capacity, lay, width_of)
 
 
-def _check_values(context_lens, block_table, next_n: int, w: int, capacity: int, lay) -> None:
+def _check_values(context_lens, block_table, next_n: int, w: int, capacity: int, lay, width_of) -> None:
     """Row limits within ``min(W, capacity)`` and the block ids they use within the cache (reads values)."""
     b = block_table.shape[0]
     dev = block_table.device
@@ -190,7 +224,7 @@ def _check_values(context_lens, block_table, next_n: int, w: int, capacity: int,
             b_, j_ = divmod(r, next_n)
             where = f"context_lens[{b_}]" if context_lens.dim() == 1 else f"context_lens[{b_}, {j_}]"
             n = int(lim[r])
-            crossed = [f"the W = {w} columns of out"] if n > w else []
+            crossed = [f"the W = {w} columns of {width_of}"] if n > w and width_of else []
             if n > capacity:
                 crossed.append(f"what block_table covers (max_blocks * block_size = {block_table.shape[1]} * "
                                f"{lay.block_size} = {capacity})")

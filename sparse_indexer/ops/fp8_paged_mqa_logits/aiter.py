@@ -20,7 +20,7 @@ import torch
 from .._aiter import NATIVE_FP8, aiter_triton_module, gcn_arch, preshuffled
 from .reference import row_limits
 
-__all__ = ["fp8_paged_mqa_logits", "mask_outside", "per_sequence_context_lens"]
+__all__ = ["fp8_paged_mqa_logits", "kernel_for", "mask_outside", "per_sequence_context_lens"]
 
 MASK_TILE_ELEMS = 1 << 24
 
@@ -53,6 +53,31 @@ def mask_outside(out: torch.Tensor, limits: torch.Tensor) -> None:
         out[r0:r1].masked_fill_(cols[None, :] >= limits[r0:r1, None], float("-inf"))
 
 
+def kernel_for(q, kv_cache, qk=None) -> str:
+    """The aiter kernel that reads this call: ``"native"`` (gfx942/gfx950: ``deepgemm_fp8_paged_mqa_logits``, the
+    architecture's own FP8 format, block size 1 or a preshuffled multiple of 16) or ``"stage1"`` (other AMD GPUs:
+    block size 1, per-head scores into ``qk``); ``NotImplementedError`` when neither does."""
+    arch = gcn_arch(q.device)
+    bs = kv_cache.shape[1]
+    if arch in NATIVE_FP8:
+        if q.dtype != NATIVE_FP8[arch]:
+            raise NotImplementedError(
+                f"aiter's paged logits on {arch} read {NATIVE_FP8[arch]}, got {q.dtype}; plan the engine with "
+                f"IndexerLimits(fp8_dtype={NATIVE_FP8[arch]})"
+            )
+        if not preshuffled(bs, q.dtype, arch) and bs != 1:
+            raise NotImplementedError(f"aiter's paged logits read block_size 1 or a multiple of 16, got {bs}")
+        return "native"
+    if bs != 1:
+        raise NotImplementedError(f"aiter's stage1 paged logits ({arch}) read block_size 1, got {bs}")
+    if qk is None:
+        raise NotImplementedError(
+            f"aiter's stage1 paged logits ({arch}) need the qk scratch: plan IndexerLimits(with_qk=True) and "
+            f"pass Buffers.qk_view(rows, W)"
+        )
+    return "stage1"
+
+
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean, qk=None,
                          indices=None, cache_fp8_dtype=None, cache_scale="float32", cache_order="flat") -> None:
     """See :func:`sparse_indexer.fp8_paged_mqa_logits`; ``kv_cache`` is the 3-D view, arguments checked.
@@ -82,15 +107,8 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
     arch = gcn_arch(q.device)
     bs = kv_cache.shape[1]
     kv4 = kv_cache.unsqueeze(2)  # [num_blocks, block_size, 1, D + 4], as aiter expects
-    if arch in NATIVE_FP8:
-        if q.dtype != NATIVE_FP8[arch]:
-            raise NotImplementedError(
-                f"aiter's paged logits on {arch} read {NATIVE_FP8[arch]}, got {q.dtype}; plan the engine with "
-                f"IndexerLimits(fp8_dtype={NATIVE_FP8[arch]})"
-            )
+    if kernel_for(q, kv_cache, qk) == "native":
         shuffle = preshuffled(bs, q.dtype, arch)
-        if not shuffle and bs != 1:
-            raise NotImplementedError(f"aiter's paged logits read block_size 1 or a multiple of 16, got {bs}")
         mod = aiter_triton_module("pa_mqa_logits")
         if clean:
             out.fill_(float("-inf"))
@@ -98,13 +116,6 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
                                           block_table, w, Preshuffle=shuffle, KVBlockSize=bs, ChunkK=256,
                                           WavePerEU=2)
     else:
-        if bs != 1:
-            raise NotImplementedError(f"aiter's stage1 paged logits ({arch}) read block_size 1, got {bs}")
-        if qk is None:
-            raise NotImplementedError(
-                f"aiter's stage1 paged logits ({arch}) need the qk scratch: plan IndexerLimits(with_qk=True) and "
-                f"pass Buffers.qk_view(rows, W)"
-            )
         if tuple(qk.shape) != (h, b * nn, w):
             raise ValueError(f"qk must be [{h}, {b * nn}, {w}], got {tuple(qk.shape)}")
         mod = aiter_triton_module("pa_mqa_logits")

@@ -12,7 +12,7 @@ import torch
 
 from .._aiter import gcn_arch
 
-__all__ = ["AITER_TOPK", "localize_topk", "short_rows", "top_k_per_row"]
+__all__ = ["AITER_TOPK", "check_case", "localize_topk", "short_rows", "top_k_per_row"]
 
 AITER_TOPK = 2048
 
@@ -31,13 +31,15 @@ def short_rows(indices: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.
     torch.where(n <= topk, pattern, indices, out=indices)
 
 
-def _check(logits, out):
-    if logits.dtype != torch.float32:
-        raise NotImplementedError(f"aiter's top-k reads float32 logits, got {logits.dtype}")
-    arch = gcn_arch(logits.device)
-    if arch != "gfx950" or out.shape[1] != AITER_TOPK:
+def check_case(logits_dtype: torch.dtype, device: torch.device, topk: int) -> None:
+    """``NotImplementedError`` unless aiter's top-k takes ``logits_dtype`` logits on ``device`` with this ``topk``
+    (float32, gfx950, ``topk`` 2048)."""
+    if logits_dtype != torch.float32:
+        raise NotImplementedError(f"aiter's top-k reads float32 logits, got {logits_dtype}")
+    arch = gcn_arch(device)
+    if arch != "gfx950" or topk != AITER_TOPK:
         raise NotImplementedError(f"aiter's top-k runs on gfx950 with topk {AITER_TOPK}; got {arch}, "
-                                  f"topk {out.shape[1]}")
+                                  f"topk {topk}")
 
 
 def top_k_per_row(logits, row_starts, row_ends, *, out, candidates=None, candidate_block_size=None) -> None:
@@ -46,7 +48,7 @@ def top_k_per_row(logits, row_starts, row_ends, *, out, candidates=None, candida
         raise NotImplementedError("aiter's top-k reads whole windows; candidate blocks run in the Triton backend")
     if logits.shape[0] == 0:
         return
-    _check(logits, out)
+    check_case(logits.dtype, logits.device, out.shape[1])
     from aiter.ops.topk import top_k_per_row_prefill
 
     top_k_per_row_prefill(logits, row_starts, row_ends, out, None, logits.shape[0], logits.stride(0),
