@@ -258,3 +258,14 @@ def _fire(index: int, kern, smem: int, nt: int) -> None:
     rc = _T._driver_launch()(got[1], int(kern), _ARGS.ptrs, None)
     if rc:
         raise _T._launch_error(rc)
+
+
+def _auto_when(q, kv_cache, weights, context_lens, block_table, *, out, logits=None, workspace=None,
+               logits_dtype=None, **_) -> bool:
+    """Whether ``auto`` runs the fused kernel for a call: never today. It is slower than composing the Gluon
+    logits and the CUDA top-k at every shape measured on the H200 (docs/kernels.md, "Fused decode top-k, CUDA":
+    340 against 170 us at 64 x 64K keys, 35 against 24 us at 1 x 64K); ``backend="cuda"`` runs it."""
+    return False
+
+
+fp8_paged_mqa_topk.auto_when = _auto_when
