@@ -146,6 +146,20 @@ def format_kwargs(fmt: CacheFormat, dtype: torch.dtype | None) -> dict:
     return kw
 
 
+def selection(out, rows: int, device, logits, logits_dtype, dtypes, logits_shape: tuple) -> None:
+    """The fused ops' checks of their selection and scores: ``out [rows, topk >= 1]`` int32 (unit last stride),
+    ``logits_dtype`` one of ``dtypes``, and ``logits`` (optional) 2-D of shape ``logits_shape`` (``None``: any),
+    in ``logits_dtype`` when both are given, else one of ``dtypes``."""
+    tensor("out", out, ndim=2, dtypes=torch.int32, device=device, shape=(rows, None), last_contiguous=True)
+    if out.shape[1] < 1:
+        raise ValueError(f"out.shape[1] (topk) must be >= 1, got {out.shape[1]}")
+    if logits_dtype is not None and logits_dtype not in dtypes:
+        raise TypeError(f"logits_dtype must be one of {dtypes}, got {logits_dtype}")
+    if logits is not None:
+        tensor("logits", logits, ndim=2, dtypes=dtypes if logits_dtype is None else logits_dtype, device=device,
+               shape=logits_shape, last_contiguous=True)
+
+
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """Byte range ``[start, end)`` that ``t`` can touch (``(0, 0)`` when empty); strides are never negative."""
     n = t.numel()

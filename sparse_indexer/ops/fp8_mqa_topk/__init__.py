@@ -64,14 +64,8 @@ def fp8_mqa_topk(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, we
     """
     if not _checked:
         m, n, dev = check_ragged_inputs(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke)
-        C.tensor("out", out, ndim=2, dtypes=torch.int32, device=dev, shape=(m, None), last_contiguous=True)
-        if out.shape[1] < 1:
-            raise ValueError(f"out.shape[1] (topk) must be >= 1, got {out.shape[1]}")
-        if logits_dtype is not None and logits_dtype not in LOGITS_DTYPES:
-            raise TypeError(f"logits_dtype must be one of {LOGITS_DTYPES}, got {logits_dtype}")
+        C.selection(out, m, dev, logits, logits_dtype, LOGITS_DTYPES, (None, n))
         if logits is not None:
-            C.tensor("logits", logits, ndim=2, dtypes=LOGITS_DTYPES if logits_dtype is None else logits_dtype,
-                     device=dev, shape=(None, n), last_contiguous=True)
             if logits.shape[0] > m or (m and logits.shape[0] < 1):
                 raise ValueError(f"logits must have between 1 and M = {m} rows (a scratch of R <= M query rows), got "
                                  f"shape {list(logits.shape)}")

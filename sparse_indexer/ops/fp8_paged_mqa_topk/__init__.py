@@ -81,14 +81,7 @@ def fp8_paged_mqa_topk(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.T
         return out
     b, next_n, _, _, dev, _, kv3, lay, capacity = check_paged_inputs(q, kv_cache, weights, context_lens, block_table)
     rows = b * next_n
-    C.tensor("out", out, ndim=2, dtypes=torch.int32, device=dev, shape=(rows, None), last_contiguous=True)
-    if out.shape[1] < 1:
-        raise ValueError(f"out.shape[1] (topk) must be >= 1, got {out.shape[1]}")
-    if logits_dtype is not None and logits_dtype not in LOGITS_DTYPES:
-        raise TypeError(f"logits_dtype must be one of {LOGITS_DTYPES}, got {logits_dtype}")
-    if logits is not None:
-        C.tensor("logits", logits, ndim=2, dtypes=LOGITS_DTYPES if logits_dtype is None else logits_dtype,
-                 device=dev, shape=(rows, None), last_contiguous=True)
+    C.selection(out, rows, dev, logits, logits_dtype, LOGITS_DTYPES, (rows, None))
     if workspace is not None:
         C.tensor("workspace", workspace, ndim=2, dtypes=torch.int32, device=dev, last_contiguous=True)
         have, cols = workspace.shape
