@@ -10,7 +10,8 @@ Usage on an NVIDIA Hopper GPU (each mode may be combined):
 - ``... time``: medians (``triton.testing.do_bench``, L2 flushed) of the copy floor of the same key bytes, the
   logits op alone, the composition (logits + ``top_k_per_row``) eagerly and as a CUDA graph, and the fused kernel
   eagerly, as a graph and per eager call on the host.
-- ``... probe``: a ``PROBE=1`` build's per-CTA ``%globaltimer`` marks (setup, scoring, barrier 0, rounds 0-3).
+- ``... probe``: a ``PROBE=1`` build's per-CTA ``%globaltimer`` marks (setup, scoring, barrier 0, round 0 and its
+  barrier, the one-pass select, the barrier after it, the end).
 """
 import sys
 import time
@@ -59,7 +60,7 @@ def make(B, nn, H, L, *, dist="normal", lens=None, cl2d=False, seed=0):
     return q4, cache, w.contiguous(), cl, bt
 
 
-def check(B, nn, H, L, topk, *, bf16=False, tpw=None, nwg=None, **kw):
+def check(B, nn, H, L, topk, *, bf16=False, nwg=None, **kw):
     q4, cache, w, cl, bt = make(B, nn, H, L, **kw)
     rows = B * nn
     W = bt.shape[1] * 64
@@ -67,9 +68,9 @@ def check(B, nn, H, L, topk, *, bf16=False, tpw=None, nwg=None, **kw):
     lg = torch.full((rows, W), float("nan"), device=dev, dtype=dt)
     out = torch.full((rows, topk), -7, dtype=torch.int32, device=dev)
     ws = torch.full((rows, COLS), 123, dtype=torch.int32, device=dev)
-    F.fp8_paged_mqa_topk(q4, cache, w, cl, bt, out=out, logits=lg, workspace=ws, tpw=tpw, nwg=nwg)
+    F.fp8_paged_mqa_topk(q4, cache, w, cl, bt, out=out, logits=lg, workspace=ws, nwg=nwg)
     out2 = torch.full((rows, topk), -7, dtype=torch.int32, device=dev)
-    F.fp8_paged_mqa_topk(q4, cache, w, cl, bt, out=out2, workspace=ws, logits_dtype=dt, tpw=tpw, nwg=nwg)
+    F.fp8_paged_mqa_topk(q4, cache, w, cl, bt, out=out2, workspace=ws, logits_dtype=dt, nwg=nwg)
     torch.cuda.synchronize()
     lim = row_limits(cl, nn).to(dev)
     ref = torch.empty(rows, W, device=dev, dtype=dt)
@@ -106,10 +107,11 @@ def checks():
         ((200, 1, 64, 2048, 512), {"lens": torch.randint(1, 2049, (200,))}),
     ]:
         bad += not check(*args, **kw)
-    bad += not check(5, 1, 64, 8192, 2048, tpw=2, lens=torch.tensor([1, 2048, 2049, 5000, 8192]))
-    bad += not check(3, 3, 64, 4096, 512, tpw=2)
-    bad += not check(200, 1, 64, 2048, 512, tpw=2, lens=torch.randint(1, 2049, (200,)))
-    bad += not check(64, 1, 64, 16384, 512, tpw=2, dist="ties")
+    # constant rows of 2049-8192 cells: threshold bins of up to 4096 cells go through the list, longer ones
+    # through the grid rounds, in one launch
+    bad += not check(5, 1, 64, 8192, 2048, dist="const", lens=torch.tensor([1, 2049, 4000, 5000, 8192]))
+    bad += not check(4, 1, 64, 4096, 512, dist="const")
+    bad += not check(2, 1, 64, 65536, 2048, dist="ties")
     bad += not check(5, 1, 64, 8192, 2048, nwg=4, lens=torch.tensor([1, 2048, 2049, 5000, 8192]))
     bad += not check(3, 2, 64, 4096, 512, nwg=4, cl2d=True, lens=torch.tensor([600, 4096, 300]))
     bad += not check(64, 1, 64, 16384, 512, nwg=4, dist="ties")
@@ -174,31 +176,31 @@ def times():
 
 def probes():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for (B, nn, H, L, topk, st, tpw, diag, nwg) in [
-            (64, 1, 64, 65536, 2048, None, 1, 0, 2), (32, 1, 64, 65536, 2048, None, 1, 0, 4),
-            (16, 1, 64, 65536, 2048, None, 1, 0, 4), (1, 1, 64, 65536, 2048, None, 1, 0, 4),
-            (64, 1, 64, 16384, 512, None, 1, 0, 4), (64, 2, 64, 16384, 512, None, 1, 0, 4)]:
+    for (B, nn, H, L, topk, st, diag, nwg) in [
+            (64, 1, 64, 65536, 2048, None, 0, 2), (32, 1, 64, 65536, 2048, None, 0, 4),
+            (16, 1, 64, 65536, 2048, None, 0, 4), (1, 1, 64, 65536, 2048, None, 0, 4),
+            (64, 1, 64, 16384, 512, None, 0, 4), (64, 2, 64, 16384, 512, None, 0, 4)]:
         q4, cache, w, cl, bt = make(B, nn, H, L)
         rows = B * nn
         out = torch.empty(rows, topk, dtype=torch.int32, device=dev)
         ws = torch.empty(rows, COLS, dtype=torch.int32, device=dev)
         pr = torch.zeros(sms, 8, dtype=torch.int64, device=dev)
         try:
-            F.fp8_paged_mqa_topk(q4, cache, w, cl, bt, out=out, workspace=ws, probe=pr, stages=st, tpw=tpw,
+            F.fp8_paged_mqa_topk(q4, cache, w, cl, bt, out=out, workspace=ws, probe=pr, stages=st,
                                  diag=diag, nwg=nwg)
         except NotImplementedError as e:
             print("skip", B, nn, L, nwg, e)
             continue
         for _ in range(5):
-            F.fp8_paged_mqa_topk(q4, cache, w, cl, bt, out=out, workspace=ws, probe=pr, stages=st, tpw=tpw,
+            F.fp8_paged_mqa_topk(q4, cache, w, cl, bt, out=out, workspace=ws, probe=pr, stages=st,
                                  diag=diag, nwg=nwg)
         torch.cuda.synchronize()
         x = (pr - pr[:, :1].min()).double() / 1e3
         med = x.median(0).values
         mx = x.max(0).values
-        t = bench(lambda: F.fp8_paged_mqa_topk(q4, cache, w, cl, bt, out=out, workspace=ws, stages=st, tpw=tpw,
+        t = bench(lambda: F.fp8_paged_mqa_topk(q4, cache, w, cl, bt, out=out, workspace=ws, stages=st,
                                                diag=diag, nwg=nwg))
-        print(f"probe B={B} nn={nn} L={L} k={topk} stages={st} tpw={tpw} diag={diag} nwg={nwg}: "
+        print(f"probe B={B} nn={nn} L={L} k={topk} stages={st} diag={diag} nwg={nwg}: "
               f"time={t:.1f} marks median " +
               " ".join(f"{v:.1f}" for v in med.tolist()) + " | max " + " ".join(f"{v:.1f}" for v in mx.tolist()),
               flush=True)

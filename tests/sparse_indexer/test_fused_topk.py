@@ -557,21 +557,21 @@ def test_fused_kernel_capacity_plan():
     from sparse_indexer.ops.fp8_paged_mqa_topk import cuda as fused
 
     smem = 232448  # the H200's opt-in shared memory per CTA
-    # 64 requests x 64K keys over 132 SMs: 497 tiles per CTA fit beside a ring of 4 stages of 2 tiles
+    # 64 requests x 64K keys over 132 SMs: 497 tiles per CTA fit beside rings of 4 tiles for each of 2 warpgroups
     per = -(-(64 * 1024) // 132)
     assert per == 497
-    assert fused.stages_for(per, 1, 64, 64, smem, 1, 2) == 4
-    assert fused.stages_for(per, 1, 64, 64, smem, 1, 4) is None  # four warpgroups leave too little
-    assert fused.capacity_tiles(1, 64, 64, smem, 4, 1, 2) >= per > fused.capacity_tiles(1, 64, 64, smem, 5, 1, 2)
+    assert fused.stages_for(per, 1, 64, 64, smem, 2) == 4
+    assert fused.stages_for(per, 1, 64, 64, smem, 4) is None  # four warpgroups leave too little
+    assert fused.capacity_tiles(1, 64, 64, smem, 4, 2) >= per > fused.capacity_tiles(1, 64, 64, smem, 5, 2)
     # next_n = 2 doubles the cells per tile: 64 x 64K does not fit, 16 x 64K does
     assert fused.stages_for(2 * per, 2, 64, 64, smem) is None
     assert fused.stages_for(-(-(16 * 1024) // 132), 2, 64, 16, smem) is not None
     # the bytes carved in fused_kernel.cu never exceed the budget for the chosen depth
     for st in fused.STAGES:
         for nwg in (2, 4):
-            cap = fused.capacity_tiles(1, 64, 64, smem, st, 1, nwg)
+            cap = fused.capacity_tiles(1, 64, 64, smem, st, nwg)
             if cap:  # (0: the ring alone does not fit)
-                assert fused._fixed_smem(1, 64, 64, st, 1, nwg) + cap * (64 * 4 + 4) <= smem
+                assert fused._fixed_smem(1, 64, 64, st, nwg) + cap * (64 * 4 + 4) <= smem
     # on the CPU it declines (auto then composes), and auto would not run it anyway
     q = torch.zeros(1, 1, 64, 128, dtype=torch.float8_e4m3fn)
     kv = si.new_kv_cache(2, 64, 128)

@@ -43,7 +43,7 @@ NWG = (4, 2)
 preference: four where a ring of two or more stages leaves room for the worst case's logits (on the H200,
 B = 32 x 64K keys: 144 against 190 us with two; 64 x 16K: 97 against 119), else two."""
 STAGES = (8, 7, 6, 5, 4, 3, 2)
-"""Ring depths (stages of two tiles) in order of preference: the deepest whose shared memory leaves room for the
+"""Ring depths (tiles per warpgroup's ring) in order of preference: the deepest whose shared memory leaves room for the
 worst case's logits is built (a deeper ring keeps more of the HBM latency covered)."""
 TILE_KEYS = 64
 D = 128
@@ -52,30 +52,24 @@ MAX_NEXT_N = 4
 KERNEL = b"si_paged_mqa_topk"
 
 
-TPW = 1
-"""Tiles per warpgroup and ring stage (``fused_kernel.cu``'s ``TPW``: their wgmmas in flight together)."""
-
-
-def _fixed_smem(next_n: int, h: int, b: int, stages: int, tpw: int = TPW, nwg: int = 2) -> int:
-    """Shared bytes other than the per-tile ones: alignment slack, the ring, two query buffers, scales,
+def _fixed_smem(next_n: int, h: int, b: int, stages: int, nwg: int = 2) -> int:
+    """Shared bytes other than the per-tile ones: alignment slack, the rings, the query buffers, scales,
     histogram, scratch words, the request table and the block list's rounding (``fused_kernel.cu``'s
     ``carve``)."""
-    return (1024 + stages * nwg * tpw * (8192 + 256) + nwg * next_n * h * 128 + 2048 * 4 + 128 + 16
+    return (1024 + stages * nwg * (8192 + 256) + nwg * next_n * h * 128 + 2048 * 4 + 128 + 16
             + ((b + 1) * 4 + 15) // 16 * 16 + 16)
 
 
-def capacity_tiles(next_n: int, h: int, b: int, smem_optin: int, stages: int, tpw: int = TPW,
-                   nwg: int = 2) -> int:
+def capacity_tiles(next_n: int, h: int, b: int, smem_optin: int, stages: int, nwg: int = 2) -> int:
     """Key tiles (64 positions of ``next_n`` rows: their keys and cache block) one CTA holds in ``smem_optin``
     bytes of shared memory next to a ring of ``stages``."""
-    return max(0, (smem_optin - _fixed_smem(next_n, h, b, stages, tpw, nwg)) // (next_n * TILE_KEYS * 4 + 4))
+    return max(0, (smem_optin - _fixed_smem(next_n, h, b, stages, nwg)) // (next_n * TILE_KEYS * 4 + 4))
 
 
-def stages_for(per_cta: int, next_n: int, h: int, b: int, smem_optin: int, tpw: int = TPW,
-               nwg: int = 2) -> int | None:
+def stages_for(per_cta: int, next_n: int, h: int, b: int, smem_optin: int, nwg: int = 2) -> int | None:
     """The deepest ring of :data:`STAGES` that leaves room for ``per_cta`` tiles, or ``None``."""
     for st in STAGES:
-        if capacity_tiles(next_n, h, b, smem_optin, st, tpw, nwg) >= per_cta:
+        if capacity_tiles(next_n, h, b, smem_optin, st, nwg) >= per_cta:
             return st
     return None
 
@@ -126,6 +120,11 @@ def _why_not_device(index: int) -> str | None:
     return None
 
 
+COOPERATIVE = True
+"""Measurements only: ``False`` launches the grid without the cooperative attribute (its CTAs are then resident
+together only because nothing else runs beside them)."""
+
+
 class _Launch:
     """A launch configuration (cooperative, one CTA per SM) per kernel build, stream and shared size."""
 
@@ -133,7 +132,7 @@ class _Launch:
         self.cfgs: dict = {}
 
     def get(self, index: int, kern, stream: int, smem: int, nt: int):
-        key = (index, int(kern), stream, smem, nt)
+        key = (index, int(kern), stream, smem, nt, COOPERATIVE)
         got = self.cfgs.get(key)
         if got is None:
             from cuda.bindings import driver
@@ -143,11 +142,12 @@ class _Launch:
             cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = nt, 1, 1
             cfg.sharedMemBytes = smem
             cfg.hStream = driver.CUstream(stream)
-            attr = driver.CUlaunchAttribute()
-            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
-            attr.value.cooperative = 1
-            cfg.attrs = [attr]
-            cfg.numAttrs = 1
+            if COOPERATIVE:
+                attr = driver.CUlaunchAttribute()
+                attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+                attr.value.cooperative = 1
+                cfg.attrs = [attr]
+                cfg.numAttrs = 1
             if len(self.cfgs) >= 64:
                 self.cfgs.clear()
             got = self.cfgs[key] = (cfg, cfg.getPtr())
@@ -199,12 +199,12 @@ def takes(q, kv_cache, weights, context_lens, block_table, out, logits=None) -> 
 
 
 def fp8_paged_mqa_topk(q, kv_cache, weights, context_lens, block_table, *, out, logits=None, workspace=None,
-                       logits_dtype=None, stages=None, probe=None, tpw=None, diag=0, nwg=None) -> None:
+                       logits_dtype=None, stages=None, probe=None, diag=0, nwg=None) -> None:
     """See :func:`sparse_indexer.fp8_paged_mqa_topk`; arguments are checked. ``NotImplementedError`` (before
     anything is written) for the cases :func:`takes` declines. Measurement knobs: ``stages`` (the ring depth
-    instead of :func:`stages_for`'s) and ``probe`` (an int64 ``[SMs, 8]`` tensor: a ``PROBE=1`` build writes
-    each CTA's ``%globaltimer`` at its phase marks there, ``fused_kernel.cu``), ``tpw`` (tiles per warpgroup and
-    stage) and ``diag`` (1: the copy stream alone, 2: the math alone; results are then wrong)."""
+    instead of :func:`stages_for`'s), ``probe`` (an int64 ``[SMs, 8]`` tensor: a ``PROBE=1`` build writes each
+    CTA's ``%globaltimer`` at its phase marks there, ``fused_kernel.cu``), ``nwg`` (warpgroups) and ``diag``
+    (1: the copy stream alone, 2: the math alone; results are then wrong)."""
     why = takes(q, kv_cache, weights, context_lens, block_table, out, logits)
     if why is not None:
         raise NotImplementedError(why)
@@ -225,14 +225,13 @@ def fp8_paged_mqa_topk(q, kv_cache, weights, context_lens, block_table, *, out, 
     bf16 = (logits.dtype if logits is not None else (logits_dtype or torch.float32)) == torch.bfloat16
     smem = _T._smem_optin(index)
     width, per_cta = _per_cta(b, block_table, logits, index)
-    tpw = tpw or TPW
     if nwg is None:
-        nwg = next((w for w in NWG if stages_for(per_cta, next_n, h, b, smem, tpw, w)), NWG[-1])
-    st = stages or stages_for(per_cta, next_n, h, b, smem, tpw, nwg)
+        nwg = next((w for w in NWG if stages_for(per_cta, next_n, h, b, smem, w)), NWG[-1])
+    st = stages or stages_for(per_cta, next_n, h, b, smem, nwg)
     if st is None:
-        raise NotImplementedError(f"no ring of {tpw} tiles per warpgroup leaves room for {per_cta} tiles")
+        raise NotImplementedError(f"no ring of {nwg} warpgroups leaves room for {per_cta} tiles")
     defines = (f"NEXT_N={next_n}", f"H={h}", f"STAGES={st}", f"LG_OUT={int(logits is not None)}",
-               f"PROBE={int(probe is not None)}", f"TPW={tpw}", f"DIAG={diag}", f"NWG={nwg}")
+               f"PROBE={int(probe is not None)}", f"DIAG={diag}", f"NWG={nwg}")
     kern = _T._kernel(index, 128 * nwg, 1, bf16, defines, KERNEL, SOURCE)[1]
     a = _ARGS.p
     a.cache, a.block_stride = kv_cache.data_ptr(), kv_cache.stride(0)
@@ -246,7 +245,7 @@ def fp8_paged_mqa_topk(q, kv_cache, weights, context_lens, block_table, *, out, 
     a.bar = state.data_ptr()
     a.probe = None if probe is None else probe.data_ptr()
     a.B, a.cap, a.topk, a.cl_2d = b, width, out.shape[1], int(context_lens.dim() == 2)
-    a.capt = capacity_tiles(next_n, h, b, smem, st, tpw, nwg)
+    a.capt = capacity_tiles(next_n, h, b, smem, st, nwg)
     _T.on_device(index, _fire, index, kern, smem, 128 * nwg)
 
 

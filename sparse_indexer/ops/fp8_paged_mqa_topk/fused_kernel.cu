@@ -60,16 +60,12 @@
 #define MARK(i)
 #endif
 
-#ifndef TPW
-#define TPW 1  // tiles per warpgroup and ring stage (their wgmmas in flight together)
-#endif
 #ifndef DIAG
 #define DIAG 0  // measurements only: 1 the ring's stages consumed unread (the copy stream alone), 2 no copies
 #endif
 #ifndef NWG
 #define NWG 2  // warpgroups (2 or 4: find_digit needs NT to divide 1024)
 #endif
-#define SPT (NWG * TPW)  // tiles per ring stage
 
 #undef NT  // (the loader passes -DNT; the block size follows NWG)
 #define NT (128 * NWG)
@@ -77,12 +73,19 @@
 #define FULL 0xffffffffu
 #define TILE_BYTES 8192   // 64 keys x 128 fp8 values
 #define BLOCK_KEYS 64
-#define WS_H0 0
-#define WS_H1 2048
-#define WS_H2 4096
-#define WS_SEL 5120
-#define WS_TIE 5121
-#define WS_COLS 5128
+#define WS_H0 0        // [2048] the row's histogram of the top 11 key bits
+#define WS_H1 2048     // [2048] rounds only: of the next 11 bits
+#define WS_H2 4096     // [1024] rounds only: of the last 10
+#define WS_LIST 2048   // one-pass rows (over H1 and H2): [LIST_CAP] keys, then [LIST_CAP] positions
+#define LIST_CAP 4096
+#define WS_SEL 10240   // output slots taken
+#define WS_TIE 10241   // tickets of a tie class
+#define WS_CNT 10242   // list entries taken
+#define WS_ARR 10243   // cells whose pieces are done (the one-pass rows' completion count)
+#define WS_COLS 10248
+#define MODE_TIES 0    // the bin's cells are all equal or all needed: the first ones still needed are taken
+#define MODE_LIST 1    // the bin's cells fit the row's list: the CTA that completes the row selects from it
+#define MODE_ROUNDS 2  // more than LIST_CAP: three more grid rounds, one digit each
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -207,9 +210,9 @@ __device__ int block_scan(int v, int* wsum, int* total) {
     return r;
 }
 
-// Block-wide over the global histogram g[0..NBINS): the bin d with count(> d) < kr <= count(>= d).
+// Block-wide over the histogram g[0..NBINS) (shared or global memory): the bin d with count(> d) < kr <= count(>= d).
 // res[0] = d, res[1] = cells above d, res[2] = cells in d.
-template <int NBINS>
+template <int NBINS, bool SHARED>
 __device__ void find_digit(const int* g, u32 kr, int* wsum, u32* res) {
     constexpr int PB = NBINS / NT;
     const int t = threadIdx.x;
@@ -218,7 +221,7 @@ __device__ void find_digit(const int* g, u32 kr, int* wsum, u32* res) {
     u32 s = 0;
 #pragma unroll
     for (int j = 0; j < PB; ++j) {
-        v[j] = (u32)__ldcg(g + top - j);
+        v[j] = SHARED ? (u32)g[top - j] : (u32)__ldcg(g + top - j);
         s += v[j];
     }
     int total;
@@ -296,9 +299,9 @@ __device__ __forceinline__ void mma_tile(float* d, u32 ka, u32 qa) {
 
 // ---------------------------------------------------------------- shared memory
 struct Smem {
-    unsigned char* vals;   // [STAGES * SPT][TILE_BYTES], 1024-aligned
+    unsigned char* vals;   // [NWG][STAGES][TILE_BYTES], 1024-aligned (after scoring: the final selects' scratch)
     unsigned char* qbuf;   // [NWG warpgroups][NEXT_N][H * 128], 1024-aligned
-    float* scales;         // [STAGES * SPT][64]
+    float* scales;         // [NWG][STAGES][64]
     u32* hist;             // [2048]
     int* wsum;             // [NW + 1] (32 words)
     u32* res;              // [4]
@@ -311,11 +314,11 @@ __device__ __forceinline__ Smem carve(unsigned char* raw, int B, int capt) {
     Smem s;
     unsigned char* p = (unsigned char*)(((unsigned long long)raw + 1023) & ~1023ull);
     s.vals = p;
-    p += STAGES * SPT * TILE_BYTES;
+    p += NWG * STAGES * TILE_BYTES;
     s.qbuf = p;
     p += NWG * NEXT_N * H * 128;
     s.scales = (float*)p;
-    p += STAGES * SPT * 64 * 4;
+    p += NWG * STAGES * 64 * 4;
     s.hist = (u32*)p;
     p += 2048 * 4;
     s.wsum = (int*)p;
@@ -336,40 +339,149 @@ __device__ __forceinline__ int seq_of(const int* cum, int g, int b) {
     return b;
 }
 
-// Issues the cp.async copies of ring stage s: local tiles SPT * s .. SPT * s + SPT - 1 of this CTA's n tiles
-// (SPT = NWG * TPW; tile u of a stage is taken by warpgroup u / TPW).
-__device__ __forceinline__ void load_stage(const Params& p, const Smem& sm, int s, int n) {
-    const int lt0 = SPT * s;
-    if (lt0 < n && DIAG != 2) {
-        const int tiles = min(SPT, n - lt0);
-        unsigned char* vals = sm.vals + (s % STAGES) * SPT * TILE_BYTES;
-        float* scales = sm.scales + (s % STAGES) * SPT * 64;
-        for (int c = threadIdx.x; c < tiles * 512; c += NT) {  // values: 16-byte chunk c & 7 of row (c >> 3) & 63
-            const int t = c >> 9, row = (c >> 3) & 63, col = c & 7;
-            const unsigned char* src = p.cache + (long long)sm.blk[lt0 + t] * p.block_stride;
-            cp_async16(smem_u32(vals + t * TILE_BYTES + row * 128 + ((col ^ (row & 7)) << 4)), src + row * 128 + col * 16);
+// Issues the cp.async copies of warpgroup wg's ring stage s: its local tile wg + NWG * s of this CTA's n tiles
+// (each warpgroup streams its own tiles into its own STAGES slots; only its 128 threads copy and wait).
+__device__ __forceinline__ void load_stage(const Params& p, const Smem& sm, int wg, int wt, int s, int n) {
+    const int lt = wg + NWG * s;
+    if (lt < n && DIAG != 2) {
+        const int slot = wg * STAGES + s % STAGES;
+        unsigned char* vals = sm.vals + slot * TILE_BYTES;
+        float* scales = sm.scales + slot * 64;
+        const unsigned char* src = p.cache + (long long)sm.blk[lt] * p.block_stride;
+#pragma unroll
+        for (int c = wt; c < 512; c += 128) {  // values: 16-byte chunk c & 7 of row c >> 3
+            const int row = c >> 3, col = c & 7;
+            cp_async16(smem_u32(vals + row * 128 + ((col ^ (row & 7)) << 4)), src + row * 128 + col * 16);
         }
-        for (int c = threadIdx.x; c < tiles * 16; c += NT) {  // scales: 16 chunks per tile
-            const int t = c >> 4, sc = c & 15;
-            const unsigned char* src = p.cache + (long long)sm.blk[lt0 + t] * p.block_stride;
-            cp_async16(smem_u32(scales + t * 64 + sc * 4), src + TILE_BYTES + sc * 16);
-        }
+        if (wt < 16) cp_async16(smem_u32(scales + wt * 4), src + TILE_BYTES + wt * 16);
     }
     cp_commit();
 }
 
+// ---------------------------------------------------------------- selection
+// A CTA's piece of one row: local tiles [la, le) of request b, row j of its next_n.
+struct Piece {
+    int b, j, lim, la, le, t0;  // t0: the piece's first tile within request b
+    int* ws;                    // the row's workspace
+    int* out;                   // the row's output
+};
+
+// f(piece) for every piece of this CTA with a row longer than topk (uniform over the CTA: f may synchronize).
+template <class F>
+__device__ __forceinline__ void for_pieces(const Params& p, const Smem& sm, int start, int end, int n, F&& f) {
+    if (n <= 0) return;
+    for (int b = seq_of(sm.cum, start, 0); b < p.B && sm.cum[b] < end; ++b) {
+        const int la = max(sm.cum[b], start) - start;
+        const int le = min(sm.cum[b + 1], end) - start;
+        if (le <= la) continue;
+        for (int j = 0; j < NEXT_N; ++j) {
+            const int lim = row_limit(p, b, j);
+            if (lim <= p.topk) continue;
+            const int r = b * NEXT_N + j;
+            const Piece pc{b, j, lim, la, le, la + start - sm.cum[b], p.ws + (long long)r * p.stride_ws,
+                           p.out + (long long)r * p.stride_o};
+            f(pc);
+        }
+    }
+}
+
+// f(key, position) for this thread's cells of the piece inside the row's window, in the same order every time
+// (4 consecutive keys per 16-byte load).
+template <class F>
+__device__ __forceinline__ void for_cells(const Smem& sm, const Piece& pc, F&& f) {
+    const int groups = (pc.le - pc.la) * (BLOCK_KEYS / 4);
+    for (int gi = threadIdx.x; gi < groups; gi += NT) {
+        const int i = gi * 4;
+        const int tile = pc.la + i / BLOCK_KEYS, m = i % BLOCK_KEYS;
+        const int pos = (pc.t0 + i / BLOCK_KEYS) * BLOCK_KEYS + m;
+        if (pos >= pc.lim) break;
+        const uint4 kv = *(const uint4*)(sm.lg + (tile * NEXT_N + pc.j) * 64 + m);
+        const u32 keys[4] = {kv.x, kv.y, kv.z, kv.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            if (pos + e < pc.lim) f(keys[e], pos + e);
+    }
+}
+
+// The piece's cells inside the row's window.
+__device__ __forceinline__ int piece_cells(const Piece& pc) {
+    return max(0, min(pc.lim, (pc.t0 + pc.le - pc.la) * BLOCK_KEYS) - pc.t0 * BLOCK_KEYS);
+}
+
+// How a row is finished, from its first digit's bin d0 (in cells in it, need of them wanted); key 0 (-inf,
+// NaN) is one value, so its bin's cells are all equal.
+__device__ __forceinline__ int row_mode(u32 d0, u32 in, u32 need) {
+    if (in == need || d0 == 0) return MODE_TIES;
+    return in <= LIST_CAP ? MODE_LIST : MODE_ROUNDS;
+}
+
+// The need largest of a row's cnt listed cells (keys that share their top 11 bits) written to out[0..need):
+// two shared-memory digits (11 and 10 bits), then the first cells of the final key still needed.
+__device__ void select_list(const Smem& sm, const int* lkeys, const int* lpos, int cnt, u32 need, int* out) {
+    u32* keys = (u32*)sm.vals;  // the ring is idle after scoring: [LIST_CAP] keys, [LIST_CAP] positions
+    int* pos = (int*)(keys + LIST_CAP);
+    const int tid = threadIdx.x;
+    const int c4 = (cnt + 3) / 4;  // 16-byte loads, all issued before any store (the list's rows are aligned)
+#pragma unroll 2
+    for (int i = tid; i < c4; i += NT) {
+        const int4 kv = __ldcg((const int4*)lkeys + i);
+        const int4 pv = __ldcg((const int4*)lpos + i);
+        ((int4*)keys)[i] = kv;
+        ((int4*)pos)[i] = pv;
+    }
+    __syncthreads();
+    for (int i = tid; i < cnt; i += NT) atomicAdd(&sm.hist[(keys[i] >> 10) & 2047u], 1u);
+    __syncthreads();
+    find_digit<2048, true>((const int*)sm.hist, need, sm.wsum, sm.res);
+    const u32 d1 = sm.res[0], need1 = need - sm.res[1], full1 = sm.res[2] == need1;
+    for (int i = tid; i < 2048; i += NT) sm.hist[i] = 0;
+    __syncthreads();
+    u32 d2 = 0, need2 = need1;
+    if (!full1) {
+        for (int i = tid; i < cnt; i += NT)
+            if (((keys[i] >> 10) & 2047u) == d1) atomicAdd(&sm.hist[keys[i] & 1023u], 1u);
+        __syncthreads();
+        find_digit<1024, true>((const int*)sm.hist, need1, sm.wsum, sm.res);
+        d2 = sm.res[0];
+        need2 = need1 - sm.res[1];
+        for (int i = tid; i < 1024; i += NT) sm.hist[i] = 0;
+        __syncthreads();
+    }
+    // 1: selected, 2: a cell of the final key (taken while still needed)
+    auto cls = [&](u32 k) -> int {
+        const u32 k1 = (k >> 10) & 2047u, k2 = k & 1023u;
+        if (k1 != d1) return k1 > d1 ? 1 : 0;
+        if (full1) return 1;
+        return k2 > d2 ? 1 : (k2 == d2 ? 2 : 0);
+    };
+    const int per = (cnt + NT - 1) / NT, lo = min(cnt, tid * per), hi = min(cnt, lo + per);
+    u32 na = 0, nt = 0;
+    for (int i = lo; i < hi; ++i) {
+        const int c = cls(keys[i]);
+        na += c == 1;
+        nt += c == 2;
+    }
+    int tot;
+    const int pre = block_scan((int)((na << 16) | nt), sm.wsum, &tot);
+    u32 ia = (u32)pre >> 16, it = (u32)pre & 0xffffu;
+    const u32 na_tot = (u32)tot >> 16;
+    for (int i = lo; i < hi; ++i) {
+        const int c = cls(keys[i]);
+        if (c == 1) out[ia++] = pos[i];
+        else if (c == 2) {
+            if (it < need2) out[na_tot + it] = pos[i];
+            ++it;
+        }
+    }
+    __syncthreads();
+}
+
 // A cell's class in a round: 1 selected, 2 a tie of the final round (kept while tickets last), 0 neither; with
 // hist, the cells in the round's open bin are counted there by the next digit.
-__device__ __forceinline__ int classify(u32 key, int round, u32 d0, u32 d1, u32 d2, u32 full0, u32 full1,
-                                        u32* hist) {
+__device__ __forceinline__ int classify(u32 key, int round, u32 d0, u32 d1, u32 d2, u32 full1, u32* hist) {
     const u32 k0 = key >> 21, k1 = (key >> 10) & 2047u, k2 = key & 1023u;
-    if (round == 0) {
-        if (hist) atomicAdd(&hist[k0], 1u);
-        return 0;
-    }
     if (k0 != d0) return (round == 1 && k0 > d0) ? 1 : 0;
     if (round == 1) {
-        if (full0) return 1;
         if (hist) atomicAdd(&hist[k1], 1u);
         return 0;
     }
@@ -380,6 +492,64 @@ __device__ __forceinline__ int classify(u32 key, int round, u32 d0, u32 d1, u32 
         return 0;
     }
     return k2 > d2 ? 1 : (k2 == d2 ? 2 : 0);
+}
+
+// Round 1, 2 or 3 of a row whose first bin overflows the list (MODE_ROUNDS): every CTA recomputes the row's
+// digits from the global histograms (no per-row state between rounds); round 1 writes the cells above the first
+// digit and histograms the cells in it by the next 11 bits, round 2 the same one digit lower, round 3 the last
+// 10 bits, with tickets for the final key's cells.
+__device__ void slow_round(const Smem& sm, const Piece& pc, int round, int topk) {
+    find_digit<2048, false>(pc.ws + WS_H0, (u32)topk, sm.wsum, sm.res);
+    const u32 d0 = sm.res[0], in0 = sm.res[2];
+    u32 need = (u32)topk - sm.res[1];
+    if (row_mode(d0, in0, need) != MODE_ROUNDS) return;
+    u32 d1 = 0, d2 = 0, full1 = 0;
+    if (round >= 2) {
+        find_digit<2048, false>(pc.ws + WS_H1, need, sm.wsum, sm.res);
+        d1 = sm.res[0];
+        need -= sm.res[1];
+        full1 = sm.res[2] == need;
+        if (round == 3 && full1) return;
+    }
+    if (round == 3) {
+        find_digit<1024, false>(pc.ws + WS_H2, need, sm.wsum, sm.res);
+        d2 = sm.res[0];
+        need -= sm.res[1];
+    }
+    u32 na = 0, nt = 0;
+    for_cells(sm, pc, [&](u32 key, int) {
+        const int c = classify(key, round, d0, d1, d2, full1, sm.hist);
+        na += c == 1;
+        nt += c == 2;
+    });
+    int tot;  // one block scan of both counts (each below 2^16: a CTA holds fewer than 65536 cells)
+    const int pre = block_scan((int)((na << 16) | nt), sm.wsum, &tot);
+    const u32 na_tot = (u32)tot >> 16, nt_tot = (u32)tot & 0xffffu;
+    if (na_tot + nt_tot) {
+        if (threadIdx.x == 0) {
+            const u32 tie0 = nt_tot ? (u32)atomicAdd(pc.ws + WS_TIE, (int)nt_tot) : 0u;
+            const u32 taken = tie0 >= need ? 0u : min(nt_tot, need - tie0);
+            sm.res[0] = (u32)atomicAdd(pc.ws + WS_SEL, (int)(na_tot + taken));
+            sm.res[1] = tie0;
+        }
+        __syncthreads();
+        const u32 base = sm.res[0], tie0 = sm.res[1];
+        u32 ia = base + ((u32)pre >> 16), it = (u32)pre & 0xffffu;
+        if (na || nt) {
+            for_cells(sm, pc, [&](u32 key, int pos) {
+                const int c = classify(key, round, d0, d1, d2, full1, nullptr);
+                if (c == 1) {
+                    pc.out[ia++] = pos;
+                } else if (c == 2) {
+                    if (tie0 + it < need) pc.out[base + na_tot + it] = pos;
+                    ++it;
+                }
+            });
+        }
+    }
+    if (round == 1) flush_hist<2048>(sm.hist, pc.ws + WS_H1);
+    else if (round == 2 && !full1) flush_hist<1024>(sm.hist, pc.ws + WS_H2);
+    __syncthreads();
 }
 
 // ---------------------------------------------------------------- the kernel
@@ -439,20 +609,21 @@ extern "C" __global__ void __launch_bounds__(NT, 1) si_paged_mqa_topk(const Para
         if (lim <= p.topk) {
             for (int i = tid; i < p.topk; i += NT) p.out[(long long)r * p.stride_o + i] = i < lim ? i : -1;
         } else {
-            int4* wr = (int4*)(p.ws + (long long)r * p.stride_ws);
-            for (int i = tid; i < WS_COLS / 4; i += NT) wr[i] = make_int4(0, 0, 0, 0);
+            int4* wr = (int4*)(p.ws + (long long)r * p.stride_ws);  // the histograms and the counters
+            for (int i = tid; i < WS_H2 / 4 + 256 + 2; i += NT)
+                wr[i < WS_H2 / 4 + 256 ? i : WS_SEL / 4 + i - (WS_H2 / 4 + 256)] = make_int4(0, 0, 0, 0);
         }
     }
 
     __syncthreads();
     MARK(1);
 
-    // ---- score
+    // ---- score: each warpgroup streams its own tiles wg, wg + NWG, ... through its own ring
     {
-#pragma unroll
-        for (int s = 0; s < STAGES - 1; ++s) load_stage(p, sm, s, n);
         const int wg = tid >> 7;           // warpgroup
         const int wt = tid & 127;          // thread in the warpgroup
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) load_stage(p, sm, wg, wt, s, n);
         const int warp = wt >> 5, lane = lane_id();
         const int m0 = 16 * warp + (lane >> 2), c = lane & 3;
         int cb = 0;                         // this warpgroup's walk over requests
@@ -460,200 +631,172 @@ extern "C" __global__ void __launch_bounds__(NT, 1) si_paged_mqa_topk(const Para
         float wreg[NEXT_N][H / 4];
         int lims[NEXT_N];
         unsigned char* qb = sm.qbuf + wg * NEXT_N * H * 128;
-        const int stages = (n + SPT - 1) / SPT;
-        for (int s = 0; s < stages; ++s) {
+        const int mine = n > wg ? (n - wg + NWG - 1) / NWG : 0;  // this warpgroup's tiles
+        for (int s = 0; s < mine; ++s) {
             cp_wait<STAGES - 2>();
             fence_async_smem();
-            __syncthreads();
-            load_stage(p, sm, s + STAGES - 1, n);
-            const int lt_base = SPT * s + TPW * wg;  // this warpgroup's tiles lt_base .. lt_base + TPW - 1
-            const unsigned char* vals = sm.vals + (s % STAGES) * SPT * TILE_BYTES + TPW * wg * TILE_BYTES;
-            const float* scales = sm.scales + (s % STAGES) * SPT * 64 + TPW * wg * 64;
-            int u0 = 0;
-            while (u0 < TPW && lt_base + u0 < n) {  // runs of the warpgroup's tiles of one request
-                const int g0 = start + lt_base + u0;
-                cb = seq_of(sm.cum, g0, cb);
-                int u1 = u0 + 1;
-                while (u1 < TPW && lt_base + u1 < n && start + lt_base + u1 < sm.cum[cb + 1]) ++u1;
-                if (cb != qseq) {  // this warpgroup's queries and weights of request cb
-                    qseq = cb;
-                    const uint4* qsrc = (const uint4*)(p.q + (long long)cb * NEXT_N * H * 128);
-                    for (int i = wt; i < NEXT_N * H * 8; i += 128) {
-                        const int row = i >> 3, col = i & 7;
-                        *(uint4*)(qb + row * 128 + ((col ^ (row & 7)) << 4)) = qsrc[i];
-                    }
-#pragma unroll
-                    for (int j = 0; j < NEXT_N; ++j) {
-                        const float* wr = p.w + (long long)(cb * NEXT_N + j) * p.stride_w;
-#pragma unroll
-                        for (int i = 0; i < H / 8; ++i) {
-                            wreg[j][2 * i] = wr[8 * i + 2 * c];
-                            wreg[j][2 * i + 1] = wr[8 * i + 2 * c + 1];
-                        }
-                        lims[j] = row_limit(p, cb, j);
-                    }
-                    fence_async_smem();
-                    asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
+            asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
+            load_stage(p, sm, wg, wt, s + STAGES - 1, n);
+            const int lt = wg + NWG * s;
+            const int slot = wg * STAGES + s % STAGES;
+            const unsigned char* vals = sm.vals + slot * TILE_BYTES;
+            const float* scales = sm.scales + slot * 64;
+            const int g = start + lt;
+            cb = seq_of(sm.cum, g, cb);
+            if (cb != qseq) {  // this warpgroup's queries and weights of request cb
+                qseq = cb;
+                const uint4* qsrc = (const uint4*)(p.q + (long long)cb * NEXT_N * H * 128);
+                for (int i = wt; i < NEXT_N * H * 8; i += 128) {
+                    const int row = i >> 3, col = i & 7;
+                    *(uint4*)(qb + row * 128 + ((col ^ (row & 7)) << 4)) = qsrc[i];
                 }
-                const int tile0 = g0 - sm.cum[cb];  // tile u0's index within request cb
 #pragma unroll
                 for (int j = 0; j < NEXT_N; ++j) {
-                    float d[TPW][ACC_N];
+                    const float* wr = p.w + (long long)(cb * NEXT_N + j) * p.stride_w;
 #pragma unroll
-                    for (int u = 0; u < TPW; ++u)
-#pragma unroll
-                        for (int i = 0; i < ACC_N; ++i) d[u][i] = 0.f;
-                    if (DIAG != 1) {
-                        wg_fence();
-#pragma unroll
-                        for (int u = 0; u < TPW; ++u)
-                            if (u >= u0 && u < u1) mma_tile(d[u], smem_u32(vals + u * TILE_BYTES), smem_u32(qb + j * H * 128));
-                        wg_commit();
-                        wg_wait0();
+                    for (int i = 0; i < H / 8; ++i) {
+                        wreg[j][2 * i] = wr[8 * i + 2 * c];
+                        wreg[j][2 * i + 1] = wr[8 * i + 2 * c + 1];
                     }
-#pragma unroll
-                    for (int u = 0; u < TPW; ++u) {
-                        if (u < u0 || u >= u1) continue;
-                        float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-                        for (int i = 0; i < ACC_N / 4; ++i) {
-                            s0 += fmaxf(d[u][4 * i], 0.f) * wreg[j][2 * i] + fmaxf(d[u][4 * i + 1], 0.f) * wreg[j][2 * i + 1];
-                            s1 += fmaxf(d[u][4 * i + 2], 0.f) * wreg[j][2 * i] + fmaxf(d[u][4 * i + 3], 0.f) * wreg[j][2 * i + 1];
-                        }
-                        s0 += __shfl_xor_sync(FULL, s0, 1);
-                        s1 += __shfl_xor_sync(FULL, s1, 1);
-                        s0 += __shfl_xor_sync(FULL, s0, 2);
-                        s1 += __shfl_xor_sync(FULL, s1, 2);
-                        if (c < 2) {
-                            const int m = m0 + 8 * c;
-                            const float v = round_cell((c ? s1 : s0) * scales[u * 64 + m]);
-                            sm.lg[((lt_base + u) * NEXT_N + j) * 64 + m] = fkey(v);
-#if LG_OUT
-                            const int pos = (tile0 + u - u0) * BLOCK_KEYS + m;
-                            if (pos < lims[j]) {
-                                const long long o = (long long)(cb * NEXT_N + j) * p.stride_lg + pos;
-#if BF16
-                                ((unsigned short*)p.lg)[o] = (unsigned short)(__float_as_uint(v) >> 16);
-#else
-                                ((float*)p.lg)[o] = v;
-#endif
-                            }
-#endif
-                        }
-                    }
+                    lims[j] = row_limit(p, cb, j);
                 }
-                (void)tile0;
-                (void)lims;
-                u0 = u1;
+                fence_async_smem();
+                asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
             }
+            const int tile = g - sm.cum[cb];  // the tile's index within request cb
+#pragma unroll
+            for (int j = 0; j < NEXT_N; ++j) {
+                float d[ACC_N];
+#pragma unroll
+                for (int i = 0; i < ACC_N; ++i) d[i] = 0.f;
+                if (DIAG != 1) {
+                    wg_fence();
+                    mma_tile(d, smem_u32(vals), smem_u32(qb + j * H * 128));
+                    wg_commit();
+                    wg_wait0();
+                }
+                float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+                for (int i = 0; i < ACC_N / 4; ++i) {
+                    s0 += fmaxf(d[4 * i], 0.f) * wreg[j][2 * i] + fmaxf(d[4 * i + 1], 0.f) * wreg[j][2 * i + 1];
+                    s1 += fmaxf(d[4 * i + 2], 0.f) * wreg[j][2 * i] + fmaxf(d[4 * i + 3], 0.f) * wreg[j][2 * i + 1];
+                }
+                s0 += __shfl_xor_sync(FULL, s0, 1);
+                s1 += __shfl_xor_sync(FULL, s1, 1);
+                s0 += __shfl_xor_sync(FULL, s0, 2);
+                s1 += __shfl_xor_sync(FULL, s1, 2);
+                if (c < 2) {
+                    const int m = m0 + 8 * c;
+                    const float v = round_cell((c ? s1 : s0) * scales[m]);
+                    sm.lg[(lt * NEXT_N + j) * 64 + m] = fkey(v);
+#if LG_OUT
+                    const int pos = tile * BLOCK_KEYS + m;
+                    if (pos < lims[j]) {
+                        const long long o = (long long)(cb * NEXT_N + j) * p.stride_lg + pos;
+#if BF16
+                        ((unsigned short*)p.lg)[o] = (unsigned short)(__float_as_uint(v) >> 16);
+#else
+                        ((float*)p.lg)[o] = v;
+#endif
+                    }
+#endif
+                }
+            }
+            (void)tile;
+            (void)lims;
         }
         cp_wait<0>();
     }
     MARK(2);
-    grid_barrier(p.bar);
+    grid_barrier(p.bar);  // every workspace row zeroed
     MARK(3);
 
-    // ---- rounds 0-3 over this CTA's row pieces
-    const int b_first = total > 0 && n > 0 ? seq_of(sm.cum, start, 0) : p.B;
-    for (int round = 0; round < 4; ++round) {
-        if (n > 0) {
-            for (int b = b_first; b < p.B && sm.cum[b] < end; ++b) {
-                const int la = max(sm.cum[b], start) - start;
-                const int le = min(sm.cum[b + 1], end) - start;
-                if (le <= la) continue;
-                const int t0 = la + start - sm.cum[b];  // the piece's first tile within request b
-                for (int j = 0; j < NEXT_N; ++j) {
-                    const int r = b * NEXT_N + j;
-                    const int lim = row_limit(p, b, j);
-                    if (lim <= p.topk) continue;
-                    int* wr = p.ws + (long long)r * p.stride_ws;
-                    int* orow = p.out + (long long)r * p.stride_o;
-                    const int cells = (le - la) * BLOCK_KEYS;
-                    // the digits resolved so far (recomputed from the global histograms)
-                    u32 d0 = 0, d1 = 0, d2 = 0, need = (u32)p.topk, full0 = 0, full1 = 0;
-                    if (round >= 1) {
-                        find_digit<2048>(wr + WS_H0, need, sm.wsum, sm.res);
-                        d0 = sm.res[0];
-                        need -= sm.res[1];
-                        full0 = sm.res[2] == need;
+    // ---- round 0: the row pieces' histograms of the top 11 key bits, into the rows' global histograms
+    for_pieces(p, sm, start, end, n, [&](const Piece& pc) {
+        for_cells(sm, pc, [&](u32 key, int) { atomicAdd(&sm.hist[key >> 21], 1u); });
+        flush_hist<2048>(sm.hist, pc.ws + WS_H0);
+    });
+    grid_barrier(p.bar);
+    MARK(4);
+
+    // ---- the one-pass select: a row's histogram gives the bin of its topk-th largest key
+    bool slow_here = false;
+    for_pieces(p, sm, start, end, n, [&](const Piece& pc) {
+        find_digit<2048, false>(pc.ws + WS_H0, (u32)p.topk, sm.wsum, sm.res);
+        const u32 d0 = sm.res[0], above = sm.res[1], in = sm.res[2], need = (u32)p.topk - above;
+        const int mode = row_mode(d0, in, need);
+        if (mode == MODE_ROUNDS) {
+            slow_here = true;
+            return;
+        }
+        u32 na = 0, nb = 0;  // this thread's cells above the bin and in it
+        for_cells(sm, pc, [&](u32 key, int) {
+            na += (key >> 21) > d0;
+            nb += (key >> 21) == d0;
+        });
+        int tot;
+        const int pre = block_scan((int)((na << 16) | nb), sm.wsum, &tot);
+        const u32 na_tot = (u32)tot >> 16, nb_tot = (u32)tot & 0xffffu;
+        if (tid == 0) {
+            u32 b0 = 0, taken = 0;
+            if (mode == MODE_TIES) {  // the bin's cells are all equal (or all needed): the first ones taken
+                b0 = nb_tot ? (u32)atomicAdd(pc.ws + WS_TIE, (int)nb_tot) : 0u;
+                taken = b0 >= need ? 0u : min(nb_tot, need - b0);
+            } else if (nb_tot) {  // MODE_LIST: the bin's cells go to the row's candidate list
+                b0 = (u32)atomicAdd(pc.ws + WS_CNT, (int)nb_tot);
+            }
+            sm.res[0] = (na_tot + taken) ? (u32)atomicAdd(pc.ws + WS_SEL, (int)(na_tot + taken)) : 0u;
+            sm.res[1] = b0;
+        }
+        __syncthreads();
+        const u32 base = sm.res[0], b0 = sm.res[1];
+        u32 ia = base + ((u32)pre >> 16), ib = (u32)pre & 0xffffu;
+        int* lkeys = pc.ws + WS_LIST;
+        int* lpos = lkeys + LIST_CAP;
+        if (na || nb) {
+            for_cells(sm, pc, [&](u32 key, int pos) {
+                const u32 k0 = key >> 21;
+                if (k0 > d0) {
+                    pc.out[ia++] = pos;
+                } else if (k0 == d0) {
+                    if (mode == MODE_TIES) {
+                        if (b0 + ib < need) pc.out[base + na_tot + ib] = pos;
+                    } else {
+                        lkeys[b0 + ib] = (int)key;
+                        lpos[b0 + ib] = pos;
                     }
-                    if (round >= 2) {
-                        if (full0) continue;
-                        find_digit<2048>(wr + WS_H1, need, sm.wsum, sm.res);
-                        d1 = sm.res[0];
-                        need -= sm.res[1];
-                        full1 = sm.res[2] == need;
-                    }
-                    if (round == 3) {
-                        if (full1) continue;
-                        find_digit<1024>(wr + WS_H2, need, sm.wsum, sm.res);
-                        d2 = sm.res[0];
-                        need -= sm.res[1];
-                    }
-                    // Pass A: this thread's cells (4 consecutive keys per 16-byte load): the histogram of the
-                    // round's digit, and counts of the cells it selects and of the final round's ties.
-                    const int groups = cells / 4;
-                    u32 na = 0, nt = 0;
-                    for (int gi = tid; gi < groups; gi += NT) {
-                        const int i = gi * 4;
-                        const int tile = la + i / BLOCK_KEYS, m = i % BLOCK_KEYS;
-                        const int pos = (t0 + i / BLOCK_KEYS) * BLOCK_KEYS + m;
-                        const uint4 kv = *(const uint4*)(sm.lg + (tile * NEXT_N + j) * 64 + m);
-                        const u32 keys[4] = {kv.x, kv.y, kv.z, kv.w};
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            if (pos + e >= lim) break;
-                            const int c = classify(keys[e], round, d0, d1, d2, full0, full1, sm.hist);
-                            na += c == 1;
-                            nt += c == 2;
-                        }
-                    }
-                    // One block scan of both counts (each below 2^16: a CTA holds fewer than 65536 cells).
-                    int tot;
-                    const int pre = block_scan((int)((na << 16) | nt), sm.wsum, &tot);
-                    const u32 na_tot = (u32)tot >> 16, nt_tot = (u32)tot & 0xffffu;
-                    if (na_tot + nt_tot) {
-                        if (tid == 0) {
-                            const u32 tie0 = nt_tot ? (u32)atomicAdd(wr + WS_TIE, (int)nt_tot) : 0u;
-                            const u32 taken = tie0 >= need ? 0u : min(nt_tot, need - tie0);
-                            sm.res[0] = (u32)atomicAdd(wr + WS_SEL, (int)(na_tot + taken));
-                            sm.res[1] = tie0;
-                        }
-                        __syncthreads();
-                        // Pass B: the selected cells' positions, at slots claimed above for the whole CTA.
-                        const u32 base = sm.res[0], tie0 = sm.res[1];
-                        u32 ia = base + ((u32)pre >> 16), it_ = (u32)pre & 0xffffu;
-                        for (int gi = tid; gi < groups && (na || nt); gi += NT) {
-                            const int i = gi * 4;
-                            const int tile = la + i / BLOCK_KEYS, m = i % BLOCK_KEYS;
-                            const int pos = (t0 + i / BLOCK_KEYS) * BLOCK_KEYS + m;
-                            const uint4 kv = *(const uint4*)(sm.lg + (tile * NEXT_N + j) * 64 + m);
-                            const u32 keys[4] = {kv.x, kv.y, kv.z, kv.w};
-#pragma unroll
-                            for (int e = 0; e < 4; ++e) {
-                                if (pos + e >= lim) break;
-                                const int c = classify(keys[e], round, d0, d1, d2, full0, full1, nullptr);
-                                if (c == 1) {
-                                    orow[ia++] = pos + e;
-                                    --na;
-                                } else if (c == 2) {
-                                    if (tie0 + it_ < need) orow[base + na_tot + it_] = pos + e;
-                                    ++it_;
-                                    --nt;
-                                }
-                            }
-                        }
-                    }
-                    if (round == 0) flush_hist<2048>(sm.hist, wr + WS_H0);
-                    else if (round == 1 && !full0) flush_hist<2048>(sm.hist, wr + WS_H1);
-                    else if (round == 2 && !full1) flush_hist<1024>(sm.hist, wr + WS_H2);
-                    __syncthreads();
+                    ++ib;
                 }
+            });
+        }
+        if (mode == MODE_LIST) {  // the CTA whose cells complete the row selects need of its list
+            __syncthreads();
+            if (tid == 0) {
+                __threadfence();
+                const int cells = piece_cells(pc);
+                const int old = atomicAdd(pc.ws + WS_ARR, cells);
+                sm.res[2] = cells > 0 && old + cells == pc.lim;
+            }
+            __syncthreads();
+            if (sm.res[2]) {
+                __threadfence();
+                select_list(sm, lkeys, lpos, (int)in, need, pc.out + above);
             }
         }
-        if (round < 3) {
-            MARK(4 + round);
-            grid_barrier(p.bar);
+        __syncthreads();
+    });
+    // Rows whose bin holds more cells than the list: every CTA learns of them at the next barrier (the flag is
+    // the generation that barrier will start, so no reset is needed) and then runs rounds 1-3 over the grid.
+    if (slow_here && tid == 0) atomicExch(p.bar + 2, ld_acquire(p.bar + 1) + 1u);
+    MARK(5);
+    grid_barrier(p.bar);
+    MARK(6);
+    if (tid == 0) sm.res[3] = ld_acquire(p.bar + 2) == ld_acquire(p.bar + 1);
+    __syncthreads();
+    if (sm.res[3]) {
+        for (int round = 1; round < 4; ++round) {
+            for_pieces(p, sm, start, end, n, [&](const Piece& pc) { slow_round(sm, pc, round, p.topk); });
+            if (round < 3) grid_barrier(p.bar);
         }
     }
     MARK(7);
