@@ -1,34 +1,40 @@
 // Fused paged decode scoring + exact top-k (docs/spec.md §5 and §6): the logits never leave shared memory.
 //
-// One persistent cooperative grid of one CTA per SM (NT = 256 threads: two warpgroups). The key tiles of every
-// request that needs a selection (a row whose window is longer than topk; every request when the logits are
-// also written out) form one global range of 64-key tiles cut into P equal contiguous pieces, one per CTA, as
-// in the Gluon logits kernel. Phases, separated by grid barriers:
+// One persistent cooperative grid of one CTA per SM (NT = 128 * NWG threads: NWG warpgroups). The key tiles of
+// every request that needs a selection (a row whose window is longer than topk; every request when the logits
+// are also written out) form one global range of 64-key tiles cut into P equal contiguous pieces, one per CTA,
+// as in the Gluon logits kernel. Phases:
 //
-//   score   a cp.async ring of STAGES slots of two tiles (the tile's 64 x 128 fp8 values stored with the
-//           128-byte swizzle wgmma reads, and its 64 float32 scales); warpgroup g takes the slot's tile g:
-//           per query token j one wgmma chain K[64 keys, 128] x Q_j^T[128, H] (fp8 in, f32 accumulators), then
-//           relu, times the head weights, the head sum (within a thread and its quad), times the key scale.
-//           Each logit's order-preserving 32-bit key is stored in the CTA's shared memory (rows of next_n x 64
-//           keys per tile); with LG_OUT the logit also goes to global memory (the test mode).
-//   round 0 per row piece of the CTA: a shared-memory histogram of the top 11 key bits, added to the row's
-//           global histogram (workspace).
-//   round 1 per row piece: the row's histogram gives the bin of the topk-th largest key; cells above it are
-//           written to out (slots claimed by one global atomic per warp), cells in it are counted by the next
-//           11 bits (unless the bin holds exactly the cells still needed: then they are all written).
-//   round 2 the same one digit lower (the next 11 bits), round 3 the last 10 bits; cells equal to the final
-//           key take tickets from a per-row counter, and only the first ones still needed are written.
+//   score    each warpgroup streams its own tiles (wg, wg + NWG, ...) through its own cp.async ring of STAGES
+//            slots (the tile's 64 x 128 fp8 values stored with the 128-byte swizzle wgmma reads, and its 64
+//            float32 scales), synchronizing only its 128 threads: per query token j one wgmma chain
+//            K[64 keys, 128] x Q_j^T[128, H] (fp8 in, f32 accumulators), then relu, times the head weights, the
+//            head sum (within a thread and its quad), times the key scale. Each logit's order-preserving 32-bit
+//            key is stored in the CTA's shared memory (rows of next_n x 64 keys per tile); with LG_OUT the logit
+//            also goes to global memory (the test mode).
+//   barrier  (every workspace row zeroed)
+//   round 0  per row piece of the CTA: a shared-memory histogram of the top 11 key bits, added to the row's
+//            global histogram (workspace).
+//   barrier
+//   select   per row piece: the row's histogram gives the bin d0 of the topk-th largest key. Cells above d0 are
+//            written to out (slots claimed by one global atomic per CTA and piece, offsets from a block scan).
+//            The cells in d0 (at most LIST_CAP of them) are appended to the row's list in the workspace, and the
+//            CTA whose cells complete the row (a per-row count of the cells done) selects the ones still needed
+//            from the list in shared memory (two more digits, then tickets for the final key). A bin of equal
+//            keys (key 0: -inf and NaN) or of exactly the cells needed is taken directly, first come first
+//            served. A bin of more than LIST_CAP cells (few distinct values) is finished by the row's CTAs in
+//            three rounds of one digit each, with a row barrier between rounds (a per-row count of the cells
+//            done: every CTA takes its pieces in row order, so this never deadlocks).
 //
-// Every CTA recomputes a row's digits from the global histograms (nothing per row is kept between rounds), so
-// the rounds hold no per-row state and a CTA may hold pieces of any number of rows. Rows of at most topk cells
-// are written 0..len-1, -1... without any selection (their requests are not even scored unless LG_OUT).
+// Rows of at most topk cells are written 0..len-1, -1... without any selection (their requests are not even
+// scored unless LG_OUT). The grid barrier is a self-resetting counter (bar[0], back to 0 after each barrier) and
+// a generation word (bar[1]) in a small per-device state buffer only this kernel writes; the cooperative launch
+// guarantees that every CTA is resident.
 //
-// The grid barrier is a self-resetting counter (bar[0], back to 0 after each barrier) and a generation word
-// (bar[1]) in a small per-device state buffer only this kernel writes; the cooperative launch guarantees that
-// every CTA is resident.
-//
-// Workspace row r (int32, FUSED_WORKSPACE_COLS = 5128): histograms H0 [2048], H1 [2048], H2 [1024], then
-// counters: SEL (output slots taken), TIE (tickets of the final tie class).
+// Workspace row r (int32, FUSED_WORKSPACE_COLS = 10248): histogram H0 [2048]; then either H1 [2048] and H2
+// [1024] (rows finished by rounds) or, over the same columns, the list (LIST_CAP keys, then LIST_CAP
+// positions); then counters at 10240: SEL (output slots taken), TIE (tickets), CNT (list entries), ARR (cells
+// done). Only H0-H2 and the counters are zeroed at the start of a call.
 
 #ifndef NEXT_N
 #define NEXT_N 1
@@ -494,15 +500,11 @@ __device__ __forceinline__ int classify(u32 key, int round, u32 d0, u32 d1, u32 
     return k2 > d2 ? 1 : (k2 == d2 ? 2 : 0);
 }
 
-// Round 1, 2 or 3 of a row whose first bin overflows the list (MODE_ROUNDS): every CTA recomputes the row's
-// digits from the global histograms (no per-row state between rounds); round 1 writes the cells above the first
-// digit and histograms the cells in it by the next 11 bits, round 2 the same one digit lower, round 3 the last
-// 10 bits, with tickets for the final key's cells.
-__device__ void slow_round(const Smem& sm, const Piece& pc, int round, int topk) {
-    find_digit<2048, false>(pc.ws + WS_H0, (u32)topk, sm.wsum, sm.res);
-    const u32 d0 = sm.res[0], in0 = sm.res[2];
-    u32 need = (u32)topk - sm.res[1];
-    if (row_mode(d0, in0, need) != MODE_ROUNDS) return;
+// Round 1, 2 or 3 of a row whose first bin d0 (need of its cells wanted) overflows the list (MODE_ROUNDS), run by
+// each of the row's CTAs with a row barrier between rounds: round 1 writes the cells above d0 and histograms the
+// cells in it by the next 11 bits, round 2 the same one digit lower, round 3 the last 10 bits, with tickets for
+// the final key's cells. The later digits are recomputed from the global histograms (no per-row state is kept).
+__device__ void slow_round(const Smem& sm, const Piece& pc, int round, u32 d0, u32 need) {
     u32 d1 = 0, d2 = 0, full1 = 0;
     if (round >= 2) {
         find_digit<2048, false>(pc.ws + WS_H1, need, sm.wsum, sm.res);
@@ -549,6 +551,21 @@ __device__ void slow_round(const Smem& sm, const Piece& pc, int round, int topk)
     }
     if (round == 1) flush_hist<2048>(sm.hist, pc.ws + WS_H1);
     else if (round == 2 && !full1) flush_hist<1024>(sm.hist, pc.ws + WS_H2);
+    __syncthreads();
+}
+
+// The row's CTAs (each adds its cells; they total lim per round) wait for each other after round `round`. Every
+// CTA takes its pieces in row order, so the lowest row not yet done always has all its CTAs at its barrier.
+__device__ void row_barrier(const Piece& pc, int round) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(pc.ws + WS_ARR, piece_cells(pc));
+        const u32 target = (u32)round * (u32)pc.lim;
+        while (ld_acquire((const u32*)(pc.ws + WS_ARR)) < target) {
+        }
+        __threadfence();
+    }
     __syncthreads();
 }
 
@@ -720,13 +737,17 @@ extern "C" __global__ void __launch_bounds__(NT, 1) si_paged_mqa_topk(const Para
     MARK(4);
 
     // ---- the one-pass select: a row's histogram gives the bin of its topk-th largest key
-    bool slow_here = false;
     for_pieces(p, sm, start, end, n, [&](const Piece& pc) {
         find_digit<2048, false>(pc.ws + WS_H0, (u32)p.topk, sm.wsum, sm.res);
         const u32 d0 = sm.res[0], above = sm.res[1], in = sm.res[2], need = (u32)p.topk - above;
         const int mode = row_mode(d0, in, need);
-        if (mode == MODE_ROUNDS) {
-            slow_here = true;
+        if (mode == MODE_ROUNDS) {  // (a piece of no cells in the window takes no part)
+            if (piece_cells(pc) > 0) {
+                for (int round = 1; round < 4; ++round) {
+                    slow_round(sm, pc, round, d0, need);
+                    if (round < 3) row_barrier(pc, round);
+                }
+            }
             return;
         }
         u32 na = 0, nb = 0;  // this thread's cells above the bin and in it
@@ -785,19 +806,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) si_paged_mqa_topk(const Para
         }
         __syncthreads();
     });
-    // Rows whose bin holds more cells than the list: every CTA learns of them at the next barrier (the flag is
-    // the generation that barrier will start, so no reset is needed) and then runs rounds 1-3 over the grid.
-    if (slow_here && tid == 0) atomicExch(p.bar + 2, ld_acquire(p.bar + 1) + 1u);
     MARK(5);
-    grid_barrier(p.bar);
-    MARK(6);
-    if (tid == 0) sm.res[3] = ld_acquire(p.bar + 2) == ld_acquire(p.bar + 1);
-    __syncthreads();
-    if (sm.res[3]) {
-        for (int round = 1; round < 4; ++round) {
-            for_pieces(p, sm, start, end, n, [&](const Piece& pc) { slow_round(sm, pc, round, p.topk); });
-            if (round < 3) grid_barrier(p.bar);
-        }
-    }
     MARK(7);
 }
