@@ -144,7 +144,7 @@ class _StepPlan:
     ``(b0, b1, r0, r1, logits, qk, workspace, row_starts, row_ends, context_lens, block_table)``."""
 
     __slots__ = ("buffers", "outs", "both", "chunks", "subs", "written", "layer", "write_kw", "gather_kw", "paged_kw",
-                 "chunk_scores", "sub_scores")
+                 "chunk_scores", "sub_scores", "fused")
 
     def __init__(self, metadata: IndexerMetadata, buffers: Buffers, prefill: bool, decode: bool, spans: bool = True):
         self.buffers = buffers
@@ -192,6 +192,7 @@ class _StepPlan:
         # the cache format (limits.cache) as the ops' keyword arguments: the write's, the gather's and the paged
         # logits' (empty where it is the plain one: the default format adds nothing to a call)
         self.write_kw, self.gather_kw, self.paged_kw = _format_kwargs(lim)
+        self.fused = None  # (registry generation, the fused route of each sub-batch): _fused_routes
 
     def layer_disjoint(self, outputs: tuple, inputs: tuple) -> bool:
         """Whether the layer's ``outputs`` are disjoint from everything (the buffer fields, the metadata tensors,
@@ -591,7 +592,16 @@ def _run_step(plan, metadata: IndexerMetadata, buffers: Buffers, q_fp8: torch.Te
             # only, so every shape is fixed by the step's metadata and the loop captures in a CUDA graph; each
             # reuses the same region at the start of buffers.logits (and of qk, topk_scratch). Rows are
             # independent, so the top-k is the one of a single batch.
+            fused = _fused_routes(plan, run, backend, q, w, kv_cache, sel) if cand is None else None
             for i, (b0, b1, r0, r1, logits, qk, ws, row_starts, row_ends, ctx, bt) in enumerate(plan.subs):
+                if fused is not None and fused[i] is not None:
+                    try:  # scores and selection in one kernel, no logits (else: NotImplementedError, nothing written)
+                        run("fp8_paged_mqa_topk", fused[i], dev,
+                            (_rows(q, b0, b1), kv_cache, _rows(w, r0, r1), ctx, bt),
+                            {"out": _rows(sel, r0, r1), "workspace": ws})
+                        continue
+                    except NotImplementedError:
+                        pass
                 _sub_batch_ops(run, backend, dev, q, w, kv_cache, b0, b1, r0, r1, logits, qk, ctx, bt, plan.paged_kw)
                 if cand is None:
                     kw = {"out": _rows(sel, r0, r1)} if ws is None else {"out": _rows(sel, r0, r1), "workspace": ws}
@@ -607,6 +617,32 @@ def _run_step(plan, metadata: IndexerMetadata, buffers: Buffers, q_fp8: torch.Te
         if run is _run_direct:  # what the ops wrote, once (their ADInplaceOrView kernels would, op by op)
             written = (topk_out, *plan.written) if k is None else (topk_out, kv_cache, *plan.written)
             library.bump_versions((candidates, *written) if write else written)
+
+
+def _fused_routes(plan, run, backend: str | None, q: torch.Tensor, w: torch.Tensor, kv_cache: torch.Tensor,
+                  sel: torch.Tensor) -> tuple | None:
+    """The backend whose fused ``fp8_paged_mqa_topk`` ``auto`` runs for each decode sub-batch of ``plan`` (``None``
+    where it composes: docs/spec.md §6b), or ``None`` when the step cannot fuse at all: a named backend, a cache
+    format other than the plain one, no workspace in the record, or a step off the direct route (compiled, traced:
+    the composition of the logits and top-k ops). Decided once per plan and registry generation, from host
+    values only; a sub-batch whose call the fused kernel declines after all still composes."""
+    if run is not _run_direct or not (backend is None or backend == "auto") or plan.paged_kw or not plan.subs:
+        return None
+    from ._runtime import dispatch
+    from .backends import generation
+
+    if plan.fused is not None and plan.fused[0] == generation:
+        return plan.fused[1]
+    found = dispatch.routes("fp8_paged_mqa_topk", None, q.device)
+    names = []
+    for b0, b1, r0, r1, _, _, ws, _, _, ctx, bt in plan.subs:
+        r = None
+        if ws is not None:
+            r = dispatch.chosen(found, None, (_rows(q, b0, b1), kv_cache, _rows(w, r0, r1), ctx, bt),
+                                {"out": _rows(sel, r0, r1), "workspace": ws})
+        names.append(r.name if r is not None and r.name != dispatch.COMPOSED else None)
+    plan.fused = (generation, tuple(names) if any(names) else None)
+    return plan.fused[1]
 
 
 def _selection_ops(run, backend: str | None, dev: torch.device, metadata: IndexerMetadata, logits: torch.Tensor,

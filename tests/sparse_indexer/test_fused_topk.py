@@ -580,3 +580,34 @@ def test_fused_kernel_capacity_plan():
     why = fused.takes(q, kv, torch.zeros(1, 64), torch.ones(1, dtype=torch.int32), bt, out)
     assert why is not None and "NVIDIA" in why
     assert fused.fp8_paged_mqa_topk.auto_when(q, kv, None, None, bt, out=out) is False
+
+
+def test_step_runs_the_fused_decode_op_where_auto_picks_it(toys):
+    """``sparse_attn_indexer`` under ``auto`` runs a decode sub-batch through the fused implementation ``auto``
+    picks (here the toy: no logits op, no top-k), composes the logits and the top-k where that implementation
+    declines, and never fuses under a named backend or for a source layer of candidate blocks."""
+    from buffers import IndexerLimits, allocate
+    from tests.sparse_indexer.test_indexer import Scenario
+
+    lim = IndexerLimits(max_model_len=128, max_num_batched_tokens=64, max_num_seqs=4, next_n=2, n_heads=16,
+                        head_dim=64, topk=8)
+    sc = Scenario([40, 7, 100, 64], [2, 2, 2, 1], lim=lim, seed=31)  # decode only, one request packed
+    md = sc.metadata()
+    bufs = allocate(lim)
+    want = torch.full((md.num_tokens, lim.topk), 7, dtype=torch.int32)
+    si.sparse_attn_indexer(sc.q, sc.k, sc.w, sc.kv, md, bufs, want, backend="reference")
+    assert not TOY_CALLS
+
+    def step(**kw):
+        got = torch.full_like(want, 7)
+        TOY_CALLS.clear()
+        si.sparse_attn_indexer(sc.q, sc.k, sc.w, sc.kv, md, bufs, got, **kw)
+        assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)
+        return list(TOY_CALLS)
+
+    assert step() == ["fused"]
+    assert step() == ["fused"]  # (the route is kept with the step's plan)
+    TOY_TAKES[0] = False
+    assert step() == ["fused", "top_k_per_row"]  # declined before writing: composed (the toy top-k's auto)
+    TOY_TAKES[0] = True
+    assert step(backend="reference") == []

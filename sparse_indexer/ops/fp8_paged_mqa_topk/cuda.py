@@ -26,6 +26,7 @@ import ctypes
 import functools
 import pathlib
 import threading
+from typing import NamedTuple
 
 import torch
 
@@ -157,17 +158,36 @@ class _Launch:
 _LAUNCH = _Launch()
 
 
-def _per_cta(b: int, block_table, logits, index: int) -> tuple[int, int]:
-    """``(W, worst-case tiles per CTA)``: every request at ``W = min(max_blocks * 64, logits' width)`` keys."""
+def _width(block_table, logits) -> int:
+    """``W = min(max_blocks * 64, logits' width)``: the widest window the shapes allow."""
     width = block_table.shape[1] * TILE_KEYS
-    if logits is not None:
-        width = min(width, logits.shape[1])
-    return width, -(-(b * -(-width // TILE_KEYS)) // _T._sm_count(index))
+    return width if logits is None else min(width, logits.shape[1])
 
 
-def takes(q, kv_cache, weights, context_lens, block_table, out, logits=None) -> str | None:
-    """``None`` when the fused kernel takes this call (shapes, dtypes, alignment and the shared-memory capacity
-    for the worst case the shapes allow), else why not. Reads no device values."""
+class _Plan(NamedTuple):
+    per_cta: int  # worst-case tiles per CTA
+    nwg: int      # warpgroups
+    stages: int   # ring depth per warpgroup
+    capt: int     # tiles of logits one CTA holds beside that ring
+
+
+@functools.cache
+def _plan(b: int, next_n: int, h: int, width: int, index: int) -> _Plan | None:
+    """The launch plan for ``b`` requests of up to ``width`` keys on ``cuda:index`` (``None``: the worst case's
+    logits do not fit the grid's shared memory): the first of :data:`NWG` whose ring of two or more stages fits,
+    at the deepest of :data:`STAGES` that does."""
+    smem = _T._smem_optin(index)
+    per_cta = -(-(b * -(-width // TILE_KEYS)) // _T._sm_count(index))
+    for nwg in NWG:
+        st = stages_for(per_cta, next_n, h, b, smem, nwg)
+        if st is not None:
+            return _Plan(per_cta, nwg, st, capacity_tiles(next_n, h, b, smem, st, nwg))
+    return None
+
+
+def takes(q, kv_cache, weights, context_lens, block_table, out, logits=None, workspace=None) -> str | None:
+    """``None`` when the fused kernel takes this call (shapes, dtypes, alignment, the workspace and the
+    shared-memory capacity for the worst case the shapes allow), else why not. Reads no device values."""
     dev = q.device
     if dev.type != "cuda" or torch.version.hip is not None:
         return f"the fused CUDA kernel runs on NVIDIA GPUs, not {dev}"
@@ -190,8 +210,15 @@ def takes(q, kv_cache, weights, context_lens, block_table, out, logits=None) -> 
         return "the fused kernel needs unit last strides"
     if logits is not None and logits.dtype not in (torch.float32, torch.bfloat16):
         return "the fused kernel writes float32 or bfloat16 logits"
-    width, per_cta = _per_cta(b, block_table, logits, index)
-    if stages_for(per_cta, next_n, h, b, _T._smem_optin(index)) is None:
+    rows = b * next_n
+    if workspace is not None and (workspace.dtype != torch.int32 or workspace.shape[0] < rows
+                                  or workspace.shape[1] < FUSED_WORKSPACE_COLS or workspace.stride(1) != 1
+                                  or workspace.stride(0) % 4 or workspace.data_ptr() % 16):
+        return (f"the fused kernel needs an int32 workspace of [>= {rows}, >= {FUSED_WORKSPACE_COLS}] with "
+                "16-byte aligned rows")
+    width = _width(block_table, logits)
+    if _plan(b, next_n, h, width, index) is None:
+        per_cta = -(-(b * -(-width // TILE_KEYS)) // _T._sm_count(index))
         capt = capacity_tiles(next_n, h, b, _T._smem_optin(index), STAGES[-1])
         return (f"the worst case of these shapes ({b} requests x {width} keys x next_n {next_n}) needs {per_cta} "
                 f"tiles of logits per CTA in shared memory; cuda:{index} holds {capt}")
@@ -202,21 +229,16 @@ def fp8_paged_mqa_topk(q, kv_cache, weights, context_lens, block_table, *, out, 
                        logits_dtype=None, stages=None, probe=None, diag=0, nwg=None) -> None:
     """See :func:`sparse_indexer.fp8_paged_mqa_topk`; arguments are checked. ``NotImplementedError`` (before
     anything is written) for the cases :func:`takes` declines. Measurement knobs: ``stages`` (the ring depth
-    instead of :func:`stages_for`'s), ``probe`` (an int64 ``[SMs, 8]`` tensor: a ``PROBE=1`` build writes each
-    CTA's ``%globaltimer`` at its phase marks there, ``fused_kernel.cu``), ``nwg`` (warpgroups) and ``diag``
-    (1: the copy stream alone, 2: the math alone; results are then wrong)."""
-    why = takes(q, kv_cache, weights, context_lens, block_table, out, logits)
+    instead of :func:`_plan`'s), ``probe`` (an int64 ``[SMs, 8]`` tensor: a ``PROBE=1`` build writes each CTA's
+    ``%globaltimer`` at its phase marks there, ``fused_kernel.cu``), ``nwg`` (warpgroups) and ``diag`` (1: the
+    copy stream alone, 2: the math alone; results are then wrong)."""
+    why = takes(q, kv_cache, weights, context_lens, block_table, out, logits, workspace)
     if why is not None:
         raise NotImplementedError(why)
     dev = q.device
     index = dev.index or 0
     b, next_n, h, _ = q.shape
     rows = b * next_n
-    if workspace is not None and (workspace.dtype != torch.int32 or workspace.shape[0] < rows
-                                  or workspace.shape[1] < FUSED_WORKSPACE_COLS or workspace.stride(1) != 1
-                                  or workspace.stride(0) % 4 or workspace.data_ptr() % 16):
-        raise NotImplementedError(f"the fused kernel needs an int32 workspace of [>= {rows}, "
-                                  f">= {FUSED_WORKSPACE_COLS}] with 16-byte aligned rows")
     state = _barrier_state(dev)
     if rows == 0:
         return
@@ -224,12 +246,16 @@ def fp8_paged_mqa_topk(q, kv_cache, weights, context_lens, block_table, *, out, 
         workspace = torch.empty(rows, FUSED_WORKSPACE_COLS, dtype=torch.int32, device=dev)
     bf16 = (logits.dtype if logits is not None else (logits_dtype or torch.float32)) == torch.bfloat16
     smem = _T._smem_optin(index)
-    width, per_cta = _per_cta(b, block_table, logits, index)
-    if nwg is None:
-        nwg = next((w for w in NWG if stages_for(per_cta, next_n, h, b, smem, w)), NWG[-1])
-    st = stages or stages_for(per_cta, next_n, h, b, smem, nwg)
-    if st is None:
-        raise NotImplementedError(f"no ring of {nwg} warpgroups leaves room for {per_cta} tiles")
+    pl = _plan(b, next_n, h, _width(block_table, logits), index)
+    st, capt = pl.stages, pl.capt
+    if nwg is not None or stages is not None:  # (measurement knobs)
+        nwg = nwg or pl.nwg
+        st = stages or stages_for(pl.per_cta, next_n, h, b, smem, nwg)
+        if st is None:
+            raise NotImplementedError(f"no ring of {nwg} warpgroups leaves room for {pl.per_cta} tiles")
+        capt = capacity_tiles(next_n, h, b, smem, st, nwg)
+    else:
+        nwg = pl.nwg
     defines = (f"NEXT_N={next_n}", f"H={h}", f"STAGES={st}", f"LG_OUT={int(logits is not None)}",
                f"PROBE={int(probe is not None)}", f"DIAG={diag}", f"NWG={nwg}")
     kern = _T._kernel(index, 128 * nwg, 1, bf16, defines, KERNEL, SOURCE)[1]
@@ -244,8 +270,8 @@ def fp8_paged_mqa_topk(q, kv_cache, weights, context_lens, block_table, *, out, 
     a.lg, a.stride_lg = (None, 0) if logits is None else (logits.data_ptr(), logits.stride(0))
     a.bar = state.data_ptr()
     a.probe = None if probe is None else probe.data_ptr()
-    a.B, a.cap, a.topk, a.cl_2d = b, width, out.shape[1], int(context_lens.dim() == 2)
-    a.capt = capacity_tiles(next_n, h, b, smem, st, nwg)
+    a.B, a.cap, a.topk, a.cl_2d = b, _width(block_table, logits), out.shape[1], int(context_lens.dim() == 2)
+    a.capt = capt
     _T.on_device(index, _fire, index, kern, smem, 128 * nwg)
 
 
