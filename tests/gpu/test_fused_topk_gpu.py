@@ -222,3 +222,53 @@ def test_decode_in_a_cuda_graph(backend):
         want_logits = torch.zeros_like(logits)
         si.fp8_paged_mqa_topk(q, kv, w, cl, bt, out=want, logits=want_logits, backend="reference")
         assert_fused_topk(out, logits, *paged_windows(cl, next_n), expected=want_logits)
+
+
+@pytest.mark.parametrize("next_n", [1, 2])
+def test_step_through_the_fused_kernel(monkeypatch, next_n):
+    """``sparse_attn_indexer`` under ``auto`` with the fused kernel's ``auto_when`` forced true: every decode
+    sub-batch runs ``fp8_paged_mqa_topk`` on the CUDA backend (counted) and the top-k equals the reference
+    step's (as multisets of the reference logits), eagerly and replayed in a CUDA graph."""
+    from buffers import IndexerLimits, allocate
+    from sparse_indexer.ops.fp8_paged_mqa_topk import cuda as fused
+    from tests.gpu.test_engine_gpu import World
+
+    _skip_without_cuda_backend("cuda")
+    lim = IndexerLimits(max_model_len=16384, max_num_batched_tokens=64, max_num_seqs=8, next_n=next_n, n_heads=64,
+                        head_dim=128, topk=512, block_size=64)
+    world = World(lim, 8, seed=next_n)
+    seq = [16384, 9000, 513, 512, 12000, 70, 16000, 4000]
+    q, k, w, md = world.inputs(seq, [next_n] * 8)
+    bufs = allocate(lim, device=DEV)
+    calls = []
+    real = fused.fp8_paged_mqa_topk
+
+    def counted(*a, **kw):
+        calls.append(kw.get("workspace") is not None and kw.get("logits") is None)
+        return real(*a, **kw)
+
+    counted.auto_when = lambda *a, **kw: fused.takes(*a[:5], kw["out"], kw.get("logits"), kw.get("workspace")) is None
+    monkeypatch.setattr(fused, "fp8_paged_mqa_topk", counted)
+    _dispatch._resolved.clear()
+    _dispatch._routes.cache_clear()
+    try:
+        got = torch.full((md.num_tokens, lim.topk), -7, dtype=torch.int32, device=DEV)
+        si.sparse_attn_indexer(q, None, w, world.kv, md, bufs, got)
+        torch.cuda.synchronize()
+        assert calls and all(calls), calls
+        logits = torch.zeros(md.num_tokens, lim.max_model_len, device=DEV)
+        si.fp8_paged_mqa_logits(q.view(8, next_n, 64, 128), world.kv, w, md.decode.context_lens,
+                                md.decode.block_table, out=logits, backend="reference")
+        ends = md.decode.row_ends
+        rtol = _selection_rtol(torch.float32)
+        assert_topk(got, logits, torch.zeros_like(ends), ends, rtol=rtol, threshold=True)
+        graph = capture_cuda_graph(lambda: si.sparse_attn_indexer(q, None, w, world.kv, md, bufs, got))
+        got.fill_(-7)
+        n = len(calls)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert len(calls) == n  # (the replay runs the captured kernel, no Python)
+        assert_topk(got, logits, torch.zeros_like(ends), ends, rtol=rtol, threshold=True)
+    finally:
+        _dispatch._resolved.clear()
+        _dispatch._routes.cache_clear()
