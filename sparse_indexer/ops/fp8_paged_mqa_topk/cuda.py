@@ -3,9 +3,11 @@
 ``fused_kernel.cu`` beside this file (its header describes the algorithm), compiled at first use by NVRTC and
 cached by source hash and architecture through the CUDA top-k backend's loader
 (``sparse_indexer/ops/top_k_per_row/cuda.py``). One cooperative grid of one CTA per SM scores the keys with
-wgmma and keeps every logit in shared memory; an exact radix select over the grid (global histograms in
-``workspace``, grid barriers) writes the top-k. No ``[rows, W]`` logits are written unless ``logits`` is given
-(then they are, as the test mode that proves the selection exact for the values the kernel computed).
+wgmma and keeps every logit in shared memory; a grid-wide histogram of the keys' top 11 bits (in ``workspace``)
+gives each row's threshold bin, the cells above it are written at once, and the bin's cells are listed and
+finished by the CTA that completes the row (rows whose bin holds more than 4096 cells: three more rounds among
+the row's CTAs). No ``[rows, W]`` logits are written unless ``logits`` is given (then they are, as the test mode
+that proves the selection exact for the values the kernel computed).
 
 The logits of a call must fit the grid's shared memory: the host checks the worst case the shapes allow
 (``B * ceil(W / 64)`` tiles of ``64 * next_n`` cells over the SMs) and raises :class:`NotImplementedError`
