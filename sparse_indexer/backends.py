@@ -54,10 +54,9 @@ class Backend:
     tries it; ``rank``: its place there, lower first (ties: table order). ``ops``: the ops it implements
     (``None``: every op of :data:`OPS`). ``module``: the module holding its implementation of an op, formatted
     with ``op`` and ``name``; the function is named like the op. ``where``: where it runs (one line, as in the
-    README's table). ``topk_workspace(limits)``: for a backend whose ``top_k_per_row`` or fused decode top-k
-    (``fp8_paged_mqa_topk``) uses the ``workspace=`` argument, the int32 columns per row it needs for the steps an
-    :class:`~buffers.IndexerLimits` allows (``None``, as the field or as the value for some limits: it uses none);
-    the plan's ``topk_scratch`` has ``decode_batch_rows`` rows of the widest such width
+    README's table). ``topk_workspace(limits)``: for a backend whose ``top_k_per_row`` uses the ``workspace=``
+    argument, the int32 columns per row it needs for the steps an :class:`~buffers.IndexerLimits` allows (``None``:
+    it uses none); the plan's ``topk_scratch`` has ``decode_batch_rows`` rows of the widest such width
     (:func:`topk_workspace_cols`). It must be a pure function of the limits and must not import ``buffers``.
     """
 
@@ -99,18 +98,6 @@ def _triton_topk_workspace(limits) -> int:
     from .ops.top_k_per_row.workspace import workspace_cols  # imports nothing of the package
 
     return workspace_cols(limits)
-
-
-def _cuda_topk_workspace(limits) -> int | None:
-    """The fused decode top-k's workspace (``ops/fp8_paged_mqa_topk/workspace.py``) for the steps it can run:
-    plain e4m3fn caches of 64-key blocks, D = 128, H 32 or 64, no candidate blocks (the CUDA ``top_k_per_row``
-    itself needs none)."""
-    from .ops.fp8_paged_mqa_topk.workspace import FUSED_WORKSPACE_COLS  # imports nothing of the package
-
-    if (limits.cache.is_default and limits.fp8_dtype == torch.float8_e4m3fn and limits.head_dim == 128
-            and limits.n_heads in (32, 64) and limits.block_size == 64 and not limits.candidate_blocks):
-        return FUSED_WORKSPACE_COLS
-    return None
 
 
 def _reference_reason(device: torch.device) -> str | None:
@@ -163,7 +150,7 @@ _BUILTIN = (
     Backend("aiter", _aiter_reason, auto=("cuda",), rank=0,
             where="ROCm GPUs with AMD's aiter installed"),
     Backend("cuda", _cuda_reason, auto=("cuda",), rank=10,
-            ops=("top_k_per_row", "fp8_paged_mqa_topk", "select_candidate_blocks"), topk_workspace=_cuda_topk_workspace,
+            ops=("top_k_per_row", "fp8_paged_mqa_topk", "select_candidate_blocks"),
             where="NVIDIA GPUs (sm_80+; the fused `fp8_paged_mqa_topk` on Hopper, sm_90), the top-k ops only"),
     Backend("gluon", _gluon_reason, auto=("cuda",), rank=15, ops=("fp8_mqa_logits", "fp8_paged_mqa_logits"),
             where="NVIDIA Hopper (sm_90), the logits ops only"),
@@ -223,10 +210,8 @@ def topk_workspace_cols(limits) -> int | None:
     for b in _table.values():
         if b.topk_workspace is not None:
             w = b.topk_workspace(limits)
-            if w is None:
-                continue
             if isinstance(w, bool) or not isinstance(w, int) or w < 1:
                 raise ValueError(f"backend {b.name!r}: topk_workspace(limits) must return a positive int (int32 "
-                                 f"columns per row) or None, got {w!r}")
+                                 f"columns per row), got {w!r}")
             widths.append(w)
     return max(widths, default=None)

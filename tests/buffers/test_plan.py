@@ -145,19 +145,13 @@ def test_topk_scratch_planned_for_every_limits(lim):
     p = plan(lim)
     f = p["topk_scratch"]
     cap = topk_scratch_cap(lim)
-    cols = TOPK_SCRATCH_COUNTERS + 2 * cap  # the Triton split-row top-k's
-    fusable = (lim.cache.is_default and lim.head_dim == 128 and lim.n_heads in (32, 64) and lim.block_size == 64
-               and not lim.candidate_blocks)
-    if fusable:  # the fused decode top-k's histogram, list and counters
-        cols = max(cols, 2048 + 2 * 4096 + 8)
-    assert f.shape == (lim.decode_batch_rows, cols) and f.dtype == torch.int32
+    assert f.shape == (lim.decode_batch_rows, TOPK_SCRATCH_COUNTERS + 2 * cap) and f.dtype == torch.int32
     assert cap >= 256 and cap & (cap - 1) == 0
 
 
 def test_topk_scratch_size_deepseek():
     lim = IndexerLimits(max_model_len=163840, max_num_batched_tokens=8192, max_num_seqs=256, next_n=2)
     assert topk_scratch_cap(lim) == 4096
-    # the fused decode top-k's 10248 columns are wider than the Triton top-k's 32 + 8192
-    assert plan(lim)["topk_scratch"].nbytes == 512 * 10248 * 4  # 20.0 MiB
+    assert plan(lim)["topk_scratch"].nbytes == 512 * (32 + 8192) * 4  # 16.06 MiB
     big = IndexerLimits(max_model_len=1048576, max_num_batched_tokens=8192, max_num_seqs=256, next_n=2)
     assert topk_scratch_cap(big) == 16384

@@ -226,32 +226,40 @@ def test_decode_in_a_cuda_graph(backend):
 
 @pytest.mark.parametrize("next_n", [1, 2])
 def test_step_through_the_fused_kernel(monkeypatch, next_n):
-    """``sparse_attn_indexer`` under ``auto`` with the fused kernel's ``auto_when`` forced true: every decode
-    sub-batch runs ``fp8_paged_mqa_topk`` on the CUDA backend (counted) and the top-k equals the reference
-    step's (as multisets of the reference logits), eagerly and replayed in a CUDA graph."""
+    """``sparse_attn_indexer`` under ``auto`` with the fused kernel's ``auto_when`` forced true and the CUDA entry
+    declaring the fused workspace (so the plan's ``topk_scratch`` holds it; the built-in entry declares none while
+    ``auto`` composes): every decode sub-batch runs ``fp8_paged_mqa_topk`` on the CUDA backend (counted) and the
+    top-k is right on the reference logits, eagerly and replayed in a CUDA graph."""
+    from dataclasses import replace
+
     from buffers import IndexerLimits, allocate
+    from sparse_indexer import backends
     from sparse_indexer.ops.fp8_paged_mqa_topk import cuda as fused
     from tests.gpu.test_engine_gpu import World
 
     _skip_without_cuda_backend("cuda")
     lim = IndexerLimits(max_model_len=16384, max_num_batched_tokens=64, max_num_seqs=8, next_n=next_n, n_heads=64,
                         head_dim=128, topk=512, block_size=64)
-    world = World(lim, 8, seed=next_n)
-    seq = [16384, 9000, 513, 512, 12000, 70, 16000, 4000]
-    q, k, w, md = world.inputs(seq, [next_n] * 8)
-    bufs = allocate(lim, device=DEV)
     calls = []
     real = fused.fp8_paged_mqa_topk
 
-    def counted(*a, **kw):
-        calls.append(kw.get("workspace") is not None and kw.get("logits") is None)
-        return real(*a, **kw)
+    def counted(q, kv_cache, weights, context_lens, block_table, *, out, logits=None, workspace=None,
+                logits_dtype=None):
+        calls.append(workspace is not None and logits is None)
+        real(q, kv_cache, weights, context_lens, block_table, out=out, logits=logits, workspace=workspace,
+             logits_dtype=logits_dtype)
 
-    counted.auto_when = lambda *a, **kw: fused.takes(*a[:5], kw["out"], kw.get("logits"), kw.get("workspace")) is None
+    counted.auto_when = lambda *a, out, logits=None, workspace=None, **_: fused.takes(*a, out, logits,
+                                                                                     workspace) is None
     monkeypatch.setattr(fused, "fp8_paged_mqa_topk", counted)
-    _dispatch._resolved.clear()
-    _dispatch._routes.cache_clear()
+    entry = backends.get("cuda")
+    backends.register(replace(entry, topk_workspace=lambda limits: FUSED_WORKSPACE_COLS), replace=True)
     try:
+        world = World(lim, 8, seed=next_n)
+        seq = [16384, 9000, 513, 512, 12000, 70, 16000, 4000]
+        q, _, w, md = world.inputs(seq, [next_n] * 8)
+        bufs = allocate(lim, device=DEV)
+        assert bufs.topk_scratch.shape[1] >= FUSED_WORKSPACE_COLS
         got = torch.full((md.num_tokens, lim.topk), -7, dtype=torch.int32, device=DEV)
         si.sparse_attn_indexer(q, None, w, world.kv, md, bufs, got)
         torch.cuda.synchronize()
@@ -270,5 +278,4 @@ def test_step_through_the_fused_kernel(monkeypatch, next_n):
         assert len(calls) == n  # (the replay runs the captured kernel, no Python)
         assert_topk(got, logits, torch.zeros_like(ends), ends, rtol=rtol, threshold=True)
     finally:
-        _dispatch._resolved.clear()
-        _dispatch._routes.cache_clear()
+        backends.register(entry, replace=True)
