@@ -69,6 +69,15 @@
 #ifndef DIAG
 #define DIAG 0  // measurements only: 1 the ring's stages consumed unread (the copy stream alone), 2 no copies
 #endif
+#ifndef CTA_BARRIERS
+#define CTA_BARRIERS 0  // racecheck triage only: each warpgroup barrier of the scoring loop made CTA-wide
+#endif
+#if CTA_BARRIERS
+#define WG_BAR() __syncthreads()
+#else
+#define WG_BAR() asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory")
+#endif
+
 #ifndef NWG
 #define NWG 2  // warpgroups (2 or 4: find_digit needs NT to divide 1024)
 #endif
@@ -649,18 +658,24 @@ extern "C" __global__ void __launch_bounds__(NT, 1) si_paged_mqa_topk(const Para
         int lims[NEXT_N];
         unsigned char* qb = sm.qbuf + wg * NEXT_N * H * 128;
         const int mine = n > wg ? (n - wg + NWG - 1) / NWG : 0;  // this warpgroup's tiles
-        for (int s = 0; s < mine; ++s) {
+        const int trips = CTA_BARRIERS ? (n + NWG - 1) / NWG : mine;  // (CTA-wide barriers: equal trip counts)
+        for (int s = 0; s < trips; ++s) {
             cp_wait<STAGES - 2>();
             fence_async_smem();
-            asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
+            WG_BAR();
             load_stage(p, sm, wg, wt, s + STAGES - 1, n);
+            if (s >= mine) {  // (CTA_BARRIERS only)
+                WG_BAR();
+                continue;
+            }
             const int lt = wg + NWG * s;
             const int slot = wg * STAGES + s % STAGES;
             const unsigned char* vals = sm.vals + slot * TILE_BYTES;
             const float* scales = sm.scales + slot * 64;
             const int g = start + lt;
             cb = seq_of(sm.cum, g, cb);
-            if (cb != qseq) {  // this warpgroup's queries and weights of request cb
+            const bool newq = cb != qseq;
+            if (newq) {  // this warpgroup's queries and weights of request cb
                 qseq = cb;
                 const uint4* qsrc = (const uint4*)(p.q + (long long)cb * NEXT_N * H * 128);
                 for (int i = wt; i < NEXT_N * H * 8; i += 128) {
@@ -678,8 +693,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) si_paged_mqa_topk(const Para
                     lims[j] = row_limit(p, cb, j);
                 }
                 fence_async_smem();
-                asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
             }
+            if (newq || CTA_BARRIERS) WG_BAR();
             const int tile = g - sm.cum[cb];  // the tile's index within request cb
 #pragma unroll
             for (int j = 0; j < NEXT_N; ++j) {
