@@ -18,6 +18,7 @@ from .metadata import (
     build_metadata,
     plan_prefill_chunks,
 )
+from .mxfp4 import dequantize_mxfp4, quantize_k_mxfp4, quantize_q_mxfp4
 from .ops.fp8_mqa_logits import fp8_mqa_logits
 from .ops.fp8_mqa_topk import fp8_mqa_topk
 from .ops.fp8_paged_mqa_logits import fp8_paged_mqa_logits, row_limits
@@ -38,4 +39,5 @@ __all__ = [
     "fp8_paged_mqa_logits", "gather_k_cache", "new_kv_cache", "plan", "quant_max", "quantize_k", "quantize_q",
     "row_limits", "slots_from_block_table", "compressed_slot_mapping", "top_k_per_row", "write_k_cache",
     "select_candidate_blocks", "fp8_mqa_topk", "fp8_paged_mqa_topk",
+    "quantize_k_mxfp4", "quantize_q_mxfp4", "dequantize_mxfp4",
 ]

@@ -85,8 +85,8 @@ def test_cycle_finder_finds_one():
 # checks and custom ops (layer 2); ``ops/<op>/<backend>.py`` the kernels (1); ``ops/<op>/__init__.py`` the checked
 # public functions (3); ``commands/`` and the ops' ``bench``/``sweep`` modules the commands (5).
 LAYERS = (
-    ("foundation", ("buffers.limits", "sparse_indexer.fp8", "sparse_indexer.kcache", "sparse_indexer._runtime",
-                    "sparse_indexer._runtime.launch", "sparse_indexer._runtime.tma",
+    ("foundation", ("buffers.limits", "sparse_indexer.fp8", "sparse_indexer.mxfp4", "sparse_indexer.kcache",
+                    "sparse_indexer._runtime", "sparse_indexer._runtime.launch", "sparse_indexer._runtime.tma",
                     "sparse_indexer._runtime.triton_compat")),
     ("kernels", ("sparse_indexer.ops", "sparse_indexer.ops._aiter", "sparse_indexer.ops.*.*",
                  "sparse_indexer.parallel.triton")),

@@ -1,0 +1,179 @@
+"""MXFP4 quantization and scores (docs/spec.md §3a, §5) against an independent model written from the definition
+with exact rational arithmetic (``fractions``), and a float64 oracle for the scores."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+
+from sparse_indexer import mxfp4
+
+GRID = [Fraction(v).limit_denominator() for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)]
+
+
+def model_block(xs: list[float]) -> tuple[int, list[int]]:
+    """(scale byte, 32 codes) of one block, from the definition: e = clamp(ceil(log2(max(amax, 6 * 2**-126) / 6)),
+    -127, 127); codes e2m1 of x / 2**e to nearest, ties to the even code, saturating; the sign kept; a block with
+    a NaN or an infinity: byte 255, codes 0."""
+    if any(not math.isfinite(x) for x in xs):
+        return 255, [0] * len(xs)
+    amax = max(abs(Fraction(x)) for x in xs)
+    a = max(amax, 6 * Fraction(2) ** -126)
+    e = -127
+    while 6 * Fraction(2) ** e < a:  # the smallest e with 6 * 2**e >= a
+        e += 1
+    e = max(-127, min(127, e))
+    codes = []
+    for x in xs:
+        v = abs(Fraction(x)) / Fraction(2) ** e
+        best = min(range(8), key=lambda c: (abs(GRID[c] - v), c % 2))  # nearest; a tie goes to the even code
+        codes.append(best + (8 if math.copysign(1.0, x) < 0 else 0))
+    return e + 127, codes
+
+
+def model(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = x.float().reshape(-1, x.shape[-1]).tolist()
+    vals, scs = [], []
+    for row in rows:
+        codes, sc = [], []
+        for b in range(0, len(row), 32):
+            s, c = model_block(row[b : b + 32])
+            sc.append(s)
+            codes += c
+        vals.append([codes[2 * j] | codes[2 * j + 1] << 4 for j in range(len(codes) // 2)])
+        scs.append(sc)
+    shape = x.shape[:-1]
+    return (torch.tensor(vals, dtype=torch.uint8).reshape(*shape, -1),
+            torch.tensor(scs, dtype=torch.uint8).reshape(*shape, -1))
+
+
+def _hard_rows(g: torch.Generator) -> torch.Tensor:
+    """Rows of 64: random magnitudes over float32's range, exact e2m1 midpoints and grid points at random
+    scales, zeros of both signs, subnormals, the largest finite values, blocks of one nonzero element."""
+    rows = []
+    for s in (1e-42, 1e-38, 3e-30, 1e-3, 1.0, 7.5, 1e20, 3.0e38):
+        rows.append(torch.randn(64, generator=g) * s)
+    for e in (-126, -100, -3, 0, 5, 100, 125):
+        mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 8)
+        sign = torch.where(torch.rand(64, generator=g) < 0.5, -1.0, 1.0)
+        rows.append(mids * sign * 2.0 ** e)  # amax 6 * 2**e: e exactly; every midpoint a tie
+        grid = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6.0] * 8)[torch.randperm(64, generator=g)]
+        rows.append(grid * 2.0 ** e * 1.0000001)  # amax just above 6 * 2**e: the next exponent
+    rows.append(torch.zeros(64))
+    rows.append(-torch.zeros(64))
+    one = torch.zeros(64)
+    one[3], one[40] = -2.5e-7, 3.0
+    rows.append(one)
+    rows.append(torch.full((64,), 3.4028234663852886e38))
+    rows.append(torch.full((64,), -1.1754943508222875e-38))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_bit_exact_against_the_definition(dtype):
+    g = torch.Generator().manual_seed(7)
+    x = torch.cat([_hard_rows(g), torch.randn(40, 64, generator=g) * torch.rand(40, 1, generator=g) * 50])
+    if dtype != torch.float32:
+        x = x.clamp(-6e4, 6e4) if dtype == torch.float16 else x
+        x = x.to(dtype)
+    got_v, got_s = mxfp4.quantize_mxfp4(x)
+    want_v, want_s = model(x)
+    assert got_v.dtype == got_s.dtype == torch.uint8
+    assert got_v.shape == (x.shape[0], 32) and got_s.shape == (x.shape[0], 2)
+    assert torch.equal(got_s, want_s), (got_s != want_s).nonzero()[:5]
+    assert torch.equal(got_v, want_v), (got_v != want_v).nonzero()[:5]
+
+
+def test_non_finite_blocks_and_their_scores():
+    x = torch.randn(3, 64)
+    x[0, 5] = float("nan")
+    x[1, 40] = float("inf")
+    x[2, 33] = -float("inf")
+    v, s = mxfp4.quantize_mxfp4(x)
+    assert s.tolist() == [[255, s[0, 1].item()], [s[1, 0].item(), 255], [s[2, 0].item(), 255]]
+    assert (v[0, :16] == 0).all() and (v[1, 16:] == 0).all()
+    back = mxfp4.dequantize_mxfp4(v, s)
+    assert back[0, :32].isnan().all() and not back[0, 32:].isnan().any()
+    qv, qs = mxfp4.quantize_q_mxfp4(torch.randn(2, 4, 64))
+    sc = mxfp4.mxfp4_scores(qv, qs, v, s, torch.ones(2, 4))
+    assert sc.isnan().all()  # every key has a NaN block, and relu keeps NaN
+
+
+def test_dequantize_is_exact_and_round_trips():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(50, 128, generator=g) * torch.logspace(-20, 20, 50).unsqueeze(1)
+    v, s = mxfp4.quantize_k_mxfp4(x)
+    back = mxfp4.dequantize_mxfp4(v, s, torch.float64)
+    # the represented values quantize to themselves (their block scale may drop: a block whose amax rounded
+    # down to 3 * 2**e is 6 * 2**(e - 1))
+    again = mxfp4.dequantize_mxfp4(*mxfp4.quantize_mxfp4(back.float()), torch.float64)
+    assert torch.equal(again, back)
+    # within half a grid step of the block scale: |x - back| <= 2**e (the widest step, 4 -> 6, is 2 * 2**e)
+    e = s.to(torch.float64).sub(127).repeat_interleave(32, dim=1)
+    assert ((x.double() - back).abs() <= torch.ldexp(torch.ones_like(e), e) + 1e-300).all()
+
+
+def test_scores_against_a_float64_oracle():
+    g = torch.Generator().manual_seed(11)
+    m, h, n, d = 5, 8, 33, 128
+    q = torch.randn(m, h, d, generator=g) * torch.logspace(-3, 3, h).view(1, h, 1)
+    k = torch.randn(n, d, generator=g)
+    k[:, :32] *= 1e3  # blocks of very different scales in one row
+    w = torch.randn(m, h, generator=g)
+    qv, qs = mxfp4.quantize_q_mxfp4(q)
+    kv, ks = mxfp4.quantize_k_mxfp4(k)
+    got = mxfp4.mxfp4_scores(qv, qs, kv, ks, w)
+    q64 = mxfp4.dequantize_mxfp4(qv, qs, torch.float64)
+    k64 = mxfp4.dequantize_mxfp4(kv, ks, torch.float64)
+    want = (w.double()[:, :, None] * torch.relu(torch.einsum("mhd,nd->mhn", q64, k64))).sum(1)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    err = (got.double() - want).norm() / want.norm()
+    assert err < 1e-6, err
+    # the V3.2 factorisation (one key scale outside the dot) does not hold: scales differ per block
+    assert not torch.equal(ks[:, 0], ks[:, 1])
+
+
+def test_scores_order_on_a_hand_case():
+    """One head, one key: blocks scaled 2**-254 and 2**0 (the first underflows float32 alone), summed in order."""
+    qv = torch.zeros(1, 1, 32, dtype=torch.uint8)
+    kv = torch.zeros(1, 32, dtype=torch.uint8)
+    qv[0, 0, 0] = 0x7  # q[0] = 6 in block 0; kv[0] = 6 * ...: 36 * 2**(sq + sk - 254)
+    kv[0, 0] = 0x7
+    qv[0, 0, 16] = 0x2  # q[32] = 1 in block 1
+    kv[0, 16] = 0xA  # k[32] = -1
+    qs = torch.tensor([[[127 - 127, 127]]], dtype=torch.uint8)  # block 0: 2**-127; block 1: 2**0
+    ks = torch.tensor([[0, 130]], dtype=torch.uint8)  # block 0: 2**-127; block 1: 2**3
+    got = mxfp4.mxfp4_scores(qv, qs, kv, ks, torch.tensor([[2.0]]))
+    assert got.item() == 0.0  # relu(36 * 2**-254 (rounds to 0 in float32) - 8) = 0
+    ks[0, 1] = 127
+    qv[0, 0, 16] = 0x0
+    got = mxfp4.mxfp4_scores(qv, qs, kv, ks, torch.tensor([[2.0]]))
+    assert got.item() == 0.0  # 36 * 2**-254 alone: below float32's smallest subnormal, one rounding gives 0
+
+
+@pytest.mark.parametrize("bad", ["dim", "dtype", "width"])
+def test_bad_input(bad):
+    x = {"dim": torch.zeros(64), "dtype": torch.zeros(2, 64, dtype=torch.float64),
+         "width": torch.zeros(2, 48)}[bad]
+    if bad == "dim":
+        with pytest.raises(ValueError, match="2-D"):
+            mxfp4.quantize_k_mxfp4(x)
+        with pytest.raises(ValueError, match="3-D"):
+            mxfp4.quantize_q_mxfp4(x)
+    elif bad == "dtype":
+        with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
+            mxfp4.quantize_k_mxfp4(x)
+    else:
+        with pytest.raises(ValueError, match="multiple of 32"):
+            mxfp4.quantize_k_mxfp4(x)
+    v, s = mxfp4.quantize_k_mxfp4(torch.zeros(2, 64))
+    with pytest.raises(ValueError, match="must agree"):
+        mxfp4.dequantize_mxfp4(v[:, :16], s)
+    with pytest.raises(TypeError, match="uint8"):
+        mxfp4.dequantize_mxfp4(v.int(), s)
+    qv, qs = mxfp4.quantize_q_mxfp4(torch.zeros(1, 2, 64))
+    with pytest.raises(ValueError, match="weights"):
+        mxfp4.mxfp4_scores(qv, qs, v, s, torch.zeros(1, 3))
