@@ -10,7 +10,8 @@ op                         schema (after ``sparse_indexer::``)                  
 ``gather_k_cache``         ``(kv_cache, block_table, cu_seq_lens, out_k!, out_scale!,         ``out_k``,
                            str cache_scale="float32", str cache_order="flat", *, str backend)`` ``out_scale``
 ``fp8_mqa_logits``         ``(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out!,   ``out``
-                           bool clean, bool compressed=False, *, str backend)``
+                           bool clean, bool compressed=False, Tensor? q_scale=None, *, str
+                           backend)`` (``q_scale``: MXFP4 operands)
 ``fp8_paged_mqa_logits``   ``(q, kv_cache, weights, context_lens, block_table, out!,          ``out``
                            bool clean, Tensor? indices=None, ScalarType?                      (and ``qk``)
                            cache_fp8_dtype=None, str cache_scale="float32", str
@@ -117,10 +118,12 @@ def _gather_k_cache(kv_cache: Tensor, block_table: Tensor, cu_seq_lens: Tensor, 
 
 @torch.library.custom_op(f"{NAMESPACE}::fp8_mqa_logits", mutates_args=("out",))
 def _fp8_mqa_logits(q: Tensor, k_fp8: Tensor, k_scale: Tensor, weights: Tensor, cu_seqlen_ks: Tensor,
-                    cu_seqlen_ke: Tensor, out: Tensor, clean: bool, compressed: bool = False, *,
-                    backend: str) -> None:
-    # only compressed calls pass it: the backends' default is full logits
+                    cu_seqlen_ke: Tensor, out: Tensor, clean: bool, compressed: bool = False,
+                    q_scale: Optional[Tensor] = None, *, backend: str) -> None:
+    # only compressed (MXFP4) calls pass it: the backends' default is full logits (FP8 operands)
     extra = {"compressed": True} if compressed else {}
+    if q_scale is not None:
+        extra["q_scale"] = q_scale
     _run("fp8_mqa_logits", backend, q.device, q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out=out,
          clean=clean, **extra)
 

@@ -177,3 +177,78 @@ def test_bad_input(bad):
     qv, qs = mxfp4.quantize_q_mxfp4(torch.zeros(1, 2, 64))
     with pytest.raises(ValueError, match="weights"):
         mxfp4.mxfp4_scores(qv, qs, v, s, torch.zeros(1, 3))
+
+
+# ------------------------------------------------------------------ the ragged logits op with MXFP4 operands
+import sparse_indexer as si  # noqa: E402
+
+
+def _ragged(g, m=6, h=4, n=50, d=64):
+    q = torch.randn(m, h, d, generator=g)
+    k = torch.randn(n, d, generator=g) * torch.logspace(-2, 2, n).unsqueeze(1)
+    w = torch.randn(m, h, generator=g) * (h * d) ** -0.5
+    qv, qs = si.quantize_q_mxfp4(q)
+    kv, ks = si.quantize_k_mxfp4(k)
+    starts = torch.tensor([0, 3, 10, 49, 20, 0][:m], dtype=torch.int32)
+    ends = torch.tensor([50, 40, 10, 50, 35, 1][:m], dtype=torch.int32)  # full, middle, empty, last key, ...
+    return qv, qs, kv, ks, w, starts, ends
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", [None, "reference"])
+def test_ragged_logits_op_with_mxfp4_operands(backend, dtype):
+    g = torch.Generator().manual_seed(5)
+    qv, qs, kv, ks, w, a, b = _ragged(g)
+    want = mxfp4.mxfp4_scores(qv, qs, kv, ks, w)
+    cols = torch.arange(kv.shape[0])[None, :]
+    inside = (cols >= a[:, None].long()) & (cols < b[:, None].long())
+    out = torch.full((qv.shape[0], kv.shape[0]), 7.0, dtype=dtype)
+    got = si.fp8_mqa_logits(qv, kv, ks, w, a, b, out=out, q_scale=qs, backend=backend)
+    assert got is out
+    assert torch.equal(out[inside].float(), want[inside].to(dtype).float())
+    assert (out[~inside] == float("-inf")).all()
+    out.fill_(7.0)
+    si.fp8_mqa_logits(qv, kv, ks, w, a, b, out=out, q_scale=qs, backend=backend, clean=False)
+    assert torch.equal(out[inside].float(), want[inside].to(dtype).float()) and (out[~inside] == 7).all()
+    # compressed rows: row m's keys from column 0
+    width = int((b - a).clamp(min=0).max())
+    comp = si.fp8_mqa_logits(qv, kv, ks, w, a, b, q_scale=qs, backend=backend, max_seqlen_k=width,
+                             logits_dtype=dtype)
+    for r in range(qv.shape[0]):
+        n_r = max(0, int(b[r] - a[r]))
+        assert torch.equal(comp[r, :n_r].float(), want[r, a[r] : a[r] + n_r].to(dtype).float()), r
+        assert (comp[r, n_r:] == float("-inf")).all()
+
+
+def test_ragged_mxfp4_through_the_custom_op_and_other_backends():
+    g = torch.Generator().manual_seed(6)
+    qv, qs, kv, ks, w, a, b = _ragged(g)
+    want = si.fp8_mqa_logits(qv, kv, ks, w, a, b, q_scale=qs, backend="reference")
+    out = torch.empty_like(want)
+    torch.ops.sparse_indexer.fp8_mqa_logits(qv, kv, ks, w, a, b, out, True, False, qs, backend="reference")
+    assert torch.equal(out, want)
+    for name in ("triton", "gluon", "aiter"):  # no MXFP4 kernel: refused, nothing written
+        out.fill_(3.0)
+        with pytest.raises((NotImplementedError, si.BackendUnavailable)):
+            si.fp8_mqa_logits(qv, kv, ks, w, a, b, out=out, q_scale=qs, backend=name)
+        assert (out == 3.0).all()
+
+
+def test_ragged_mxfp4_bad_input():
+    g = torch.Generator().manual_seed(8)
+    qv, qs, kv, ks, w, a, b = _ragged(g)
+    with pytest.raises(TypeError, match="q"):
+        si.fp8_mqa_logits(qv, kv, ks, w, a, b)  # uint8 queries without their scales: not FP8
+    with pytest.raises(ValueError, match="q_scale"):
+        si.fp8_mqa_logits(qv, kv, ks, w, a, b, q_scale=qs[:, :, :1])
+    with pytest.raises(TypeError, match="k_scale"):
+        si.fp8_mqa_logits(qv, kv, ks.float(), w, a, b, q_scale=qs)
+    with pytest.raises(ValueError, match="k_fp8"):
+        si.fp8_mqa_logits(qv, kv[:, :16], ks, w, a, b, q_scale=qs)
+    fp8_k, fp8_s = si.quantize_k(torch.randn(kv.shape[0], 64))
+    with pytest.raises(TypeError, match="k_fp8"):
+        si.fp8_mqa_logits(qv, fp8_k, fp8_s, w, a, b, q_scale=qs)  # FP8 keys against MXFP4 queries
+    out = torch.zeros(qv.shape[0], kv.shape[0])
+    with pytest.raises(ValueError, match="window ends"):
+        si.fp8_mqa_logits(qv, kv, ks, w, a, b + 100, out=out, q_scale=qs)
+    assert (out == 0).all()

@@ -49,11 +49,14 @@ def check_case(q, k_fp8) -> None:
     _kernel_case(q)
 
 
-def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, out, clean, compressed=False) -> None:
+def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, out, clean, compressed=False,
+                   q_scale=None) -> None:
     """See :func:`sparse_indexer.fp8_mqa_logits`; arguments are checked.
 
     aiter writes float32 ``[M, N]``; a bfloat16 ``out`` receives it rounded by the copy, and compressed rows
     (``compressed=True``) are gathered from it (``out[m, j] = logits[m, ks[m] + j]``, in row tiles)."""
+    if q_scale is not None:
+        raise NotImplementedError("the aiter backend has no MXFP4 scoring kernel (docs/spec.md §3a)")
     _mix_case(q, k_fp8)
     m = q.shape[0]
     n = k_fp8.shape[0]

@@ -382,10 +382,12 @@ def _unsupported(q, k_fp8, out) -> str | None:
 
 
 def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, out, clean, compressed=False,
-                   config=None) -> None:
+                   config=None, q_scale=None) -> None:
     """See :func:`sparse_indexer.fp8_mqa_logits` (docs/spec.md §5); arguments are checked. ``config`` overrides
     :data:`CONFIG`. Raises ``NotImplementedError`` (before writing anything) for cases the kernel does not
     handle: H != 64, D != 128, e4m3fnuz, ``q`` not contiguous in its last two dims, TMA-unaligned operands."""
+    if q_scale is not None:
+        raise NotImplementedError("the Gluon backend has no MXFP4 scoring kernel (docs/spec.md §3a)")
     if gluon is None:  # pragma: no cover
         raise NotImplementedError("gluon fp8_mqa_logits needs Triton's Gluon (triton.experimental.gluon, Triton 3.6)")
     why = _unsupported(q, k_fp8, out)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ...mxfp4 import mxfp4_scores
+
 TILE_ELEMS = 1 << 24  # 64 MiB of float32 scores per tile
 
 
@@ -27,11 +29,17 @@ def score_tile(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch
     return torch.bmm(weights.unsqueeze(1), s).squeeze(1)  # [m, n]
 
 
-def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, out, clean, compressed=False) -> None:
+def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, out, clean, compressed=False,
+                   q_scale=None) -> None:
     """See :func:`sparse_indexer.fp8_mqa_logits`; arguments are checked. Scores are float32; a bfloat16 ``out``
-    receives them rounded once (``copy_``). ``compressed``: ``out`` is ``[M, W]``, row ``m`` from key ``ks[m]``."""
+    receives them rounded once (``copy_``). ``compressed``: ``out`` is ``[M, W]``, row ``m`` from key ``ks[m]``.
+    ``q_scale``: MXFP4 operands (docs/spec.md §3a; ``q``, ``k_fp8`` packed values, ``q_scale``, ``k_scale`` their
+    scale bytes), scored by :func:`sparse_indexer.mxfp4.mxfp4_scores`."""
     m, h, _ = q.shape
     n = k_fp8.shape[0]
+    if q_scale is not None:
+        _mxfp4(q, q_scale, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out, clean, compressed)
+        return
     if compressed:
         _compressed(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out, clean)
         return
@@ -85,6 +93,43 @@ def _compressed(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out, cle
             s = torch.bmm(qf, k.transpose(1, 2)).relu_()  # [r, H, c]
             val = torch.bmm(wts, s).squeeze(1) * k_scale[key]  # [r, c]
             inside = j < lens
+            dst = out[r0:r1, c0:c1]
+            fill = torch.full_like(val, float("-inf")) if clean else dst.float()
+            dst.copy_(torch.where(inside, val, fill))
+
+
+def _mxfp4(q, q_scale, k_vals, k_scales, weights, cu_seqlen_ks, cu_seqlen_ke, out, clean, compressed) -> None:
+    """MXFP4 operands: the scores of :func:`~sparse_indexer.mxfp4.mxfp4_scores` tile by tile (its ``[rows, H,
+    cols, D / 32]`` temporaries within :data:`TILE_ELEMS`), windowed as the FP8 path; compressed rows are key
+    columns ``ks[m] + j``, scored over the union of the tile's windows."""
+    m, h, _ = q.shape
+    n = k_vals.shape[0]
+    w = out.shape[1]
+    if m == 0 or w == 0:
+        return
+    if n == 0:
+        if clean:
+            out.fill_(float("-inf"))
+        return
+    nb = q_scale.shape[-1]
+    rt, ct = tile_sizes(m, h * nb * 2, w)  # (float64 block products: twice the float32 elements)
+    for r0 in range(0, m, rt):
+        r1 = min(m, r0 + rt)
+        ks = cu_seqlen_ks[r0:r1, None].long()
+        ke = cu_seqlen_ke[r0:r1, None].long()
+        for c0 in range(0, w, ct):
+            c1 = min(w, c0 + ct)
+            j = torch.arange(c0, c1, device=q.device)[None, :]
+            if compressed:
+                key = (ks + j).clamp(0, n - 1)  # [r, c]: row m's key ks[m] + j
+                inside = j < ke - ks
+                val = torch.empty(r1 - r0, c1 - c0, dtype=torch.float32, device=q.device)
+                for i in range(r1 - r0):  # one row at a time: each row has its own keys
+                    val[i] = mxfp4_scores(q[r0 + i : r0 + i + 1], q_scale[r0 + i : r0 + i + 1], k_vals[key[i]],
+                                          k_scales[key[i]], weights[r0 + i : r0 + i + 1])[0]
+            else:
+                inside = (j >= ks) & (j < ke)
+                val = mxfp4_scores(q[r0:r1], q_scale[r0:r1], k_vals[c0:c1], k_scales[c0:c1], weights[r0:r1])
             dst = out[r0:r1, c0:c1]
             fill = torch.full_like(val, float("-inf")) if clean else dst.float()
             dst.copy_(torch.where(inside, val, fill))

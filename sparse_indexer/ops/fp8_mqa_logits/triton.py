@@ -157,11 +157,13 @@ def _plan(h: int, d: int, clean: bool, config, compressed: bool = False):
 
 
 def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, out, clean, compressed=False,
-                   config=None) -> None:
+                   config=None, q_scale=None) -> None:
     """See :func:`sparse_indexer.fp8_mqa_logits`; arguments are checked. ``config`` overrides :data:`CONFIG`.
     ``out`` float32 or bfloat16 (the kernel converts each float32 score once, at the store); ``compressed``:
     ``out`` is ``[M, W]`` with row ``m``'s window from column 0. Keys in another FP8 format than ``q`` (a mix) raise
     ``NotImplementedError``."""
+    if q_scale is not None:
+        raise NotImplementedError("the Triton backend has no MXFP4 scoring kernel (docs/spec.md §3a)")
     if k_fp8.dtype is not q.dtype:
         raise NotImplementedError(f"triton fp8_mqa_logits: {q.dtype} queries against {k_fp8.dtype} keys (a mix of "
                                   "FP8 formats)")
