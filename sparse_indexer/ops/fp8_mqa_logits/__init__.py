@@ -70,8 +70,8 @@ def fp8_mqa_logits(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, 
             ``q_scale [M, H, D / 32]`` uint8 their scale bytes (the query keeps its scales: ``weights`` are
             ``w * D**-0.5 * H**-0.5``), ``k_fp8 [N, D / 2]`` and ``k_scale [N, D / 32]`` uint8 the keys'
             (:func:`sparse_indexer.quantize_q_mxfp4`, :func:`~sparse_indexer.quantize_k_mxfp4`); the score is
-            the §3a one. Only the reference backend scores MXFP4 (the others raise ``NotImplementedError``, so
-            ``auto`` runs the reference).
+            the §3a one. The reference and Triton backends score MXFP4 (Gluon and aiter raise
+            ``NotImplementedError``, so ``auto`` takes the next).
 
     Returns:
         ``out``.

@@ -11,6 +11,12 @@ with ``-inf`` (outside the hot loop, so ``clean`` costs only the extra bytes).
 H200, DeepSeek shapes (``bench --sweep logits``): 8K queries causal over 64K keys 9.10-9.17 ms (~900 TFLOP/s,
 73% of cuBLAS fp8 at 8192^3); 8K causal over 8K 0.60 ms.
 
+MXFP4 operands (``MXFP4``, docs/spec.md §3a): the same program and windows; per key tile and 32-element block,
+the low and the high nibbles' e2m1 values (exact in fp16) as two K = 16 ``tl.dot`` products (the same element
+pairs on both sides: the block's exact dot), scaled by ``2 ** (sq + sk - 254)`` in two exact power-of-two halves,
+NaN for a scale byte of 255, the blocks summed in order; no key scale after the head sum. Untuned
+(:data:`MXFP4_CONFIG`).
+
 No host synchronisation and no allocation: the grid is ``cdiv(M, BLOCK_Q)``.
 """
 
@@ -44,6 +50,41 @@ def to_out(x, ptr):
 
 
 @triton.jit
+def _e2m1(codes):
+    """fp16 values of e2m1 codes (uint8 0-15, exact): magnitude ``m = c & 7`` is ``0.5 * m`` for ``m < 2``, else
+    ``(1 + (m & 1) / 2) * 2 ** ((m >> 1) - 1)``; bit 3 the sign."""
+    m = (codes & 7).to(tl.int32)
+    e = m >> 1
+    f = (m & 1).to(tl.float32)
+    big = (1.0 + 0.5 * f) * (1 << tl.maximum(e - 1, 0)).to(tl.float32)
+    mag = tl.where(e == 0, 0.5 * f, big)
+    return tl.where((codes & 8) != 0, -mag, mag).to(tl.float16)
+
+
+@triton.jit
+def _pow2(e):
+    """``2.0 ** e`` (float32, exact) for int32 ``e`` in ``[-127, 127]`` (``-127``: the subnormal ``2 ** -127``)."""
+    bits = tl.where(e >= -126, (e + 127) << 23, 0x00400000)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_tile(k_ptr, ksc_ptr, n, nmask, stride_k, stride_ksc, qlo, qhi, sq, b: tl.constexpr):
+    """Block ``b`` of a key tile against the queries' block ``b``: the exact e2m1 dot (low nibbles and high
+    nibbles as two K = 16 products: the same pairs of elements on both sides), scaled by ``2 ** (sq + sk - 254)``
+    in two exact halves; NaN where either scale byte is 255 (docs/spec.md §3a). ``[BLOCK_N, C]`` float32."""
+    offs_b = tl.arange(0, 16)
+    kb = tl.load(k_ptr + n[:, None].to(tl.int64) * stride_k + b * 16 + offs_b[None, :], mask=nmask[:, None],
+                 other=0)
+    sk = tl.load(ksc_ptr + n.to(tl.int64) * stride_ksc + b, mask=nmask, other=127).to(tl.int32)
+    dot = tl.dot(_e2m1(kb & 15), tl.trans(qlo)) + tl.dot(_e2m1(kb >> 4), tl.trans(qhi))
+    x = sk[:, None] + sq[None, :] - 254
+    half = x >> 1
+    t = dot * _pow2(half) * _pow2(x - half)
+    return tl.where((sk[:, None] == 255) | (sq[None, :] == 255), float("nan"), t)
+
+
+@triton.jit
 def _mqa_logits_kernel(
     out_ptr,  # [M, W] float32 or bfloat16 (W = N, or the compressed width), row stride stride_out
     q_ptr,  # [M, H, D] fp8
@@ -52,12 +93,15 @@ def _mqa_logits_kernel(
     w_ptr,  # [M, H] float32
     ks_ptr,  # [M] int32/int64
     ke_ptr,  # [M] int32/int64
+    qsc_ptr,  # MXFP4 only: [M, H, D / 32] uint8 (else unused)
     M, N, W,
-    stride_out, stride_qm, stride_qh, stride_k, stride_ksc, stride_w, stride_ks, stride_ke,
+    stride_out, stride_qm, stride_qh, stride_k, stride_ksc, stride_w, stride_ks, stride_ke, stride_qsm, stride_qsh,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, CLEAN: tl.constexpr,
-    FILL_N: tl.constexpr, COMPRESSED: tl.constexpr,
+    FILL_N: tl.constexpr, COMPRESSED: tl.constexpr, MXFP4: tl.constexpr,
 ):
+    # MXFP4 (docs/spec.md §3a): q_ptr [M, H, D / 2] and k_ptr [N, D / 2] packed e2m1 values, qsc_ptr [M, H, D / 32]
+    # and ksc_ptr [N, D / 32] (row stride stride_ksc) their scale bytes; D is the unpacked head dim.
     pid = tl.program_id(0)
     mb = tl.num_programs(0) - 1 - pid  # longest (last) rows first
     offs_q = tl.arange(0, BLOCK_Q)
@@ -80,27 +124,58 @@ def _mqa_logits_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     crow = (mb * BLOCK_Q + offs_c // HP).to(tl.int64)
     cmask = (crow < M) & (offs_c % HP < H)
-    q = tl.load(q_ptr + crow[:, None] * stride_qm + (offs_c % HP)[:, None] * stride_qh + offs_d[None, :],
-                mask=cmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_Q * HP, DP]
+    if not MXFP4:
+        q = tl.load(q_ptr + crow[:, None] * stride_qm + (offs_c % HP)[:, None] * stride_qh + offs_d[None, :],
+                    mask=cmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_Q * HP, DP]
+    else:
+        qrow = q_ptr + crow * stride_qm + (offs_c % HP) * stride_qh  # [C] byte rows
+        srow = qsc_ptr + crow * stride_qsm + (offs_c % HP) * stride_qsh
+        offs_b = tl.arange(0, 16)
+        q0 = tl.load(qrow[:, None] + offs_b[None, :], mask=cmask[:, None], other=0)
+        s0 = tl.load(srow, mask=cmask, other=127).to(tl.int32)
+        if D >= 64:
+            q1 = tl.load(qrow[:, None] + 16 + offs_b[None, :], mask=cmask[:, None], other=0)
+            s1 = tl.load(srow + 1, mask=cmask, other=127).to(tl.int32)
+        if D >= 128:
+            q2 = tl.load(qrow[:, None] + 32 + offs_b[None, :], mask=cmask[:, None], other=0)
+            s2 = tl.load(srow + 2, mask=cmask, other=127).to(tl.int32)
+            q3 = tl.load(qrow[:, None] + 48 + offs_b[None, :], mask=cmask[:, None], other=0)
+            s3 = tl.load(srow + 3, mask=cmask, other=127).to(tl.int32)
     wts = tl.load(w_ptr + crow * stride_w + offs_c % HP, mask=cmask, other=0.0)
     out_rows = out_ptr + rows64 * stride_out  # [BLOCK_Q]
 
     for t in range(t_lo, t_hi):
         n = t * BLOCK_N + offs_n
         nmask = n < N
-        if D == DP:
-            k = tl.load(k_ptr + n[:, None].to(tl.int64) * stride_k + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        if not MXFP4:
+            if D == DP:
+                k = tl.load(k_ptr + n[:, None].to(tl.int64) * stride_k + offs_d[None, :], mask=nmask[:, None],
+                            other=0.0)
+            else:
+                k = tl.load(k_ptr + n[:, None].to(tl.int64) * stride_k + offs_d[None, :],
+                            mask=nmask[:, None] & dmask[None, :], other=0.0)
+            ksc = tl.load(ksc_ptr + n * stride_ksc, mask=nmask, other=0.0)
+            s = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_Q * HP] float32
+        else:  # the blocks' scaled dots summed in order (docs/spec.md §3a)
+            s = _mxfp4_tile(k_ptr, ksc_ptr, n, nmask, stride_k, stride_ksc, _e2m1(q0 & 15), _e2m1(q0 >> 4), s0, 0)
+            if D >= 64:
+                s = s + _mxfp4_tile(k_ptr, ksc_ptr, n, nmask, stride_k, stride_ksc, _e2m1(q1 & 15), _e2m1(q1 >> 4),
+                                    s1, 1)
+            if D >= 128:
+                s = s + _mxfp4_tile(k_ptr, ksc_ptr, n, nmask, stride_k, stride_ksc, _e2m1(q2 & 15), _e2m1(q2 >> 4),
+                                    s2, 2)
+                s = s + _mxfp4_tile(k_ptr, ksc_ptr, n, nmask, stride_k, stride_ksc, _e2m1(q3 & 15), _e2m1(q3 >> 4),
+                                    s3, 3)
+        if MXFP4:  # (a NaN scale byte's NaN survives relu, as torch.relu keeps it)
+            s = tl.maximum(s, 0.0, propagate_nan=tl.PropagateNan.ALL) * wts[None, :]
         else:
-            k = tl.load(k_ptr + n[:, None].to(tl.int64) * stride_k + offs_d[None, :],
-                        mask=nmask[:, None] & dmask[None, :], other=0.0)
-        ksc = tl.load(ksc_ptr + n * stride_ksc, mask=nmask, other=0.0)
-        s = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_Q * HP] float32
-        s = tl.maximum(s, 0.0) * wts[None, :]
+            s = tl.maximum(s, 0.0) * wts[None, :]
         if BLOCK_Q == 1:
             logit = tl.sum(s, axis=1)[:, None]
         else:
             logit = tl.sum(tl.reshape(s, (BLOCK_N, BLOCK_Q, HP)), axis=2)  # [BLOCK_N, BLOCK_Q]
-        logit = logit * ksc[:, None]
+        if not MXFP4:
+            logit = logit * ksc[:, None]
         inside = (n[:, None] >= ks[None, :]) & (n[:, None] < ke[None, :])
         if COMPRESSED:
             # row m's key n lands in column n - ks[m] (docs/spec.md §5, compressed logits)
@@ -142,8 +217,13 @@ _LAUNCH = Launcher(_mqa_logits_kernel)
 _PLANS: dict = {}  # (H, D, clean) -> (BLOCK_Q, LaunchConfig) of the default CONFIG
 
 
-def _plan(h: int, d: int, clean: bool, config, compressed: bool = False):
-    cfg = dict(CONFIG, **(config or {}))
+MXFP4_CONFIG = {"BLOCK_Q": 2, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+"""The MXFP4 scores' configuration (correctness first: not tuned; each query block's unpacked values stay in
+registers)."""
+
+
+def _plan(h: int, d: int, clean: bool, config, compressed: bool = False, mxfp4: bool = False):
+    cfg = dict(MXFP4_CONFIG if mxfp4 else CONFIG, **(config or {}))
     hp = max(16, triton.next_power_of_2(h))
     dp = max(32, triton.next_power_of_2(d))
     if dp > 256:
@@ -151,7 +231,7 @@ def _plan(h: int, d: int, clean: bool, config, compressed: bool = False):
     block_q = max(1, min(cfg["BLOCK_Q"], 256 // hp))
     kwargs = dict(H=h, HP=hp, D=d, DP=dp, BLOCK_Q=block_q, BLOCK_N=cfg["BLOCK_N"], CLEAN=bool(clean),
                   FILL_N=cfg.get("FILL_N", max(64, 1024 // block_q)), COMPRESSED=bool(compressed),
-                  num_warps=cfg["num_warps"],
+                  MXFP4=bool(mxfp4), num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"])
     return block_q, _LAUNCH.config(**kwargs)
 
@@ -163,7 +243,8 @@ def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, ou
     ``out`` is ``[M, W]`` with row ``m``'s window from column 0. Keys in another FP8 format than ``q`` (a mix) raise
     ``NotImplementedError``."""
     if q_scale is not None:
-        raise NotImplementedError("the Triton backend has no MXFP4 scoring kernel (docs/spec.md §3a)")
+        _mxfp4(q, q_scale, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out, clean, compressed, config)
+        return
     if k_fp8.dtype is not q.dtype:
         raise NotImplementedError(f"triton fp8_mqa_logits: {q.dtype} queries against {k_fp8.dtype} keys (a mix of "
                                   "FP8 formats)")
@@ -183,6 +264,27 @@ def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, ou
     qs = q.stride()
     _LAUNCH.launch_with(
         ((m + block_q - 1) // block_q,), cfg,
-        (out, q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, m, n, w, out.stride()[0], qs[0], qs[1],
-         k_fp8.stride()[0], k_scale.stride()[0], weights.stride()[0], cu_seqlen_ks.stride()[0],
-         cu_seqlen_ke.stride()[0]), 7)
+        (out, q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, k_scale, m, n, w, out.stride()[0], qs[0],
+         qs[1], k_fp8.stride()[0], k_scale.stride()[0], weights.stride()[0], cu_seqlen_ks.stride()[0],
+         cu_seqlen_ke.stride()[0], 0, 0), 8)
+
+
+def _mxfp4(q, q_scale, k_vals, k_scales, weights, cu_seqlen_ks, cu_seqlen_ke, out, clean, compressed, config):
+    """MXFP4 operands (``q [M, H, D / 2]``, ``q_scale [M, H, D / 32]``, ``k_vals [N, D / 2]``, ``k_scales [N, D /
+    32]`` uint8, checked): the same kernel with ``MXFP4`` (one K = 16 fp16 product per half block, exact, then
+    the block's power of two). ``D`` 32, 64 or 128."""
+    m, h, half = q.shape
+    d = 2 * half
+    if d not in (32, 64, 128):
+        raise NotImplementedError(f"triton fp8_mqa_logits scores MXFP4 with D in (32, 64, 128), got {d=}")
+    n = k_vals.shape[0]
+    w = out.shape[1]
+    if no_kernel_needed(m, n, w, out, clean):
+        return
+    block_q, cfg = _plan(h, d, clean, config, compressed, mxfp4=True)
+    qs, ss = q.stride(), q_scale.stride()
+    _LAUNCH.launch_with(
+        ((m + block_q - 1) // block_q,), cfg,
+        (out, q, k_vals, k_scales, weights, cu_seqlen_ks, cu_seqlen_ke, q_scale, m, n, w, out.stride()[0], qs[0],
+         qs[1], k_vals.stride()[0], k_scales.stride()[0], weights.stride()[0], cu_seqlen_ks.stride()[0],
+         cu_seqlen_ke.stride()[0], ss[0], ss[1]), 8)
