@@ -12,10 +12,11 @@ H200, DeepSeek shapes (``bench --sweep logits``): 8K queries causal over 64K key
 73% of cuBLAS fp8 at 8192^3); 8K causal over 8K 0.60 ms.
 
 MXFP4 operands (``MXFP4``, docs/spec.md §3a): the same program and windows; per key tile and 32-element block,
-the low and the high nibbles' e2m1 values (exact in fp16) as two K = 16 ``tl.dot`` products (the same element
-pairs on both sides: the block's exact dot), scaled by ``2 ** (sq + sk - 254)`` in two exact power-of-two halves,
-NaN for a scale byte of 255, the blocks summed in order; no key scale after the head sum. Untuned
-(:data:`MXFP4_CONFIG`).
+the low and the high nibbles' e2m1 values (exact in fp16; the queries' unpacked once per program) as two K = 16
+``tl.dot`` products (the same element pairs on both sides: the block's exact dot), times the key's power of two
+and then the query's (exact unless the product leaves float32's normal range: operands beyond about ``2**115``
+or scores below ``2**-126``), NaN for a scale byte of 255, the blocks summed in order; no key scale after the
+head sum. Untuned (:data:`MXFP4_CONFIG`).
 
 No host synchronisation and no allocation: the grid is ``cdiv(M, BLOCK_Q)``.
 """
@@ -62,26 +63,25 @@ def _e2m1(codes):
 
 
 @triton.jit
-def _pow2(e):
-    """``2.0 ** e`` (float32, exact) for int32 ``e`` in ``[-127, 127]`` (``-127``: the subnormal ``2 ** -127``)."""
-    bits = tl.where(e >= -126, (e + 127) << 23, 0x00400000)
-    return bits.to(tl.float32, bitcast=True)
+def _scale_factors(s):
+    """``2 ** (s - 127)`` (float32, exact; ``s = 0``: the subnormal ``2 ** -127``) of scale bytes ``s`` (int32),
+    NaN for the byte 255 (docs/spec.md §3a)."""
+    bits = tl.where(s >= 1, s << 23, 0x00400000)
+    return tl.where(s == 255, float("nan"), bits.to(tl.float32, bitcast=True))
 
 
 @triton.jit
-def _mxfp4_tile(k_ptr, ksc_ptr, n, nmask, stride_k, stride_ksc, qlo, qhi, sq, b: tl.constexpr):
-    """Block ``b`` of a key tile against the queries' block ``b``: the exact e2m1 dot (low nibbles and high
-    nibbles as two K = 16 products: the same pairs of elements on both sides), scaled by ``2 ** (sq + sk - 254)``
-    in two exact halves; NaN where either scale byte is 255 (docs/spec.md §3a). ``[BLOCK_N, C]`` float32."""
+def _mxfp4_tile(k_ptr, ksc_ptr, n, nmask, stride_k, stride_ksc, qlo, qhi, fq, b: tl.constexpr):
+    """Block ``b`` of a key tile against the queries' block ``b`` (``qlo``/``qhi``: their low and high nibbles'
+    fp16 values, ``fq`` their scale factors): the exact e2m1 dot (the low and the high nibbles as two K = 16
+    products: the same pairs of elements on both sides), times the key's and then the query's power of two.
+    ``[BLOCK_N, C]`` float32."""
     offs_b = tl.arange(0, 16)
     kb = tl.load(k_ptr + n[:, None].to(tl.int64) * stride_k + b * 16 + offs_b[None, :], mask=nmask[:, None],
                  other=0)
     sk = tl.load(ksc_ptr + n.to(tl.int64) * stride_ksc + b, mask=nmask, other=127).to(tl.int32)
     dot = tl.dot(_e2m1(kb & 15), tl.trans(qlo)) + tl.dot(_e2m1(kb >> 4), tl.trans(qhi))
-    x = sk[:, None] + sq[None, :] - 254
-    half = x >> 1
-    t = dot * _pow2(half) * _pow2(x - half)
-    return tl.where((sk[:, None] == 255) | (sq[None, :] == 255), float("nan"), t)
+    return dot * _scale_factors(sk)[:, None] * fq[None, :]
 
 
 @triton.jit
@@ -130,17 +130,21 @@ def _mqa_logits_kernel(
     else:
         qrow = q_ptr + crow * stride_qm + (offs_c % HP) * stride_qh  # [C] byte rows
         srow = qsc_ptr + crow * stride_qsm + (offs_c % HP) * stride_qsh
-        offs_b = tl.arange(0, 16)
+        offs_b = tl.arange(0, 16)  # (each block's values unpacked once, before the key loop)
         q0 = tl.load(qrow[:, None] + offs_b[None, :], mask=cmask[:, None], other=0)
-        s0 = tl.load(srow, mask=cmask, other=127).to(tl.int32)
+        q0l, q0h = _e2m1(q0 & 15), _e2m1(q0 >> 4)
+        f0 = _scale_factors(tl.load(srow, mask=cmask, other=127).to(tl.int32))
         if D >= 64:
             q1 = tl.load(qrow[:, None] + 16 + offs_b[None, :], mask=cmask[:, None], other=0)
-            s1 = tl.load(srow + 1, mask=cmask, other=127).to(tl.int32)
+            q1l, q1h = _e2m1(q1 & 15), _e2m1(q1 >> 4)
+            f1 = _scale_factors(tl.load(srow + 1, mask=cmask, other=127).to(tl.int32))
         if D >= 128:
             q2 = tl.load(qrow[:, None] + 32 + offs_b[None, :], mask=cmask[:, None], other=0)
-            s2 = tl.load(srow + 2, mask=cmask, other=127).to(tl.int32)
+            q2l, q2h = _e2m1(q2 & 15), _e2m1(q2 >> 4)
+            f2 = _scale_factors(tl.load(srow + 2, mask=cmask, other=127).to(tl.int32))
             q3 = tl.load(qrow[:, None] + 48 + offs_b[None, :], mask=cmask[:, None], other=0)
-            s3 = tl.load(srow + 3, mask=cmask, other=127).to(tl.int32)
+            q3l, q3h = _e2m1(q3 & 15), _e2m1(q3 >> 4)
+            f3 = _scale_factors(tl.load(srow + 3, mask=cmask, other=127).to(tl.int32))
     wts = tl.load(w_ptr + crow * stride_w + offs_c % HP, mask=cmask, other=0.0)
     out_rows = out_ptr + rows64 * stride_out  # [BLOCK_Q]
 
@@ -157,15 +161,12 @@ def _mqa_logits_kernel(
             ksc = tl.load(ksc_ptr + n * stride_ksc, mask=nmask, other=0.0)
             s = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_Q * HP] float32
         else:  # the blocks' scaled dots summed in order (docs/spec.md §3a)
-            s = _mxfp4_tile(k_ptr, ksc_ptr, n, nmask, stride_k, stride_ksc, _e2m1(q0 & 15), _e2m1(q0 >> 4), s0, 0)
+            s = _mxfp4_tile(k_ptr, ksc_ptr, n, nmask, stride_k, stride_ksc, q0l, q0h, f0, 0)
             if D >= 64:
-                s = s + _mxfp4_tile(k_ptr, ksc_ptr, n, nmask, stride_k, stride_ksc, _e2m1(q1 & 15), _e2m1(q1 >> 4),
-                                    s1, 1)
+                s = s + _mxfp4_tile(k_ptr, ksc_ptr, n, nmask, stride_k, stride_ksc, q1l, q1h, f1, 1)
             if D >= 128:
-                s = s + _mxfp4_tile(k_ptr, ksc_ptr, n, nmask, stride_k, stride_ksc, _e2m1(q2 & 15), _e2m1(q2 >> 4),
-                                    s2, 2)
-                s = s + _mxfp4_tile(k_ptr, ksc_ptr, n, nmask, stride_k, stride_ksc, _e2m1(q3 & 15), _e2m1(q3 >> 4),
-                                    s3, 3)
+                s = s + _mxfp4_tile(k_ptr, ksc_ptr, n, nmask, stride_k, stride_ksc, q2l, q2h, f2, 2)
+                s = s + _mxfp4_tile(k_ptr, ksc_ptr, n, nmask, stride_k, stride_ksc, q3l, q3h, f3, 3)
         if MXFP4:  # (a NaN scale byte's NaN survives relu, as torch.relu keeps it)
             s = tl.maximum(s, 0.0, propagate_nan=tl.PropagateNan.ALL) * wts[None, :]
         else:
