@@ -252,3 +252,20 @@ def test_ragged_mxfp4_bad_input():
     with pytest.raises(ValueError, match="window ends"):
         si.fp8_mqa_logits(qv, kv, ks, w, a, b + 100, out=out, q_scale=qs)
     assert (out == 0).all()
+
+
+def test_ragged_mxfp4_under_functionalize_and_compile():
+    """The MXFP4 call through the custom op: ``torch.func.functionalize`` (the reference route) and
+    ``torch.compile(fullgraph=True)`` give the eager bytes."""
+    g = torch.Generator().manual_seed(9)
+    qv, qs, kv, ks, w, a, b = _ragged(g)
+    want = si.fp8_mqa_logits(qv, kv, ks, w, a, b, q_scale=qs, backend="reference")
+
+    def f(out):
+        si.fp8_mqa_logits(qv, kv, ks, w, a, b, out=out, q_scale=qs)
+        return out
+
+    got = torch.func.functionalize(f)(torch.zeros_like(want))
+    assert torch.equal(got, want)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(torch.zeros_like(want)), want)
