@@ -5,8 +5,8 @@ from __future__ import annotations
 import attrs
 import torch
 
-__all__ = ["CacheFormat", "IndexerLimits", "FP8_DTYPES", "SCALE_ENCODINGS", "BYTE_ORDERS", "LOGITS_DTYPES", "MiB",
-           "DEFAULT_PREFILL_K_TOKENS", "DEFAULT_MAX_LOGITS_BYTES"]
+__all__ = ["CacheFormat", "IndexerLimits", "FP8_DTYPES", "SCALE_ENCODINGS", "BYTE_ORDERS", "VALUE_FORMATS",
+           "LOGITS_DTYPES", "MiB", "DEFAULT_PREFILL_K_TOKENS", "DEFAULT_MAX_LOGITS_BYTES"]
 
 MiB = 1 << 20
 
@@ -21,6 +21,7 @@ LOGITS_DTYPES = (torch.float32, torch.bfloat16)
 
 SCALE_ENCODINGS = ("float32", "ue8m0x4")
 BYTE_ORDERS = ("flat", "preshuffled")
+VALUE_FORMATS = ("fp8", "mxfp4")
 
 
 def _fp8(inst, attribute, value):
@@ -43,11 +44,16 @@ class CacheFormat:
             default) or ``"preshuffled"`` (values in 16 x 16 tiles, byte of ``(t, d)`` at ``(t // 16) * 16 * D +
             (d // 16) * 256 + (t % 16) * 16 + d % 16``, scales flat; aiter's gfx942/gfx950 caches, vLLM's ROCm
             C = 1, 2 caches with more than one entry per block).
+        values: ``"fp8"`` (the default: ``D`` FP8 values and 4 scale bytes per key) or ``"mxfp4"`` (docs/spec.md
+            §3a: ``D / 2`` bytes of e2m1 values and ``D / 32`` UE8M0 scale bytes per key, block-major as the flat
+            order: every key's values, then every key's scale bytes; vLLM's NVIDIA page layout). An MXFP4 format
+            has its own scale bytes: ``fp8_dtype``, ``scale`` and ``order`` must be left at their defaults.
     """
 
     fp8_dtype: torch.dtype = attrs.field(default=torch.float8_e4m3fn, validator=_fp8)
     scale: str = attrs.field(default="float32")
     order: str = attrs.field(default="flat")
+    values: str = attrs.field(default="fp8")
 
     @scale.validator
     def _scale(self, attribute, value):
@@ -59,10 +65,30 @@ class CacheFormat:
         if value not in BYTE_ORDERS:
             raise ValueError(f"CacheFormat.order must be one of {BYTE_ORDERS}, got {value!r}")
 
+    @values.validator
+    def _values(self, attribute, value):
+        if value not in VALUE_FORMATS:
+            raise ValueError(f"CacheFormat.values must be one of {VALUE_FORMATS}, got {value!r}")
+        if value == "mxfp4" and (self.fp8_dtype != torch.float8_e4m3fn or self.scale != "float32"
+                                 or self.order != "flat"):
+            raise ValueError("an MXFP4 CacheFormat has its own scale bytes (docs/spec.md §3a): leave fp8_dtype, "
+                             f"scale and order at their defaults, got {self.fp8_dtype}, {self.scale!r}, "
+                             f"{self.order!r}")
+
     @property
     def is_default(self) -> bool:
         """e4m3fn values, float32 scales, flat order: what :func:`sparse_indexer.write_k_cache` writes by default."""
-        return self.fp8_dtype == torch.float8_e4m3fn and self.scale == "float32" and self.order == "flat"
+        return (self.fp8_dtype == torch.float8_e4m3fn and self.scale == "float32" and self.order == "flat"
+                and self.values == "fp8")
+
+    @property
+    def mxfp4(self) -> bool:
+        """Whether the keys are MXFP4 (docs/spec.md §3a)."""
+        return self.values == "mxfp4"
+
+    def key_bytes(self, head_dim: int) -> int:
+        """Bytes per key: ``D + 4`` (FP8), ``D / 2 + D / 32`` (MXFP4)."""
+        return head_dim // 2 + head_dim // 32 if self.values == "mxfp4" else head_dim + 4
 
 
 def _positive(inst, attribute, value):
@@ -179,6 +205,9 @@ class IndexerLimits:
     candidate_block_size: int = attrs.field(default=8, validator=_positive)
 
     def __attrs_post_init__(self):
+        if self.cache_format is not None and self.cache_format.mxfp4:
+            raise ValueError("IndexerLimits.cache_format: the step does not run MXFP4 caches yet (docs/spec.md §3a: "
+                             "write_k_cache, gather_k_cache and the ragged fp8_mqa_logits read and write them)")
         if self.candidate_blocks and (self.candidate_blocks - 1) * self.candidate_block_size + 1 < self.topk:
             raise ValueError(
                 f"IndexerLimits.candidate_blocks={self.candidate_blocks} blocks of candidate_block_size="

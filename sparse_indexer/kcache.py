@@ -12,7 +12,8 @@ from typing import NamedTuple
 import torch
 
 __all__ = ["HEAD_DIMS", "CacheLayout", "cache_layout", "cache_views", "compressed_slot_mapping", "encode_ue8m0x4",
-           "decode_ue8m0", "new_kv_cache", "preshuffled_offsets", "read_keys", "slots_from_block_table", "write_keys"]
+           "decode_ue8m0", "new_kv_cache", "preshuffled_offsets", "read_keys", "read_keys_mxfp4",
+           "slots_from_block_table", "write_keys", "write_keys_mxfp4"]
 
 HEAD_DIMS = (64, 128)
 """The indexer head dims the ops take (docs/spec.md §1)."""
@@ -58,19 +59,26 @@ def as_3d(kv_cache: torch.Tensor, name: str = "kv_cache") -> torch.Tensor:
     return view_3d(kv_cache)
 
 
-def cache_layout(kv_cache: torch.Tensor, name: str = "kv_cache") -> CacheLayout:
-    """Check ``kv_cache``'s layout and return its :class:`CacheLayout`."""
+def cache_layout(kv_cache: torch.Tensor, name: str = "kv_cache", mxfp4: bool = False) -> CacheLayout:
+    """Check ``kv_cache``'s layout and return its :class:`CacheLayout` (``mxfp4``: a cache of MXFP4 keys,
+    ``D / 2 + D / 32`` bytes each, docs/spec.md §3a; the bytes carry no format)."""
     kv = as_3d(kv_cache, name)
     nb, bs, width = kv.shape
-    d = width - 4
-    if d not in HEAD_DIMS:
-        raise ValueError(f"{name}.shape[-1] must be D + 4 with D in {HEAD_DIMS}, got {width}")
+    if mxfp4:
+        d = width * 32 // 17
+        if d not in HEAD_DIMS or d // 2 + d // 32 != width:
+            raise ValueError(f"{name}.shape[-1] of an MXFP4 cache must be D / 2 + D / 32 with D in {HEAD_DIMS} "
+                             f"(34 or 68), got {width}")
+    else:
+        d = width - 4
+        if d not in HEAD_DIMS:
+            raise ValueError(f"{name}.shape[-1] must be D + 4 with D in {HEAD_DIMS}, got {width}")
     stride0 = kv.stride(0) if nb > 1 else bs * width
     if kv.stride(2) != 1 or (bs > 1 and kv.stride(1) != width):
         raise ValueError(f"{name} must be contiguous inside a block (strides [*, {width}, 1]), got {kv.stride()}")
     if stride0 < bs * width or stride0 % 4:
         raise ValueError(
-            f"{name} block stride must be a multiple of 4 and >= block_size * (D + 4) = {bs * width}, got {stride0}"
+            f"{name} block stride must be a multiple of 4 and >= block_size * {width} = {bs * width}, got {stride0}"
         )
     # Dynamo cannot trace storage_offset(); eager calls (and the op bodies, which run eagerly) check it.
     if not torch.compiler.is_compiling() and kv.storage_offset() % 4:
@@ -93,12 +101,13 @@ def cache_views(kv_cache: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.T
 
 
 def new_kv_cache(num_blocks: int, block_size: int, head_dim: int = 128, *, device="cpu", block_pad: int = 0,
-                 four_d: bool = False) -> torch.Tensor:
+                 four_d: bool = False, mxfp4: bool = False) -> torch.Tensor:
     """Allocate a zeroed cache ``[num_blocks, block_size, head_dim + 4]`` uint8 (``head_dim`` 64 or 128:
-    ``ValueError`` for any other, as every op would reject the cache).
+    ``ValueError`` for any other, as every op would reject the cache); ``mxfp4``: of MXFP4 keys, ``[num_blocks,
+    block_size, head_dim / 2 + head_dim / 32]`` (docs/spec.md §3a).
 
     ``block_pad`` extra bytes per block (a multiple of 4) give a padded block stride, as when the cache is a
-    view of a larger per-layer allocation; ``four_d`` returns the ``[nb, bs, 1, D + 4]`` shape.
+    view of a larger per-layer allocation; ``four_d`` returns the ``[nb, bs, 1, width]`` shape.
     """
     for name, v, lo in (("num_blocks", num_blocks, 0), ("block_size", block_size, 1), ("block_pad", block_pad, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -107,8 +116,11 @@ def new_kv_cache(num_blocks: int, block_size: int, head_dim: int = 128, *, devic
         raise ValueError(f"head_dim must be one of {HEAD_DIMS} (what every op reads), got {head_dim!r}")
     if block_pad % 4:
         raise ValueError(f"block_pad must be a multiple of 4, got {block_pad}")
-    width = head_dim + 4
+    width = head_dim // 2 + head_dim // 32 if mxfp4 else head_dim + 4
     per_block = block_size * width + block_pad
+    if mxfp4 and per_block % 4:  # (4-byte aligned blocks, as every cache: padded up)
+        block_pad += 4 - per_block % 4
+        per_block = block_size * width + block_pad
     flat = torch.zeros(num_blocks * per_block, dtype=torch.uint8, device=device)
     kv = flat.as_strided((num_blocks, block_size, width), (per_block, width, 1))
     return kv.unsqueeze(2) if four_d else kv
@@ -250,3 +262,28 @@ def write_keys(kv_cache: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, val
         raw[:, bs * d :].view(torch.float32)[blk, off] = scales
     else:
         raw[:, bs * d :].view(torch.int32)[blk, off] = encode_ue8m0x4(scales)
+
+
+def _mxfp4_regions(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([nb, bs, D / 2], [nb, bs, D / 32])`` uint8 views of an MXFP4 cache's value and scale regions."""
+    lay = cache_layout(kv_cache, mxfp4=True)
+    kv = as_3d(kv_cache)
+    nb, bs, d = lay.num_blocks, lay.block_size, lay.head_dim
+    raw = kv.as_strided((nb, bs * (d // 2 + d // 32)), (lay.block_stride, 1), kv.storage_offset())
+    return raw[:, : bs * d // 2].view(nb, bs, d // 2), raw[:, bs * d // 2 :].view(nb, bs, d // 32)
+
+
+def read_keys_mxfp4(kv_cache: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MXFP4 keys in slots ``(blk, off)`` (int64, equal shapes ``S``) of an MXFP4 cache (docs/spec.md §3a):
+    ``(values [*S, D / 2], scales [*S, D / 32])`` uint8 (a copy)."""
+    values, scales = _mxfp4_regions(kv_cache)
+    return values[blk, off], scales[blk, off]
+
+
+def write_keys_mxfp4(kv_cache: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, values: torch.Tensor,
+                     scales: torch.Tensor) -> None:
+    """Store MXFP4 keys (``values [S, D / 2]``, ``scales [S, D / 32]`` uint8) in slots ``(blk, off)`` (int64 ``[S]``)
+    of an MXFP4 cache (:func:`read_keys_mxfp4`'s inverse)."""
+    v, sc = _mxfp4_regions(kv_cache)
+    v[blk, off] = values
+    sc[blk, off] = scales

@@ -135,7 +135,8 @@ def check_order(fmt: CacheFormat, block_size: int, head_dim: int) -> None:
 def format_kwargs(fmt: CacheFormat, dtype: torch.dtype | None) -> dict:
     """The keyword arguments the backends of a cache reader take for ``fmt`` (each only when it is not the
     backends' default): ``cache_fp8_dtype`` when it differs from ``dtype`` (the reader's FP8 operand; ``None``: never
-    passed), ``cache_scale`` unless ``"float32"``, ``cache_order`` unless ``"flat"``. Empty for the plain case."""
+    passed), ``cache_scale`` unless ``"float32"``, ``cache_order`` unless ``"flat"``, ``cache_values`` unless ``"fp8"``.
+    Empty for the plain case."""
     kw = {}
     if dtype is not None and fmt.fp8_dtype != dtype:
         kw["cache_fp8_dtype"] = fmt.fp8_dtype
@@ -143,6 +144,8 @@ def format_kwargs(fmt: CacheFormat, dtype: torch.dtype | None) -> dict:
         kw["cache_scale"] = fmt.scale
     if fmt.order != "flat":
         kw["cache_order"] = fmt.order
+    if fmt.values != "fp8":
+        kw["cache_values"] = fmt.values
     return kw
 
 

@@ -6,9 +6,11 @@ Each op is a *mutating* op that returns ``None`` and lists exactly the tensors i
 op                         schema (after ``sparse_indexer::``)                                 writes
 =========================  ==================================================================  =================
 ``write_k_cache``          ``(k, kv_cache!, slot_mapping, str? scale_fmt, ScalarType fp8_dtype,  ``kv_cache``
-                           str cache_scale="float32", str cache_order="flat", *, str backend)``
+                           str cache_scale="float32", str cache_order="flat", str
+                           cache_values="fp8", *, str backend)``
 ``gather_k_cache``         ``(kv_cache, block_table, cu_seq_lens, out_k!, out_scale!,         ``out_k``,
-                           str cache_scale="float32", str cache_order="flat", *, str backend)`` ``out_scale``
+                           str cache_scale="float32", str cache_order="flat", str             ``out_scale``
+                           cache_values="fp8", *, str backend)``
 ``fp8_mqa_logits``         ``(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out!,   ``out``
                            bool clean, bool compressed=False, Tensor? q_scale=None, *, str
                            backend)`` (``q_scale``: MXFP4 operands)
@@ -91,29 +93,32 @@ def _run(name: str, backend: str, device: torch.device, *args, **kwargs) -> None
     _dispatch.call(name, None if backend == "auto" else backend, device, *args, **kwargs)
 
 
-def _format_extra(extra: dict, cache_scale: str, cache_order: str) -> dict:
-    """``extra`` with the cache's scale encoding and byte order added where they are not the backends' defaults
-    (``"float32"``, ``"flat"``: a plain call passes neither)."""
+def _format_extra(extra: dict, cache_scale: str, cache_order: str, cache_values: str = "fp8") -> dict:
+    """``extra`` with the cache's scale encoding, byte order and value format added where they are not the
+    backends' defaults (``"float32"``, ``"flat"``, ``"fp8"``: a plain call passes none)."""
     if cache_scale != "float32":
         extra["cache_scale"] = cache_scale
     if cache_order != "flat":
         extra["cache_order"] = cache_order
+    if cache_values != "fp8":
+        extra["cache_values"] = cache_values
     return extra
 
 
 @torch.library.custom_op(f"{NAMESPACE}::write_k_cache", mutates_args=("kv_cache",))
 def _write_k_cache(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor, scale_fmt: Optional[str],
-                   fp8_dtype: torch.dtype, cache_scale: str = "float32", cache_order: str = "flat", *,
-                   backend: str) -> None:
+                   fp8_dtype: torch.dtype, cache_scale: str = "float32", cache_order: str = "flat",
+                   cache_values: str = "fp8", *, backend: str) -> None:
     _run("write_k_cache", backend, k.device, k, kv_cache, slot_mapping, scale_fmt=scale_fmt, fp8_dtype=fp8_dtype,
-         **_format_extra({}, cache_scale, cache_order))
+         **_format_extra({}, cache_scale, cache_order, cache_values))
 
 
 @torch.library.custom_op(f"{NAMESPACE}::gather_k_cache", mutates_args=("out_k", "out_scale"))
 def _gather_k_cache(kv_cache: Tensor, block_table: Tensor, cu_seq_lens: Tensor, out_k: Tensor, out_scale: Tensor,
-                    cache_scale: str = "float32", cache_order: str = "flat", *, backend: str) -> None:
+                    cache_scale: str = "float32", cache_order: str = "flat", cache_values: str = "fp8", *,
+                    backend: str) -> None:
     _run("gather_k_cache", backend, kv_cache.device, kv_cache, block_table, cu_seq_lens, out_k=out_k,
-         out_scale=out_scale, **_format_extra({}, cache_scale, cache_order))
+         out_scale=out_scale, **_format_extra({}, cache_scale, cache_order, cache_values))
 
 
 @torch.library.custom_op(f"{NAMESPACE}::fp8_mqa_logits", mutates_args=("out",))

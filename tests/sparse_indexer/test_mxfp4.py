@@ -269,3 +269,123 @@ def test_ragged_mxfp4_under_functionalize_and_compile():
     assert torch.equal(got, want)
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(torch.zeros_like(want)), want)
+
+
+# ------------------------------------------------------------------ MXFP4 caches: format, write, gather
+from buffers import CacheFormat, IndexerLimits  # noqa: E402
+from sparse_indexer.kcache import cache_layout  # noqa: E402
+
+MX = CacheFormat(values="mxfp4")
+
+
+def test_mxfp4_cache_format_and_layout():
+    assert MX.mxfp4 and not MX.is_default and MX.key_bytes(128) == 68 and MX.key_bytes(64) == 34
+    assert CacheFormat().key_bytes(128) == 132
+    with pytest.raises(ValueError, match="own scale bytes"):
+        CacheFormat(values="mxfp4", scale="ue8m0x4")
+    with pytest.raises(ValueError, match="own scale bytes"):
+        CacheFormat(values="mxfp4", fp8_dtype=torch.float8_e4m3fnuz)
+    with pytest.raises(ValueError, match="values must be one of"):
+        CacheFormat(values="fp4")
+    with pytest.raises(ValueError, match="does not run MXFP4 caches"):
+        IndexerLimits(max_model_len=128, max_num_batched_tokens=64, max_num_seqs=2, cache_format=MX)
+    for d, width in ((128, 68), (64, 34)):
+        kv = si.new_kv_cache(3, 16, d, mxfp4=True)
+        assert kv.shape == (3, 16, width) and kv.dtype == torch.uint8
+        assert cache_layout(kv, mxfp4=True).head_dim == d
+    assert cache_layout(si.new_kv_cache(3, 16, 128, mxfp4=True)).head_dim == 64  # the bytes carry no format
+    odd = si.new_kv_cache(2, 5, 64, mxfp4=True)  # 5 x 34 bytes: blocks padded to 4-byte alignment
+    assert odd.stride(0) % 4 == 0 and cache_layout(odd, mxfp4=True).block_stride == odd.stride(0)
+    with pytest.raises(ValueError, match="MXFP4 cache must be D / 2 \\+ D / 32"):
+        cache_layout(si.new_kv_cache(2, 16, 128), mxfp4=True)
+
+
+@pytest.mark.parametrize("layout", ["plain", "padded", "four_d"])
+def test_mxfp4_cache_write_and_gather_round_trip(layout):
+    g = torch.Generator().manual_seed(21)
+    nb, bs, d = 7, 16, 128
+    kv = si.new_kv_cache(nb, bs, d, mxfp4=True, block_pad=8 if layout == "padded" else 0,
+                         four_d=layout == "four_d")
+    before = kv.clone()
+    k = torch.randn(60, d, generator=g).to(torch.bfloat16)
+    slots = torch.randperm(nb * bs, generator=g)[:60]
+    slots[[4, 17]] = -1  # skipped
+    si.write_k_cache(k, kv, slots, cache_format=MX)
+    v, s = si.quantize_k_mxfp4(k)
+    bt = torch.randperm(nb, generator=g).int().view(1, nb)
+    lens = [40, 0, 50]
+    table = torch.stack([bt[0], bt[0].roll(3), bt[0].roll(1)]).int()
+    cu = torch.tensor([0, 40, 40, 90], dtype=torch.int32)
+    out_k = torch.full((95, d // 2), 7, dtype=torch.uint8)
+    out_s = torch.full((95, d // 32), 7, dtype=torch.uint8)
+    si.gather_k_cache(kv, table, cu, out_k=out_k, out_scale=out_s, cache_format=MX)
+    written = {int(sl): i for i, sl in enumerate(slots) if sl >= 0}
+    row = 0
+    for r, n in enumerate(lens):
+        for p in range(n):
+            slot = int(table[r, p // bs]) * bs + p % bs
+            if slot in written:
+                assert torch.equal(out_k[row], v[written[slot]]) and torch.equal(out_s[row], s[written[slot]])
+            else:  # never written: the zeroed cache's bytes
+                assert (out_k[row] == 0).all() and (out_s[row] == 0).all()
+            row += 1
+    assert (out_k[90:] == 7).all() and (out_s[90:] == 7).all()  # rows past cu_seq_lens[-1]: untouched
+    # only the written slots' bytes changed
+    kv3 = kv.view(nb, bs, -1) if layout == "four_d" else kv
+    changed = (kv3.reshape(nb, -1) != before.reshape(nb, -1))
+    assert changed.any() and int(changed.sum()) <= len(written) * 68
+    # the gathered keys are what the ragged MXFP4 scores read
+    q = torch.randn(3, 4, d, generator=g)
+    qv, qs = si.quantize_q_mxfp4(q)
+    w = torch.randn(3, 4, generator=g)
+    ks = torch.zeros(3, dtype=torch.int32)
+    ke = torch.full((3,), 90, dtype=torch.int32)
+    got = si.fp8_mqa_logits(qv, out_k[:90], out_s[:90], w, ks, ke, q_scale=qs)
+    assert torch.equal(got, mxfp4.mxfp4_scores(qv, qs, out_k[:90], out_s[:90], w))
+
+
+def test_mxfp4_cache_refusals_and_bad_input():
+    kv = si.new_kv_cache(4, 16, 128, mxfp4=True)
+    k = torch.randn(5, 128)
+    slots = torch.arange(5)
+    for name in ("triton", "aiter", "gluon"):
+        with pytest.raises((NotImplementedError, si.BackendUnavailable)):
+            si.write_k_cache(k, kv, slots, cache_format=MX, backend=name)
+    assert (kv == 0).all()
+    with pytest.raises(ValueError, match="does not apply to an MXFP4 cache"):
+        si.write_k_cache(k, kv, slots, cache_format=MX, fp8_dtype=torch.float8_e4m3fnuz)
+    with pytest.raises(ValueError, match="k.shape\\[1\\]"):
+        si.write_k_cache(torch.randn(5, 64), kv, slots, cache_format=MX)
+    with pytest.raises(ValueError, match="slot"):
+        si.write_k_cache(k, kv, torch.tensor([0, 1, 2, 3, 64]), cache_format=MX)
+    assert (kv == 0).all()
+    bt = torch.arange(4, dtype=torch.int32).view(1, 4)
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    out_k = torch.zeros(10, 64, dtype=torch.uint8)
+    out_s = torch.zeros(10, 4, dtype=torch.uint8)
+    with pytest.raises(TypeError, match="out_k"):
+        si.gather_k_cache(kv, bt, cu, out_k=out_k.view(torch.float8_e4m3fn), out_scale=out_s, cache_format=MX)
+    with pytest.raises(ValueError, match="out_scale"):
+        si.gather_k_cache(kv, bt, cu, out_k=out_k, out_scale=out_s[:, :2], cache_format=MX)
+    with pytest.raises(ValueError, match="cache_fp8_dtype"):
+        si.gather_k_cache(kv, bt, cu, out_k=out_k, out_scale=out_s, cache_format=MX,
+                          cache_fp8_dtype=torch.float8_e4m3fn)
+    with pytest.raises(NotImplementedError, match="paged MXFP4"):
+        si.fp8_paged_mqa_logits(torch.zeros(1, 1, 4, 128, dtype=torch.float8_e4m3fn), kv, torch.zeros(1, 4),
+                                torch.ones(1, dtype=torch.int32), bt, cache_format=MX)
+
+
+def test_mxfp4_cache_write_under_functionalize():
+    """The MXFP4 write through the custom op (``torch.func.functionalize``: the reference route) stores the eager
+    bytes."""
+    k = torch.randn(9, 64)
+    slots = torch.tensor([3, 0, 17, -1, 8, 30, 31, 2, 16])
+    want = si.new_kv_cache(2, 16, 64, mxfp4=True)
+    si.write_k_cache(k, want, slots, cache_format=MX)
+
+    def f(kv):
+        si.write_k_cache(k, kv, slots, cache_format=MX)
+        return kv
+
+    got = torch.func.functionalize(f)(si.new_kv_cache(2, 16, 64, mxfp4=True))
+    assert torch.equal(got, want)

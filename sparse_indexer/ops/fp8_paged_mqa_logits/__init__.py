@@ -42,6 +42,9 @@ def check_paged_inputs(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.T
     and head dim, ``weights [B * next_n, H]`` float32, ``context_lens [B]`` or ``[B, next_n]`` int32,
     ``block_table [B, max_blocks]`` int32 (``[num_requests, max_blocks]`` with ``indices [B]`` int32).
     ``TypeError``/``ValueError`` naming the argument otherwise."""
+    if cache_format is not None and type(cache_format) is CacheFormat and cache_format.mxfp4:
+        raise NotImplementedError("no backend scores a paged MXFP4 cache yet (docs/spec.md §3a): gather its keys "
+                                  "(gather_k_cache) and score them with fp8_mqa_logits(..., q_scale=)")
     C.fp8("q", q, ndim=4, last_contiguous=True)
     b, next_n, h, d = q.shape
     dev = q.device

@@ -43,9 +43,14 @@ def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_len
             must have), ``out_scale`` float32 scales (``"ue8m0x4"``: ``2 ** (byte - 127)`` of each key's first
             scale byte). The ``"preshuffled"`` order needs a block size that is a multiple of 16. The reference
             backend reads every format, Triton ``"ue8m0x4"`` scales, aiter the preshuffled order where its
-            kernels use it; otherwise ``NotImplementedError`` (``auto`` falls back).
+            kernels use it; otherwise ``NotImplementedError`` (``auto`` falls back). ``CacheFormat(values="mxfp4")``:
+            a cache of MXFP4 keys (docs/spec.md §3a): ``out_k [N, D / 2]`` and ``out_scale [N, D / 32]`` uint8 get
+            the keys' bytes as they are (the reference backend), ready for ``fp8_mqa_logits(..., q_scale=)``.
         _checked: for :func:`sparse_indexer.sparse_attn_indexer` alone (see :func:`sparse_indexer.top_k_per_row`).
     """
+    if cache_format is not None and type(cache_format) is CacheFormat and cache_format.mxfp4:
+        _gather_mxfp4(kv_cache, block_table, cu_seq_lens, out_k, out_scale, backend, check_values, cache_fp8_dtype)
+        return
     if _checked:
         extra = {} if cache_format is None else C.format_kwargs(cache_format, None)
         library.call("gather_k_cache", backend, kv_cache.device, as_3d(kv_cache), block_table, cu_seq_lens,
@@ -89,6 +94,32 @@ def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_len
         _LAYOUTS.remember(ts, 2, (cache_fp8_dtype, cache_format), (dev, lay, dev.type == "cpu", fmt_kw, {}))
     library.call("gather_k_cache", backend, dev, kv3, block_table, cu_seq_lens, out_k=out_k, out_scale=out_scale,
                  **fmt_kw)
+
+
+def _gather_mxfp4(kv_cache, block_table, cu_seq_lens, out_k, out_scale, backend, check_values,
+                  cache_fp8_dtype) -> None:
+    """:func:`gather_k_cache` from a cache of MXFP4 keys (docs/spec.md §3a): ``out_k [N, D / 2]`` and ``out_scale
+    [N, D / 32]`` uint8, the keys' bytes as they are; every check, then the op."""
+    if cache_fp8_dtype is not None:
+        raise ValueError(f"cache_fp8_dtype={cache_fp8_dtype} does not apply to an MXFP4 cache (give cache_format "
+                         "alone)")
+    kv3 = as_3d(kv_cache)
+    lay = cache_layout(kv3, mxfp4=True)
+    dev = kv_cache.device
+    C.tensor("block_table", block_table, ndim=2, dtypes=C.INDEX_DTYPES, device=dev, last_contiguous=True)
+    r = block_table.shape[0]
+    C.tensor("cu_seq_lens", cu_seq_lens, dtypes=C.INDEX_DTYPES, device=dev, shape=(r + 1,), contiguous=True)
+    d = lay.head_dim
+    C.tensor("out_k", out_k, ndim=2, dtypes=torch.uint8, device=dev, shape=(None, d // 2), contiguous=True)
+    C.tensor("out_scale", out_scale, dtypes=torch.uint8, device=dev, shape=(out_k.shape[0], d // 32),
+             contiguous=True)
+    C.no_alias("out_k", out_k, kv_cache=kv_cache, block_table=block_table, cu_seq_lens=cu_seq_lens,
+               out_scale=out_scale)
+    C.no_alias("out_scale", out_scale, kv_cache=kv_cache, block_table=block_table, cu_seq_lens=cu_seq_lens)
+    if C.want_value_checks(check_values, block_table, cu_seq_lens):
+        _check_values(block_table, cu_seq_lens, out_k.shape[0], lay)
+    library.call("gather_k_cache", backend, dev, kv3, block_table, cu_seq_lens, out_k=out_k, out_scale=out_scale,
+                 cache_values="mxfp4")
 
 
 _LAYOUTS = C.Layouts()  # the last fully checked call's layout (host overhead per call)

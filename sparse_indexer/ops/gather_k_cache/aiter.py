@@ -30,10 +30,12 @@ def gather_k_cache_preshuffled(kv_cache, block_table, cu_seq_lens, *, out_k, out
 
 
 def gather_k_cache(kv_cache, block_table, cu_seq_lens, *, out_k, out_scale, cache_scale="float32",
-                   cache_order="flat") -> None:
+                   cache_order="flat", cache_values="fp8") -> None:
     """See :func:`sparse_indexer.gather_k_cache`. A declared format (``cache_scale``, ``cache_order``) is read
     only where it is this backend's own: float32 scales, and the preshuffled order exactly where
     :func:`preshuffled` says so; anything else raises ``NotImplementedError`` (auto falls back)."""
+    if cache_values != "fp8":
+        raise NotImplementedError("the aiter backend does not read or write MXFP4 caches (docs/spec.md §3a)")
     shuffle = preshuffled(kv_cache.shape[1], out_k.dtype, gcn_arch(kv_cache.device))
     if cache_scale != "float32":
         raise NotImplementedError(f"the aiter gather_k_cache reads float32 scales, not {cache_scale!r}")

@@ -68,10 +68,12 @@ _CONFIGS: dict = {}  # (block_size, D, ue8m0) -> LaunchConfig
 
 
 def gather_k_cache(kv_cache, block_table, cu_seq_lens, *, out_k, out_scale, cache_scale="float32",
-                   cache_order="flat") -> None:
+                   cache_order="flat", cache_values="fp8") -> None:
     """See :func:`sparse_indexer.gather_k_cache`; ``kv_cache`` is the 3-D view, arguments are checked.
     ``cache_scale``: float32 or ``"ue8m0x4"`` (decoded exactly into float32 ``out_scale``); the preshuffled order
     raises ``NotImplementedError``."""
+    if cache_values != "fp8":
+        raise NotImplementedError("the Triton backend does not read or write MXFP4 caches (docs/spec.md §3a)")
     if cache_order != "flat":
         raise NotImplementedError(f"the Triton gather_k_cache reads the flat order, not {cache_order!r}")
     ue8m0 = cache_scale == "ue8m0x4"

@@ -36,9 +36,19 @@ def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.T
             (``ValueError``); ``"ue8m0x4"`` scales need ``scale_fmt="ue8m0"`` (powers of two, exactly encoded;
             ``ValueError``), the ``"preshuffled"`` order a block size that is a multiple of 16. Only the reference
             backend writes every format (Triton: the plain one; aiter: its own preshuffled order), the others
-            raise ``NotImplementedError`` and ``auto`` falls back.
+            raise ``NotImplementedError`` and ``auto`` falls back. ``CacheFormat(values="mxfp4")``: MXFP4 keys
+            (docs/spec.md §3a, ``[num_blocks, block_size, D / 2 + D / 32]`` caches; ``scale_fmt`` does not apply,
+            ``fp8_dtype`` must be left at its default), written by the reference backend.
         _checked: for :func:`sparse_indexer.sparse_attn_indexer` alone (see :func:`sparse_indexer.top_k_per_row`).
     """
+    if cache_format is not None and type(cache_format) is CacheFormat and cache_format.mxfp4:
+        if fp8_dtype != torch.float8_e4m3fn:
+            raise ValueError(f"fp8_dtype={fp8_dtype} does not apply to an MXFP4 cache (leave it at its default)")
+        if not _checked:
+            _check(k, kv_cache, slot_mapping, scale_fmt, fp8_dtype, check_values, mxfp4=True)
+        library.call("write_k_cache", backend, k.device, k, as_3d(kv_cache), slot_mapping, scale_fmt=scale_fmt,
+                     fp8_dtype=fp8_dtype, cache_values="mxfp4")
+        return
     if cache_format is not None:
         _write_format(cache_format, fp8_dtype, scale_fmt, kv_cache)
         fp8_dtype = cache_format.fp8_dtype
@@ -96,12 +106,13 @@ def _write_format(fmt, fp8_dtype, scale_fmt, kv_cache) -> None:
     C.check_order(fmt, lay.block_size, lay.head_dim)
 
 
-def _check(k, kv_cache, slot_mapping, scale_fmt, fp8_dtype, check_values):
-    """Every check of :func:`write_k_cache`; returns the cache's 3-D view and its layout."""
+def _check(k, kv_cache, slot_mapping, scale_fmt, fp8_dtype, check_values, mxfp4: bool = False):
+    """Every check of :func:`write_k_cache` (``mxfp4``: of a cache of MXFP4 keys); returns the cache's 3-D view
+    and its layout."""
     C.tensor("k", k, ndim=2, dtypes=(torch.bfloat16, torch.float16, torch.float32), last_contiguous=True)
     dev = k.device
     kv3 = as_3d(kv_cache)
-    lay = cache_layout(kv3)
+    lay = cache_layout(kv3, mxfp4=mxfp4)
     C.tensor("kv_cache", kv_cache, device=dev)
     C.tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64, torch.int32), device=dev,
              contiguous=True)

@@ -41,10 +41,12 @@ def write_k_cache_preshuffled(k, kv_cache, slot_mapping, *, scale_fmt, fp8_dtype
 
 
 def write_k_cache(k, kv_cache, slot_mapping, *, scale_fmt, fp8_dtype, cache_scale="float32",
-                  cache_order="flat") -> None:
+                  cache_order="flat", cache_values="fp8") -> None:
     """See :func:`sparse_indexer.write_k_cache`; preshuffled when :func:`preshuffled` says so. A declared format is
     written only where it is this backend's own (float32 scales; the preshuffled order exactly where
     :func:`preshuffled` says so); anything else raises ``NotImplementedError`` (auto falls back)."""
+    if cache_values != "fp8":
+        raise NotImplementedError("the aiter backend does not store MXFP4 keys (docs/spec.md §3a)")
     shuffle = preshuffled(kv_cache.shape[1], fp8_dtype, gcn_arch(kv_cache.device))
     if cache_scale != "float32" or (cache_order == "preshuffled" and not shuffle):
         raise NotImplementedError(f"the aiter write_k_cache writes float32 scales, preshuffled only on gfx942/gfx950 "

@@ -5,16 +5,25 @@ from __future__ import annotations
 import torch
 
 from ...fp8 import quantize_k
-from ...kcache import cache_views, write_keys
+from ...kcache import cache_views, write_keys, write_keys_mxfp4
+from ...mxfp4 import quantize_k_mxfp4
 
 
 def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *, scale_fmt,
-                  fp8_dtype, cache_scale="float32", cache_order="flat") -> None:
+                  fp8_dtype, cache_scale="float32", cache_order="flat", cache_values="fp8") -> None:
     """See :func:`sparse_indexer.write_k_cache`; ``kv_cache`` is the 3-D view, arguments are checked.
     ``cache_scale``, ``cache_order``: the scale encoding and byte order to store (``buffers.CacheFormat``;
-    ``"ue8m0x4"`` only with power-of-two scales, checked by the public function)."""
+    ``"ue8m0x4"`` only with power-of-two scales, checked by the public function); ``cache_values="mxfp4"``: MXFP4
+    keys (docs/spec.md §3a; ``scale_fmt`` and ``fp8_dtype`` do not apply)."""
     s = slot_mapping.shape[0]
     if s == 0:
+        return
+    if cache_values == "mxfp4":
+        slots = slot_mapping.long()
+        keep = slots >= 0
+        bs = kv_cache.shape[1]
+        vals, scales = quantize_k_mxfp4(k[:s])
+        write_keys_mxfp4(kv_cache, slots[keep] // bs, slots[keep] % bs, vals[keep], scales[keep])
         return
     values, scales = cache_views(kv_cache, fp8_dtype)
     bs = values.shape[1]

@@ -129,9 +129,11 @@ def _config(bs: int, d: int, fp8_dtype, ue8m0: bool):
 
 
 def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *, scale_fmt,
-                  fp8_dtype, cache_scale="float32", cache_order="flat") -> None:
+                  fp8_dtype, cache_scale="float32", cache_order="flat", cache_values="fp8") -> None:
     """See :func:`sparse_indexer.write_k_cache`; ``kv_cache`` is the 3-D view, arguments are checked. Writes
     float32 scales in the flat order only (another format raises ``NotImplementedError``)."""
+    if cache_values != "fp8":
+        raise NotImplementedError("the Triton backend does not store MXFP4 keys (docs/spec.md §3a)")
     if cache_scale != "float32" or cache_order != "flat":
         raise NotImplementedError(f"the Triton write_k_cache writes float32 scales in the flat order, got "
                                   f"{cache_scale!r}, {cache_order!r}")
