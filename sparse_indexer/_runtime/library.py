@@ -17,7 +17,8 @@ op                         schema (after ``sparse_indexer::``)                  
 ``fp8_paged_mqa_logits``   ``(q, kv_cache, weights, context_lens, block_table, out!,          ``out``
                            bool clean, Tensor? indices=None, ScalarType?                      (and ``qk``)
                            cache_fp8_dtype=None, str cache_scale="float32", str
-                           cache_order="flat", *, str backend)``;
+                           cache_order="flat", str cache_values="fp8", Tensor?
+                           q_scale=None, *, str backend)``;
                            ``fp8_paged_mqa_logits_with_qk``: ``indices`` required (may be
                            ``None``), then ``str backend, qk!`` (aiter stage1's scratch; no
                            cache format: a call in any but the plain format passes no ``qk``)
@@ -145,8 +146,11 @@ def _paged_extra(indices, cache_fp8_dtype) -> dict:
 def _fp8_paged_mqa_logits(q: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor, block_table: Tensor,
                           out: Tensor, clean: bool, indices: Optional[Tensor] = None,
                           cache_fp8_dtype: Optional[torch.dtype] = None, cache_scale: str = "float32",
-                          cache_order: str = "flat", *, backend: str) -> None:
-    extra = _format_extra(_paged_extra(indices, cache_fp8_dtype), cache_scale, cache_order)
+                          cache_order: str = "flat", cache_values: str = "fp8", q_scale: Optional[Tensor] = None,
+                          *, backend: str) -> None:
+    extra = _format_extra(_paged_extra(indices, cache_fp8_dtype), cache_scale, cache_order, cache_values)
+    if q_scale is not None:
+        extra["q_scale"] = q_scale
     _run("fp8_paged_mqa_logits", backend, q.device, q, kv_cache, weights, context_lens, block_table, out=out,
          clean=clean, **extra)
 

@@ -370,9 +370,6 @@ def test_mxfp4_cache_refusals_and_bad_input():
     with pytest.raises(ValueError, match="cache_fp8_dtype"):
         si.gather_k_cache(kv, bt, cu, out_k=out_k, out_scale=out_s, cache_format=MX,
                           cache_fp8_dtype=torch.float8_e4m3fn)
-    with pytest.raises(NotImplementedError, match="paged MXFP4"):
-        si.fp8_paged_mqa_logits(torch.zeros(1, 1, 4, 128, dtype=torch.float8_e4m3fn), kv, torch.zeros(1, 4),
-                                torch.ones(1, dtype=torch.int32), bt, cache_format=MX)
 
 
 def test_mxfp4_cache_write_under_functionalize():
@@ -389,3 +386,87 @@ def test_mxfp4_cache_write_under_functionalize():
 
     got = torch.func.functionalize(f)(si.new_kv_cache(2, 16, 64, mxfp4=True))
     assert torch.equal(got, want)
+
+
+# ------------------------------------------------------------------ the paged logits op on an MXFP4 cache
+def _paged(g, b=3, nn=2, h=8, d=128, bs=16, nb=20, two_d=False):
+    kv = si.new_kv_cache(nb, bs, d, mxfp4=True)
+    keys = torch.randn(nb * bs, d, generator=g) * torch.logspace(-1, 1, nb * bs).unsqueeze(1)
+    si.write_k_cache(keys, kv, torch.arange(nb * bs), cache_format=MX)
+    bt = torch.randperm(nb, generator=g)[: b * 4].view(b, 4).int()
+    cl = torch.tensor([64, 5, 30, 0, 17][:b], dtype=torch.int32)
+    if two_d:
+        cl = torch.stack([(cl - nn + j + 1 - j % 2).clamp(min=0) for j in range(nn)], 1).int()
+    qv, qs = si.quantize_q_mxfp4(torch.randn(b * nn, h, d, generator=g))
+    w = torch.randn(b * nn, h, generator=g)
+    return qv.view(b, nn, h, d // 2), qs.view(b, nn, h, d // 32), kv, w, cl, bt, si.quantize_k_mxfp4(keys)
+
+
+def _paged_want(qv, qs, w, cl, bt, keys, bs=16):
+    b, nn, h, _ = qv.shape
+    lim = si.row_limits(cl, nn)
+    out = torch.full((b * nn, bt.shape[1] * bs), float("-inf"))
+    for r in range(b * nn):
+        n = int(lim[r])
+        pos = torch.arange(n)
+        slots = bt[r // nn, pos // bs].long() * bs + pos % bs
+        out[r, :n] = mxfp4.mxfp4_scores(qv.reshape(b * nn, h, -1)[r : r + 1], qs.reshape(b * nn, h, -1)[r : r + 1],
+                                        keys[0][slots], keys[1][slots], w[r : r + 1])[0]
+    return out
+
+
+@pytest.mark.parametrize("two_d", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_logits_on_an_mxfp4_cache(two_d, dtype):
+    g = torch.Generator().manual_seed(30 + two_d)
+    qv, qs, kv, w, cl, bt, keys = _paged(g, b=4, two_d=two_d)
+    want = _paged_want(qv, qs, w, cl, bt, keys)
+    out = torch.full_like(want, 9.0, dtype=dtype)
+    si.fp8_paged_mqa_logits(qv, kv, w, cl, bt, out=out, cache_format=MX, q_scale=qs)
+    assert torch.equal(out.float(), want.to(dtype).float())
+    out.fill_(9.0)
+    si.fp8_paged_mqa_logits(qv, kv, w, cl, bt, out=out, cache_format=MX, q_scale=qs, clean=False)
+    inside = want != float("-inf")
+    assert torch.equal(out[inside].float(), want[inside].to(dtype).float()) and (out[~inside] == 9.0).all()
+    # indices: entry b reads block-table row indices[b]
+    idx = torch.tensor([2, 0, 2, 1], dtype=torch.int32)
+    q1, s1 = qv[:, :1].contiguous(), qs[:, :1].contiguous()
+    cl1 = cl if cl.dim() == 1 else cl[:, 0].contiguous()
+    got = si.fp8_paged_mqa_logits(q1, kv, w[::2].contiguous(), cl1, bt, cache_format=MX, q_scale=s1, indices=idx)
+    assert torch.equal(got, _paged_want(q1, s1, w[::2].contiguous(), cl1, bt[idx.long()], keys))
+
+
+def test_paged_mxfp4_refusals_and_bad_input():
+    g = torch.Generator().manual_seed(40)
+    qv, qs, kv, w, cl, bt, _ = _paged(g)
+    out = torch.zeros(qv.shape[0] * qv.shape[1], 64)
+    for name in ("triton", "gluon", "aiter"):
+        with pytest.raises((NotImplementedError, si.BackendUnavailable)):
+            si.fp8_paged_mqa_logits(qv, kv, w, cl, bt, out=out, cache_format=MX, q_scale=qs, backend=name)
+    assert (out == 0).all()
+    with pytest.raises(ValueError, match="pass q_scale"):
+        si.fp8_paged_mqa_logits(qv, kv, w, cl, bt, cache_format=MX)
+    with pytest.raises(ValueError, match="needs cache_format"):
+        si.fp8_paged_mqa_logits(qv, kv, w, cl, bt, q_scale=qs)
+    with pytest.raises(TypeError, match="q"):
+        si.fp8_paged_mqa_logits(qv.view(torch.float8_e4m3fn), kv, w, cl, bt, cache_format=MX, q_scale=qs)
+    with pytest.raises(ValueError, match="q_scale"):
+        si.fp8_paged_mqa_logits(qv, kv, w, cl, bt, cache_format=MX, q_scale=qs[..., :2].contiguous())
+    with pytest.raises(ValueError, match="D=128 but q has D=64"):
+        si.fp8_paged_mqa_logits(qv[..., :32].contiguous(), kv, w, cl, bt, cache_format=MX,
+                                q_scale=qs[..., :2].contiguous())
+    with pytest.raises(ValueError, match="context"):
+        si.fp8_paged_mqa_logits(qv, kv, w, cl + 100, bt, out=out, cache_format=MX, q_scale=qs)
+    assert (out == 0).all()
+
+
+def test_paged_mxfp4_under_functionalize():
+    g = torch.Generator().manual_seed(41)
+    qv, qs, kv, w, cl, bt, _ = _paged(g)
+    want = si.fp8_paged_mqa_logits(qv, kv, w, cl, bt, cache_format=MX, q_scale=qs)
+
+    def f(out):
+        si.fp8_paged_mqa_logits(qv, kv, w, cl, bt, out=out, cache_format=MX, q_scale=qs)
+        return out
+
+    assert torch.equal(torch.func.functionalize(f)(torch.zeros_like(want)), want)

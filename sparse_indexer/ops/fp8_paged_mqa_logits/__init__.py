@@ -43,8 +43,8 @@ def check_paged_inputs(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.T
     ``block_table [B, max_blocks]`` int32 (``[num_requests, max_blocks]`` with ``indices [B]`` int32).
     ``TypeError``/``ValueError`` naming the argument otherwise."""
     if cache_format is not None and type(cache_format) is CacheFormat and cache_format.mxfp4:
-        raise NotImplementedError("no backend scores a paged MXFP4 cache yet (docs/spec.md §3a): gather its keys "
-                                  "(gather_k_cache) and score them with fp8_mqa_logits(..., q_scale=)")
+        raise NotImplementedError("these checks are of FP8 calls; an MXFP4 cache is scored by "
+                                  "fp8_paged_mqa_logits(..., cache_format=, q_scale=) (docs/spec.md §3a)")
     C.fp8("q", q, ndim=4, last_contiguous=True)
     b, next_n, h, d = q.shape
     dev = q.device
@@ -74,7 +74,7 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
                          check_values: bool | None = None, qk: torch.Tensor | None = None,
                          indices: torch.Tensor | None = None, logits_dtype: torch.dtype | None = None,
                          cache_fp8_dtype: torch.dtype | None = None, cache_format: CacheFormat | None = None,
-                         _checked: bool = False) -> torch.Tensor:
+                         q_scale: torch.Tensor | None = None, _checked: bool = False) -> torch.Tensor:
     """Score ``next_n`` query tokens of each of ``B`` requests against its cached keys.
 
     Row ``r = b * next_n + j`` holds key positions ``p < limit[r]`` (request-local, read through
@@ -116,13 +116,21 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
             ``"preshuffled"`` order needs a block size that is a multiple of 16 (``ValueError``). The reference
             backend reads every format; Triton reads ``"ue8m0x4"`` scales (flat order, ``q``'s FP8 format); aiter
             the preshuffled order where its kernel does; the others raise ``NotImplementedError`` for anything but
-            the plain case, so ``auto`` falls back.
+            the plain case, so ``auto`` falls back. ``CacheFormat(values="mxfp4")`` (docs/spec.md §3a): MXFP4 keys,
+            scored against MXFP4 queries (``q_scale`` required); the reference backend only.
+        q_scale: with an MXFP4 cache, the queries' scale bytes ``[B, next_n, H, D / 32]`` uint8, ``q`` then
+            ``[B, next_n, H, D / 2]`` uint8 packed e2m1 values (:func:`sparse_indexer.quantize_q_mxfp4`; the
+            weights carry no query scale).
 
     Returns:
         ``out``.
 
     ``_checked=True`` is for :func:`sparse_indexer.sparse_attn_indexer` alone (see :func:`top_k_per_row`).
     """
+    if q_scale is not None or (cache_format is not None and type(cache_format) is CacheFormat
+                               and cache_format.mxfp4):
+        return _paged_mxfp4(q, kv_cache, weights, context_lens, block_table, out, clean, backend, check_values,
+                            indices, logits_dtype, cache_fp8_dtype, cache_format, q_scale)
     if _checked:
         if cache_format is not None:  # (the step: a format other than the plain one, as backend keyword arguments)
             extra = C.format_kwargs(cache_format, q.dtype)
@@ -191,6 +199,52 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
                           (dev, lay, capacity, next_n, dev.type == "cpu", fmt_kw, {}))
     library.call("fp8_paged_mqa_logits", backend, dev, q, kv3, weights, context_lens, block_table,
                  out=out, clean=bool(clean), **extra)
+    return out
+
+
+def _paged_mxfp4(q, kv_cache, weights, context_lens, block_table, out, clean, backend, check_values, indices,
+                 logits_dtype, cache_fp8_dtype, cache_format, q_scale) -> torch.Tensor:
+    """:func:`fp8_paged_mqa_logits` with MXFP4 queries against an MXFP4 cache (docs/spec.md §3a): every check,
+    then the op."""
+    if cache_format is None or type(cache_format) is not CacheFormat or not cache_format.mxfp4:
+        raise ValueError("q_scale (MXFP4 queries) needs cache_format=CacheFormat(values='mxfp4')")
+    if q_scale is None:
+        raise ValueError("an MXFP4 cache is scored against MXFP4 queries: pass q_scale (quantize_q_mxfp4)")
+    if cache_fp8_dtype is not None:
+        raise ValueError(f"cache_fp8_dtype={cache_fp8_dtype} does not apply to an MXFP4 cache")
+    C.tensor("q", q, ndim=4, dtypes=torch.uint8, contiguous=True)
+    b, next_n, h, half = q.shape
+    dev = q.device
+    C.tensor("q_scale", q_scale, dtypes=torch.uint8, device=dev, shape=(b, next_n, h, half // 16), contiguous=True)
+    kv3 = as_3d(kv_cache)
+    lay = cache_layout(kv3, mxfp4=True)
+    C.tensor("kv_cache", kv_cache, device=dev)
+    if lay.head_dim != 2 * half:
+        raise ValueError(f"kv_cache holds D={lay.head_dim} but q has D={2 * half} (D / 2 = {half} bytes)")
+    C.tensor("weights", weights, dtypes=torch.float32, device=dev, shape=(b * next_n, h), last_contiguous=True)
+    C.tensor("context_lens", context_lens, dtypes=C.INDEX_DTYPES, device=dev, contiguous=True,
+             shape=(b,) if context_lens.dim() == 1 else (b, next_n))
+    C.tensor("block_table", block_table, ndim=2, dtypes=C.INDEX_DTYPES, device=dev,
+             shape=(b if indices is None else None, None), last_contiguous=True)
+    if indices is not None:
+        C.tensor("indices", indices, dtypes=C.INDEX_DTYPES, device=dev, shape=(b,), contiguous=True)
+    capacity = block_table.shape[1] * lay.block_size
+    if logits_dtype is not None and logits_dtype not in LOGITS_DTYPES:
+        raise TypeError(f"logits_dtype must be one of {LOGITS_DTYPES}, got {logits_dtype}")
+    if out is None:
+        out = torch.empty(b * next_n, capacity, dtype=logits_dtype or torch.float32, device=dev)
+    else:
+        C.tensor("out", out, ndim=2, dtypes=LOGITS_DTYPES if logits_dtype is None else logits_dtype, device=dev,
+                 shape=(b * next_n, None), last_contiguous=True)
+        C.no_alias("out", out, q=q, q_scale=q_scale, kv_cache=kv_cache, weights=weights, context_lens=context_lens,
+                   block_table=block_table, indices=indices)
+    if C.want_value_checks(check_values, context_lens, block_table, indices) and context_lens.numel():
+        check_paged_values(context_lens, block_table, indices, next_n, out.shape[1], capacity, lay)
+    extra = {"cache_values": "mxfp4", "q_scale": q_scale}
+    if indices is not None:
+        extra["indices"] = indices
+    library.call("fp8_paged_mqa_logits", backend, dev, q, kv3, weights, context_lens, block_table, out=out,
+                 clean=bool(clean), **extra)
     return out
 
 

@@ -79,7 +79,8 @@ def kernel_for(q, kv_cache, qk=None) -> str:
 
 
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean, qk=None,
-                         indices=None, cache_fp8_dtype=None, cache_scale="float32", cache_order="flat") -> None:
+                         indices=None, cache_fp8_dtype=None, cache_scale="float32", cache_order="flat",
+                         cache_values="fp8", q_scale=None) -> None:
     """See :func:`sparse_indexer.fp8_paged_mqa_logits`; ``kv_cache`` is the 3-D view, arguments checked.
 
     ``qk``: ``[H, B * next_n, W]`` float32 scratch (``Buffers.qk_view``), needed off gfx942/gfx950 only.
@@ -89,6 +90,8 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
     only where it is this backend's own (float32 scales; the preshuffled order exactly where its gfx942/gfx950
     kernel reads it); anything else raises ``NotImplementedError`` (auto falls back).
     """
+    if cache_values != "fp8" or q_scale is not None:
+        raise NotImplementedError("the aiter backend does not score MXFP4 caches (docs/spec.md §3a)")
     if cache_fp8_dtype is not None and cache_fp8_dtype != q.dtype:
         raise NotImplementedError(f"{q.dtype} queries against a {cache_fp8_dtype} cache (a declared mix of formats)")
     if cache_scale != "float32":

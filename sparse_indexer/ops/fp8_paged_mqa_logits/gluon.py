@@ -574,7 +574,8 @@ def _plan(q, out, context_lens, block_table, next_n: int, b: int, cl_2d: bool, c
 
 
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean, indices=None,
-                         config=None, cache_fp8_dtype=None, cache_scale="float32", cache_order="flat") -> None:
+                         config=None, cache_fp8_dtype=None, cache_scale="float32", cache_order="flat",
+                         cache_values="fp8", q_scale=None) -> None:
     """See :func:`sparse_indexer.fp8_paged_mqa_logits`; ``kv_cache`` is the 3-D view, arguments are checked.
 
     Handles ``H = 64``, ``D = 128``, ``block_size = 64``, ``next_n`` 1..4, float8_e4m3fn ``q`` (contiguous), a
@@ -583,6 +584,8 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
     overrides :data:`CONFIG` and :data:`CONFIG_BY_NEXT_N` (``STAGES``, ``CHUNK``, ``ctas_per_sm``, ``FILL_N``,
     ``maxnreg``, ``NCONS``, ``QBUF``, ``CONS_REGS``, ``PAIR``, ``DUO``, ``WIDE``, ``DIAG``); the plan is then not
     cached."""
+    if cache_values != "fp8" or q_scale is not None:
+        raise NotImplementedError("the Gluon backend does not score MXFP4 caches (docs/spec.md §3a)")
     if cache_fp8_dtype is not None and cache_fp8_dtype != q.dtype:
         raise NotImplementedError(f"{q.dtype} queries against a {cache_fp8_dtype} cache (a declared mix of formats)")
     if cache_scale != "float32" or cache_order != "flat":

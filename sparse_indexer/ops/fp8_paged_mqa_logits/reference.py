@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ...kcache import cache_views, read_keys
+from ...kcache import cache_views, read_keys, read_keys_mxfp4
+from ...mxfp4 import mxfp4_scores
 from ..fp8_mqa_logits.reference import TILE_ELEMS
 
 
@@ -23,18 +24,24 @@ def row_limits(context_lens: torch.Tensor, next_n: int) -> torch.Tensor:
 
 
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean, indices=None,
-                         cache_fp8_dtype=None, cache_scale="float32", cache_order="flat") -> None:
+                         cache_fp8_dtype=None, cache_scale="float32", cache_order="flat", cache_values="fp8",
+                         q_scale=None) -> None:
     """See :func:`sparse_indexer.fp8_paged_mqa_logits`; ``kv_cache`` is the 3-D view, arguments are checked.
     Scores are float32; a bfloat16 ``out`` receives them rounded once. ``indices``: entry ``b`` reads
     block-table row ``indices[b]``. ``cache_fp8_dtype``: the cache's values are read in this format (default:
     ``q``'s), each operand upcast exactly from its own format. ``cache_scale``, ``cache_order``: the scale
-    encoding and byte order of the cache (``buffers.CacheFormat``), read by :func:`sparse_indexer.kcache.read_keys`."""
+    encoding and byte order of the cache (``buffers.CacheFormat``), read by :func:`sparse_indexer.kcache.read_keys`.
+    ``cache_values="mxfp4"`` with ``q_scale``: MXFP4 queries ``[B, next_n, H, D / 2]`` against an MXFP4 cache
+    (docs/spec.md §3a), scored by :func:`sparse_indexer.mxfp4.mxfp4_scores`."""
     b, next_n, h, d = q.shape
     w = out.shape[1]
     if b == 0 or w == 0:
         return
     if indices is not None:
         block_table = block_table.index_select(0, indices.long())
+    if cache_values == "mxfp4":
+        _mxfp4(q, q_scale, kv_cache, weights, context_lens, block_table, out, clean)
+        return
     fp8 = q.dtype if cache_fp8_dtype is None else cache_fp8_dtype
     plain = cache_scale == "float32" and cache_order == "flat"
     if plain:
@@ -63,4 +70,30 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
         inside = pos.view(1, 1, -1) < lim
         dst = out[:, c0:c1].view(b, next_n, c1 - c0)
         fill = torch.full_like(val, float("-inf")) if clean else dst
+        dst.copy_(torch.where(inside, val, fill))
+
+
+def _mxfp4(q, q_scale, kv_cache, weights, context_lens, block_table, out, clean) -> None:
+    """MXFP4 queries against an MXFP4 cache: each request's keys read through its block table in column tiles,
+    scored by :func:`~sparse_indexer.mxfp4.mxfp4_scores` (one request at a time: its own keys)."""
+    b, next_n, h, _ = q.shape
+    w = out.shape[1]
+    nb, bs = kv_cache.shape[0], kv_cache.shape[1]
+    max_blocks = block_table.shape[1]
+    nblk = q_scale.shape[-1]
+    lim = row_limits(context_lens, next_n).view(b, next_n, 1)
+    wts = weights.view(b, next_n, h)
+    ct = max(1, min(w, TILE_ELEMS // max(1, next_n * h * nblk * 2)))
+    for c0 in range(0, w, ct):
+        c1 = min(w, c0 + ct)
+        pos = torch.arange(c0, c1, device=q.device)
+        bi = (pos // bs).clamp(max=max(0, max_blocks - 1))
+        blk = block_table[:, bi].long().clamp(0, nb - 1) if max_blocks else torch.zeros(
+            b, c1 - c0, dtype=torch.long, device=q.device)
+        off = (pos % bs)[None, :].expand_as(blk)
+        kv, ks = read_keys_mxfp4(kv_cache, blk, off)  # [B, c, D / 2], [B, c, D / 32]
+        val = torch.stack([mxfp4_scores(q[i], q_scale[i], kv[i], ks[i], wts[i]) for i in range(b)])  # [B, next_n, c]
+        inside = pos.view(1, 1, -1) < lim
+        dst = out[:, c0:c1].view(b, next_n, c1 - c0)
+        fill = torch.full_like(val, float("-inf")) if clean else dst.float()
         dst.copy_(torch.where(inside, val, fill))

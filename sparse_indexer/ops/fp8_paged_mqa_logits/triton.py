@@ -350,12 +350,15 @@ def _plan(args, q, context_lens, next_n: int, h: int, d: int, bs: int, b: int, c
 
 
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean, indices=None,
-                         config=None, cache_fp8_dtype=None, cache_scale="float32", cache_order="flat") -> None:
+                         config=None, cache_fp8_dtype=None, cache_scale="float32", cache_order="flat",
+                         cache_values="fp8", q_scale=None) -> None:
     """See :func:`sparse_indexer.fp8_paged_mqa_logits`; ``kv_cache`` is the 3-D view, arguments are checked.
     ``config`` overrides :data:`CONFIG` (then nothing is cached). ``out`` float32 or bfloat16 (converted once, at
     the store); ``indices``: entry ``b`` reads block-table row ``indices[b]``. ``cache_scale``: float32 or
     ``"ue8m0x4"`` scales (decoded exactly in the kernel); a mix of FP8 formats or the preshuffled order raise
     ``NotImplementedError``."""
+    if cache_values != "fp8" or q_scale is not None:
+        raise NotImplementedError("the Triton backend does not score MXFP4 caches (docs/spec.md §3a)")
     if cache_fp8_dtype is not None and cache_fp8_dtype != q.dtype:
         raise NotImplementedError(f"{q.dtype} queries against a {cache_fp8_dtype} cache (a declared mix of formats)")
     if cache_order != "flat":
