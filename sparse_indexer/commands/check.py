@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from buffers import IndexerLimits, allocate
+from buffers import CacheFormat, IndexerLimits, allocate
 
 from .. import backends
 from .._runtime import dispatch as _dispatch
@@ -42,6 +42,7 @@ from ..fp8 import fp8_name, quantize_k, quantize_q
 from ..indexer import sparse_attn_indexer
 from ..kcache import cache_views, compressed_slot_mapping, new_kv_cache, slots_from_block_table
 from ..metadata import build_metadata
+from ..mxfp4 import quantize_k_mxfp4, quantize_q_mxfp4
 from ..ops.fp8_mqa_logits import fp8_mqa_logits
 from ..ops.fp8_mqa_topk import fp8_mqa_topk
 from ..ops.fp8_paged_mqa_logits import fp8_paged_mqa_logits, row_limits
@@ -311,6 +312,73 @@ def case_ragged(ctx: Ctx, h: int, d: int, clean: bool) -> tuple[str, str, bool]:
     n = torch.arange(sum(seq))[None, :]
     inside = (n >= st.long()[:, None]) & (n < en.long()[:, None])
     return _logits_verdict(ctx, *logits_error(out, want, inside, clean=clean))
+
+
+def case_ragged_mxfp4(ctx: Ctx, h: int, d: int, clean: bool) -> tuple[str, str, bool]:
+    """The ragged scores of MXFP4 queries and keys (docs/spec.md §3a), causal windows of two requests."""
+    g = ctx.gen(250 + h + d + clean)
+    n = sum(ctx.sizes.ragged_seq)
+    keys = _keys(g, n, d)
+    kv, ks = quantize_k_mxfp4(keys)
+    m = 2 * h
+    starts = torch.randint(0, n // 2, (m,), generator=g, dtype=torch.int32)
+    ends = torch.randint(n // 2, n + 1, (m,), generator=g, dtype=torch.int32)
+    qv, qs = quantize_q_mxfp4(torch.randn(m, h, d, generator=g) + keys[ends.long() - 1].float()[:, None, :] * 0.5)
+    w = torch.randn(m, h, generator=g) * h**-0.5 * d**-0.5
+    want = fp8_mqa_logits(qv, kv, ks, w, starts, ends, q_scale=qs, backend="reference")
+    dev = ctx.device
+    out = torch.full((m, n), float("nan"), device=dev)
+    fp8_mqa_logits(qv.to(dev), kv.to(dev), ks.to(dev), w.to(dev), starts.to(dev), ends.to(dev), out=out,
+                   clean=clean, q_scale=qs.to(dev), backend=ctx.op_backend)
+    ctx.sync()
+    cols = torch.arange(n)[None, :]
+    inside = (cols >= starts.long()[:, None]) & (cols < ends.long()[:, None])
+    return _logits_verdict(ctx, *logits_error(out, want, inside, clean=clean))
+
+
+def case_mxfp4_cache(ctx: Ctx, d: int, bs: int) -> tuple[str, str, bool]:
+    """An MXFP4 cache (docs/spec.md §3a): the backend's write, gather and paged scores against the reference's
+    bytes and scores (exactly: the reference is the only backend that scores a paged MXFP4 cache today)."""
+    fmt = CacheFormat(values="mxfp4")
+    g = ctx.gen(270 + d + bs)
+    lens, nn, h = [3 * bs + 5, 1, bs], 2, 16
+    nb = sum(-(-n // bs) for n in lens) + 2
+    keys = _keys(g, sum(lens), d)
+    slots = torch.randperm(nb * bs, generator=g)[: sum(lens)]
+    dev = ctx.device
+    want_kv = new_kv_cache(nb, bs, d, mxfp4=True)
+    write_k_cache(keys, want_kv, slots, cache_format=fmt, backend="reference")
+    got_kv = new_kv_cache(nb, bs, d, device=dev, mxfp4=True)
+    write_k_cache(keys.to(dev), got_kv, slots.to(dev), cache_format=fmt, backend=ctx.op_backend)
+    ctx.sync()
+    if not torch.equal(got_kv.cpu(), want_kv):
+        return f"{int((got_kv.cpu() != want_kv).sum())} cache bytes differ", "exact", False
+    table = torch.zeros(len(lens), -(-max(lens) // bs), dtype=torch.int32)  # each request's slots, in order
+    o = 0
+    for r, n in enumerate(lens):
+        blocks = slots[o : o + n : bs] // bs
+        table[r, : len(blocks)] = blocks.int()
+        o += n
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    out_k = torch.zeros(sum(lens), d // 2, dtype=torch.uint8, device=dev)
+    out_s = torch.zeros(sum(lens), d // 32, dtype=torch.uint8, device=dev)
+    want_k, want_s = torch.zeros_like(out_k, device="cpu"), torch.zeros_like(out_s, device="cpu")
+    gather_k_cache(want_kv, table, cu, out_k=want_k, out_scale=want_s, cache_format=fmt, backend="reference")
+    gather_k_cache(got_kv, table.to(dev), cu.to(dev), out_k=out_k, out_scale=out_s, cache_format=fmt,
+                   backend=ctx.op_backend)
+    ctx.sync()
+    if not (torch.equal(out_k.cpu(), want_k) and torch.equal(out_s.cpu(), want_s)):
+        return "gathered bytes differ", "exact", False
+    qv, qs = quantize_q_mxfp4(torch.randn(len(lens) * nn, h, d, generator=g))
+    qv, qs = qv.view(len(lens), nn, h, d // 2), qs.view(len(lens), nn, h, d // 32)
+    w = torch.randn(len(lens) * nn, h, generator=g)
+    cl = torch.tensor(lens, dtype=torch.int32)
+    want = fp8_paged_mqa_logits(qv, want_kv, w, cl, table, cache_format=fmt, q_scale=qs, backend="reference")
+    got = fp8_paged_mqa_logits(qv.to(dev), got_kv, w.to(dev), cl.to(dev), table.to(dev), cache_format=fmt,
+                               q_scale=qs.to(dev), backend=ctx.op_backend)
+    ctx.sync()
+    inside = torch.arange(want.shape[1])[None, :] < row_limits(cl, nn)[:, None]
+    return _logits_verdict(ctx, *logits_error(got, want, inside, clean=True))
 
 
 def _paged_inputs(ctx: Ctx, g: torch.Generator, next_n: int, two_d: bool, h: int, d: int, bs: int):
@@ -619,6 +687,10 @@ def cases(sizes: Sizes) -> list[tuple[str, str, Callable[[Ctx], tuple[str, str, 
         ("gather_k_cache", "D=64 bs=16 padded stride", lambda c: case_gather(c, 64, 16, 12)),
         ("fp8_mqa_logits", "H=64 D=128 clean, 2 causal requests", lambda c: case_ragged(c, 64, 128, True)),
         ("fp8_mqa_logits", "H=32 D=64 clean=False", lambda c: case_ragged(c, 32, 64, False)),
+        ("fp8_mqa_logits", "MXFP4 H=16 D=128 clean", lambda c: case_ragged_mxfp4(c, 16, 128, True)),
+        ("fp8_mqa_logits", "MXFP4 H=8 D=64 clean=False", lambda c: case_ragged_mxfp4(c, 8, 64, False)),
+        ("fp8_paged_mqa_logits", "MXFP4 cache: write, gather, scores D=128 bs=16",
+         lambda c: case_mxfp4_cache(c, 128, 16)),
     ]
     for nn in (1, 2, 3, 4):
         out.append(("fp8_paged_mqa_logits", f"next_n={nn} context_lens [B]",

@@ -470,3 +470,16 @@ def test_paged_mxfp4_under_functionalize():
         return out
 
     assert torch.equal(torch.func.functionalize(f)(torch.zeros_like(want)), want)
+
+
+def test_self_check_mxfp4_cases_run():
+    """``python -m sparse_indexer check``'s MXFP4 rows (on a GPU they compare the backend under test with the CPU
+    reference; here both sides are the reference, so every row must pass)."""
+    from sparse_indexer.commands import check
+
+    ctx = check.Ctx("reference", torch.device("cpu"), torch.float8_e4m3fn, check.SMALL, 3)
+    rows = [c for c in check.cases(check.SMALL) if "MXFP4" in c[1]]
+    assert len(rows) == 3
+    for _, name, fn in rows:
+        text, _, ok = fn(ctx)
+        assert ok, (name, text)
