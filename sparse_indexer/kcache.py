@@ -25,7 +25,7 @@ class CacheLayout(NamedTuple):
     num_blocks: int
     block_size: int
     head_dim: int
-    block_stride: int  # bytes between consecutive blocks (stride0), >= block_size * (head_dim + 4)
+    block_stride: int  # bytes between consecutive blocks (stride0), >= block_size * bytes per key
 
     @property
     def num_slots(self) -> int:
@@ -33,7 +33,8 @@ class CacheLayout(NamedTuple):
 
     @property
     def scale_offset(self) -> int:
-        """Byte offset of the scale region inside a block."""
+        """Byte offset of the scale region inside a block of an FP8 cache (an MXFP4 cache's is ``block_size *
+        head_dim // 2``)."""
         return self.block_size * self.head_dim
 
 
@@ -73,7 +74,7 @@ def cache_layout(kv_cache: torch.Tensor, name: str = "kv_cache", mxfp4: bool = F
         d = width - 4
         if d not in HEAD_DIMS:
             raise ValueError(f"{name}.shape[-1] must be D + 4 with D in {HEAD_DIMS}, got {width}")
-    stride0 = kv.stride(0) if nb > 1 else bs * width
+    stride0 = kv.stride(0) if nb > 1 else -(-bs * width // 4) * 4  # (one block: its bytes, 4-byte aligned)
     if kv.stride(2) != 1 or (bs > 1 and kv.stride(1) != width):
         raise ValueError(f"{name} must be contiguous inside a block (strides [*, {width}, 1]), got {kv.stride()}")
     if stride0 < bs * width or stride0 % 4:

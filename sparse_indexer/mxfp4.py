@@ -136,7 +136,7 @@ def dequantize_mxfp4(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
 def mxfp4_scores(q_values: torch.Tensor, q_scales: torch.Tensor, k_values: torch.Tensor, k_scales: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor:
-    """The MXFP4 scores of ``M`` query rows against ``N`` keys (docs/spec.md §5), the reference's order:
+    """The MXFP4 scores of ``M`` query rows against ``N`` keys (docs/spec.md §3a), the reference's order:
 
     ``score[m, n] = sum_h w[m, h] * relu(sum_b t[m, h, n, b])`` with ``t = 2 ** (sq + sk - 254) * sum_{d in b}
     q4[d] * k4[d]``: each block's dot is exact (products of e2m1 values summed over 32 elements), scaled by

@@ -483,3 +483,34 @@ def test_self_check_mxfp4_cases_run():
     for _, name, fn in rows:
         text, _, ok = fn(ctx)
         assert ok, (name, text)
+
+
+def test_auto_predicates_pass_mxfp4_calls_on():
+    """Under ``auto``, implementations with an ``auto_when`` see every keyword: Gluon's (tried before Triton on
+    Hopper) must accept the MXFP4 ones and decline, so the call goes on to a backend that scores MXFP4."""
+    import importlib
+
+    try:
+        ragged = importlib.import_module("sparse_indexer.ops.fp8_mqa_logits.gluon")
+        paged = importlib.import_module("sparse_indexer.ops.fp8_paged_mqa_logits.gluon")
+    except Exception as e:  # noqa: BLE001 - no Gluon in this Triton
+        pytest.skip(f"the Gluon modules do not import here: {e}")
+    g = torch.Generator().manual_seed(50)
+    qv, qs, kv, ks, w, a, b = _ragged(g)
+    big = torch.zeros(1 << 14, 4, 64, dtype=torch.uint8)  # (large enough for the size rule alone)
+    assert not ragged._auto_when(big, kv, ks, w, a, b, out=None, clean=True, q_scale=qs)
+    pq, pqs, pkv, pw, cl, bt, _ = _paged(g)
+    assert not paged._auto_when(pq, pkv, pw, cl, bt, out=None, clean=True, cache_values="mxfp4", q_scale=pqs)
+
+
+def test_single_block_mxfp4_caches_and_qk_refusal():
+    for bs in (1, 3):
+        kv = si.new_kv_cache(1, bs, 64, mxfp4=True)  # 34 bytes per key: one block of 34 * bs bytes
+        assert cache_layout(kv, mxfp4=True).block_stride % 4 == 0
+        si.write_k_cache(torch.randn(bs, 64), kv, torch.arange(bs), cache_format=MX)
+        assert kv.any()
+    g = torch.Generator().manual_seed(51)
+    qv, qs, kv, w, cl, bt, _ = _paged(g)
+    qk = torch.zeros(qv.shape[2], qv.shape[0] * qv.shape[1], 64)
+    with pytest.raises(ValueError, match="qk"):
+        si.fp8_paged_mqa_logits(qv, kv, w, cl, bt, cache_format=MX, q_scale=qs, qk=qk)

@@ -428,9 +428,10 @@ when both were made per call), which its few % of device time repays only on lar
 
 
 def _auto_when(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, out, clean, compressed=False,
-               config=None) -> bool:
-    """``auto`` takes this backend for this call (_runtime/dispatch.py): large problems only, shapes only."""
-    return (q.numel() >> 13) * k_fp8.shape[0] >= AUTO_MIN_CELLS  # M * N at the H = 64, D = 128 it runs
+               config=None, q_scale=None) -> bool:
+    """``auto`` takes this backend for this call (_runtime/dispatch.py): large problems only, shapes only; never
+    MXFP4 operands (``q_scale``: the kernel reads FP8)."""
+    return q_scale is None and (q.numel() >> 13) * k_fp8.shape[0] >= AUTO_MIN_CELLS  # M * N at H = 64, D = 128
 
 
 fp8_mqa_logits.auto_when = _auto_when

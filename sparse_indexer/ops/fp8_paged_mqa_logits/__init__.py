@@ -129,6 +129,8 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     """
     if q_scale is not None or (cache_format is not None and type(cache_format) is CacheFormat
                                and cache_format.mxfp4):
+        if qk is not None:
+            raise ValueError("qk (aiter's per-head scratch) does not apply to an MXFP4 cache: leave it out")
         return _paged_mxfp4(q, kv_cache, weights, context_lens, block_table, out, clean, backend, check_values,
                             indices, logits_dtype, cache_fp8_dtype, cache_format, q_scale)
     if _checked:

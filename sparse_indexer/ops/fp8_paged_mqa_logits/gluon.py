@@ -635,9 +635,13 @@ per call), which its 3% of device time repays only where the GPU, not the host, 
 
 
 def _auto_when(q, kv_cache, weights, context_lens, block_table, *, out, clean, indices=None, config=None,
-               cache_fp8_dtype=None, cache_scale="float32", cache_order="flat") -> bool:
+               cache_fp8_dtype=None, cache_scale="float32", cache_order="flat", cache_values="fp8",
+               q_scale=None) -> bool:
     """``auto`` takes this backend for this call (sparse_indexer/_runtime/dispatch.py): large problems only, shapes only
-    (``q.numel() >> 13`` is ``B * next_n`` at the H = 64, D = 128 this kernel runs; other shapes it refuses)."""
+    (``q.numel() >> 13`` is ``B * next_n`` at the H = 64, D = 128 this kernel runs; other shapes it refuses); never an
+    MXFP4 cache (the kernel reads FP8)."""
+    if cache_values != "fp8" or q_scale is not None:
+        return False
     return (q.numel() >> 13) * block_table.shape[1] >= AUTO_MIN_KEY_BLOCKS
 
 
