@@ -37,30 +37,50 @@ def _gather_k_cache_kernel(
     D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     UE8M0: tl.constexpr,  # key scales as 4 UE8M0 bytes (the "ue8m0x4" encoding), written out as float32
+    MX: tl.constexpr = False,  # MXFP4 keys (docs/spec.md §3a): D / 2 value bytes (out_k [N, D / 8] int32 words)
+    # and D / 32 scale bytes per key (out_scale [N, D / 32] uint8), copied as they are
 ):
     j = tl.program_id(0)
     r = tl.program_id(1)
     beg = tl.load(cu_ptr + r).to(tl.int64)
     n = tl.load(cu_ptr + r + 1).to(tl.int64) - beg
-    if j * BLOCK_T < n:
-        DW: tl.constexpr = D // 4
-        p = j * BLOCK_T + tl.arange(0, BLOCK_T)
-        pm = p < n
-        blk = tl.load(bt_ptr + r.to(tl.int64) * bt_stride + p // BS, mask=pm, other=0).to(tl.int64)
-        off = p % BS
-        base = blk * block_stride  # bytes
-        words = cache_ptr.to(tl.pointer_type(tl.int32))
-        w = tl.arange(0, DW)
-        src = (base // 4 + off * DW)[:, None] + w[None, :]
-        vals = tl.load(words + src, mask=pm[:, None])
-        row = beg + p
-        tl.store(out_k_ptr + row[:, None] * DW + w[None, :], vals, mask=pm[:, None])
-        if UE8M0:
-            sw = tl.load((cache_ptr + base + BS * D + off * 4).to(tl.pointer_type(tl.int32)), mask=pm)
-            tl.store(out_scale_ptr + row, _ue8m0(sw), mask=pm)
-        else:
-            sptr = (cache_ptr + base + BS * D + off * 4).to(tl.pointer_type(tl.float32))
-            tl.store(out_scale_ptr + row, tl.load(sptr, mask=pm), mask=pm)
+    if MX:
+        if j * BLOCK_T < n:
+            DW: tl.constexpr = D // 8
+            SB: tl.constexpr = D // 32
+            p = j * BLOCK_T + tl.arange(0, BLOCK_T)
+            pm = p < n
+            blk = tl.load(bt_ptr + r.to(tl.int64) * bt_stride + p // BS, mask=pm, other=0).to(tl.int64)
+            off = p % BS
+            base = blk * block_stride  # bytes
+            words = cache_ptr.to(tl.pointer_type(tl.int32))
+            w = tl.arange(0, DW)
+            vals = tl.load(words + (base // 4 + off * DW)[:, None] + w[None, :], mask=pm[:, None])
+            row = beg + p
+            tl.store(out_k_ptr + row[:, None] * DW + w[None, :], vals, mask=pm[:, None])
+            sb = tl.arange(0, SB)
+            sc = tl.load(cache_ptr + (base + BS * (D // 2) + off * SB)[:, None] + sb[None, :], mask=pm[:, None])
+            tl.store(out_scale_ptr + row[:, None] * SB + sb[None, :], sc, mask=pm[:, None])
+    else:
+        if j * BLOCK_T < n:
+            DW: tl.constexpr = D // 4
+            p = j * BLOCK_T + tl.arange(0, BLOCK_T)
+            pm = p < n
+            blk = tl.load(bt_ptr + r.to(tl.int64) * bt_stride + p // BS, mask=pm, other=0).to(tl.int64)
+            off = p % BS
+            base = blk * block_stride  # bytes
+            words = cache_ptr.to(tl.pointer_type(tl.int32))
+            w = tl.arange(0, DW)
+            src = (base // 4 + off * DW)[:, None] + w[None, :]
+            vals = tl.load(words + src, mask=pm[:, None])
+            row = beg + p
+            tl.store(out_k_ptr + row[:, None] * DW + w[None, :], vals, mask=pm[:, None])
+            if UE8M0:
+                sw = tl.load((cache_ptr + base + BS * D + off * 4).to(tl.pointer_type(tl.int32)), mask=pm)
+                tl.store(out_scale_ptr + row, _ue8m0(sw), mask=pm)
+            else:
+                sptr = (cache_ptr + base + BS * D + off * 4).to(tl.pointer_type(tl.float32))
+                tl.store(out_scale_ptr + row, tl.load(sptr, mask=pm), mask=pm)
 
 
 _LAUNCH = Launcher(_gather_k_cache_kernel)
@@ -71,25 +91,27 @@ def gather_k_cache(kv_cache, block_table, cu_seq_lens, *, out_k, out_scale, cach
                    cache_order="flat", cache_values="fp8") -> None:
     """See :func:`sparse_indexer.gather_k_cache`; ``kv_cache`` is the 3-D view, arguments are checked.
     ``cache_scale``: float32 or ``"ue8m0x4"`` (decoded exactly into float32 ``out_scale``); the preshuffled order
-    raises ``NotImplementedError``."""
-    if cache_values != "fp8":
-        raise NotImplementedError("the Triton backend does not read or write MXFP4 caches (docs/spec.md §3a)")
+    raises ``NotImplementedError``. ``cache_values="mxfp4"``: MXFP4 keys, their bytes copied (``out_k [N, D / 2]``,
+    ``out_scale [N, D / 32]`` uint8)."""
+    mx = cache_values == "mxfp4"
     if cache_order != "flat":
         raise NotImplementedError(f"the Triton gather_k_cache reads the flat order, not {cache_order!r}")
     ue8m0 = cache_scale == "ue8m0x4"
     r, max_blocks = block_table.shape
     nb, bs, width = kv_cache.shape
-    d = width - 4
+    d = width * 32 // 17 if mx else width - 4
     if d & (d - 1):
         raise NotImplementedError(f"the Triton gather_k_cache needs a power-of-two head dim, got D={d}")
     if r > _MAX_GRID_Y:
         raise NotImplementedError(f"the Triton gather_k_cache handles at most {_MAX_GRID_Y} requests, got {r}")
     if r == 0 or max_blocks == 0:
         return
-    block_stride = kv_cache.stride()[0] if nb > 1 else bs * width  # CacheLayout.block_stride of the checked view
-    cfg = _CONFIGS.get((bs, d, ue8m0))
+    # CacheLayout.block_stride of the checked view
+    block_stride = kv_cache.stride()[0] if nb > 1 else -(-bs * width // 4) * 4
+    cfg = _CONFIGS.get((bs, d, ue8m0, mx))
     if cfg is None:
-        cfg = _CONFIGS[(bs, d, ue8m0)] = _LAUNCH.config(BS=bs, D=d, BLOCK_T=_BLOCK_T, UE8M0=ue8m0, num_warps=4)
+        cfg = _CONFIGS[(bs, d, ue8m0, mx)] = _LAUNCH.config(BS=bs, D=d, BLOCK_T=_BLOCK_T, UE8M0=ue8m0, MX=mx,
+                                                            num_warps=4)
     _LAUNCH.launch_with((triton.cdiv(max_blocks * bs, _BLOCK_T), r), cfg,
                         (out_k.view(torch.int32), out_scale, kv_cache, block_table, cu_seq_lens,
                          block_table.stride()[0], block_stride), 5)
