@@ -38,7 +38,7 @@ def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.T
             backend writes every format (Triton: the plain one; aiter: its own preshuffled order), the others
             raise ``NotImplementedError`` and ``auto`` falls back. ``CacheFormat(values="mxfp4")``: MXFP4 keys
             (docs/spec.md §3a, ``[num_blocks, block_size, D / 2 + D / 32]`` caches; ``scale_fmt`` does not apply,
-            ``fp8_dtype`` must be left at its default), written by the reference backend.
+            ``fp8_dtype`` must be left at its default), written by the reference and Triton backends.
         _checked: for :func:`sparse_indexer.sparse_attn_indexer` alone (see :func:`sparse_indexer.top_k_per_row`).
     """
     if cache_format is not None and type(cache_format) is CacheFormat and cache_format.mxfp4:

@@ -113,6 +113,73 @@ def _write_k_cache_kernel(
     tl.store(sptr, scale, mask=ok)
 
 
+@triton.jit
+def _e2m1_codes(v, neg):
+    """e2m1 codes (0-15) of ``|v| <= 6`` (float32) and its sign: to nearest, ties to the even code (docs/spec.md
+    §3a: the midpoints 0.75, 1.75 and 3.5 round up, 0.25, 1.25, 2.5 and 5 down)."""
+    a = tl.abs(v)
+    c = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + (a >= 1.75).to(tl.int32)
+         + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32))
+    return c + neg * 8
+
+
+@triton.jit
+def _write_mxfp4_kernel(
+    cache_ptr,  # [num_blocks * block_stride] uint8 (byte view of the 3-D MXFP4 cache)
+    k_ptr,  # [T, D] bf16/fp16/fp32, row stride stride_k
+    slot_ptr,  # [S] int64/int32
+    S,
+    stride_k,
+    block_stride,  # bytes between blocks
+    BS: tl.constexpr,  # block_size
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BF16: tl.constexpr,  # k is bfloat16: widened from its bits (exact for subnormals, also in the interpreter)
+):
+    """docs/spec.md §3a per key: each 32-element block's exponent from amax's float32 bits (``amax = 1.m *
+    2**E``: ``e = E - 2``, one more when ``1.m > 1.5``; ``-126`` below ``6 * 2**-126``), the codes of ``x * 2**-e``
+    (exact), element ``2j`` in byte ``j``'s low nibble; a block with a NaN or an infinity: scale byte 255, codes
+    0. Values at ``off * D / 2`` in the block, scale bytes at ``BS * D / 2 + off * D / 32``."""
+    HALF: tl.constexpr = D // 2
+    NB: tl.constexpr = D // 32
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < S
+    slot = tl.load(slot_ptr + t, mask=tmask, other=-1).to(tl.int64)
+    ok = tmask & (slot >= 0)
+    j = tl.arange(0, HALF)
+    row = k_ptr + t.to(tl.int64)[:, None] * stride_k
+    if BF16:
+        row16 = row.to(tl.pointer_type(tl.uint16))
+        xe = (tl.load(row16 + 2 * j[None, :], mask=ok[:, None], other=0).to(tl.uint32) << 16).to(tl.float32,
+                                                                                                 bitcast=True)
+        xo = (tl.load(row16 + 2 * j[None, :] + 1, mask=ok[:, None], other=0).to(tl.uint32) << 16).to(tl.float32,
+                                                                                                     bitcast=True)
+    else:
+        xe = tl.load(row + 2 * j[None, :], mask=ok[:, None], other=0.0).to(tl.float32)  # elements 2j
+        xo = tl.load(row + 2 * j[None, :] + 1, mask=ok[:, None], other=0.0).to(tl.float32)  # elements 2j + 1
+    ae = tl.reshape(tl.abs(xe), (BLOCK_T, NB, 16))
+    ao = tl.reshape(tl.abs(xo), (BLOCK_T, NB, 16))
+    amax = tl.maximum(tl.max(ae, axis=2), tl.max(ao, axis=2))  # [BLOCK_T, NB] (NaN: caught below)
+    bad = tl.max(((ae != ae) | (ae == float("inf")) | (ao != ao) | (ao == float("inf"))).to(tl.int32), axis=2) > 0
+    bits = amax.to(tl.int32, bitcast=True)
+    e = (bits >> 23) - 129 + ((bits & 0x7FFFFF) > 0x400000).to(tl.int32)
+    e = tl.where(amax < 1.5 * 2.0**-124, -126, e)  # (the floor 6 * 2**-126, and subnormal or zero blocks)
+    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2 ** -e, exact (e in [-126, 126])
+    inv_full = tl.reshape(tl.broadcast_to(inv[:, :, None], (BLOCK_T, NB, 16)), (BLOCK_T, HALF))
+    bad_full = tl.reshape(tl.broadcast_to(bad[:, :, None], (BLOCK_T, NB, 16)), (BLOCK_T, HALF))
+    ce = _e2m1_codes(xe * inv_full, (xe.to(tl.int32, bitcast=True) >> 31) & 1)
+    co = _e2m1_codes(xo * inv_full, (xo.to(tl.int32, bitcast=True) >> 31) & 1)
+    byte = tl.where(bad_full, 0, ce | (co << 4)).to(tl.uint8)
+    blk = slot // BS
+    off = slot - blk * BS
+    base = blk * block_stride
+    tl.store(cache_ptr + (base + off * HALF)[:, None] + j[None, :], byte, mask=ok[:, None])
+    b = tl.arange(0, NB)
+    sc = tl.where(bad, 255, e + 127).to(tl.uint8)
+    tl.store(cache_ptr + (base + BS * HALF + off * NB)[:, None] + b[None, :], sc, mask=ok[:, None])
+
+
+_LAUNCH_MX = Launcher(_write_mxfp4_kernel)
 _LAUNCH = Launcher(_write_k_cache_kernel)
 _CONFIGS: dict = {}  # (block_size, D, fp8 dtype, ue8m0) -> LaunchConfig
 
@@ -131,9 +198,11 @@ def _config(bs: int, d: int, fp8_dtype, ue8m0: bool):
 def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *, scale_fmt,
                   fp8_dtype, cache_scale="float32", cache_order="flat", cache_values="fp8") -> None:
     """See :func:`sparse_indexer.write_k_cache`; ``kv_cache`` is the 3-D view, arguments are checked. Writes
-    float32 scales in the flat order only (another format raises ``NotImplementedError``)."""
-    if cache_values != "fp8":
-        raise NotImplementedError("the Triton backend does not store MXFP4 keys (docs/spec.md §3a)")
+    float32 scales in the flat order only (another FP8 format raises ``NotImplementedError``), or MXFP4 keys
+    (``cache_values="mxfp4"``, :func:`_write_mxfp4_kernel`)."""
+    if cache_values == "mxfp4":
+        _write_mxfp4(k, kv_cache, slot_mapping)
+        return
     if cache_scale != "float32" or cache_order != "flat":
         raise NotImplementedError(f"the Triton write_k_cache writes float32 scales in the flat order, got "
                                   f"{cache_scale!r}, {cache_order!r}")
@@ -147,3 +216,20 @@ def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.T
     block_stride = kv_cache.stride()[0] if nb > 1 else bs * width  # CacheLayout.block_stride of the checked view
     _LAUNCH.launch_with(((s + _BLOCK_T - 1) // _BLOCK_T,), _config(bs, d, fp8_dtype, scale_fmt == "ue8m0"),
                         (kv_cache, k, slot_mapping, s, k.stride()[0], block_stride), 3)
+
+
+def _write_mxfp4(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """MXFP4 keys into an MXFP4 cache (docs/spec.md §3a; arguments checked): :func:`_write_mxfp4_kernel`."""
+    s = slot_mapping.shape[0]
+    nb, bs, width = kv_cache.shape
+    d = width * 32 // 17
+    if s == 0:
+        return
+    block_stride = kv_cache.stride()[0] if nb > 1 else -(-bs * width // 4) * 4
+    bf16 = k.dtype == torch.bfloat16
+    cfg = _CONFIGS.get(("mxfp4", bs, d, bf16))
+    if cfg is None:
+        cfg = _CONFIGS[("mxfp4", bs, d, bf16)] = _LAUNCH_MX.config(BS=bs, D=d, BLOCK_T=_BLOCK_T, BF16=bf16,
+                                                                   num_warps=4)
+    _LAUNCH_MX.launch_with(((s + _BLOCK_T - 1) // _BLOCK_T,), cfg,
+                           (kv_cache, k, slot_mapping, s, k.stride()[0], block_stride), 3)
