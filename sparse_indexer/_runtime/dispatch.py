@@ -100,6 +100,11 @@ OPTIONAL_KWARGS = (*OPTIONAL_SCRATCH, "logits_dtype")
 """Every keyword argument an implementation may leave out of its signature (then it never sees it): the scratch
 views and the fused ops' ``logits_dtype`` (the dtype of the scores a selection runs on when no ``logits`` is
 given)."""
+FORMAT_KWARGS = ("q_scale", "cache_values")
+"""Keyword arguments that change what the operands are (MXFP4, docs/spec.md §3a): an implementation whose
+signature lacks one (and takes no ``**kwargs``) is never called with it: ``auto`` passes the call on, a named
+backend raises :class:`NotImplementedError`."""
+_FORMAT_OPS = frozenset({"write_k_cache", "gather_k_cache", "fp8_mqa_logits", "fp8_paged_mqa_logits"})
 
 COMPOSITIONS: dict[str, Callable] = {}
 """``op -> composition`` of the fused ops (see the module docstring): a function of the op's implementation
@@ -132,6 +137,16 @@ def _params(fn: Callable) -> frozenset[str]:
     return frozenset(inspect.signature(fn).parameters)
 
 
+def _refused(op: str, fn: Callable) -> frozenset:
+    """The :data:`FORMAT_KWARGS` ``fn`` cannot take (empty for the ops that never get them, and for a
+    ``**kwargs`` signature)."""
+    if op not in _FORMAT_OPS:
+        return frozenset()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(fn).parameters.values()):
+        return frozenset()
+    return frozenset(k for k in FORMAT_KWARGS if k not in _params(fn))
+
+
 class _Route(NamedTuple):
     """One candidate of a resolved call: the backend, its implementation (``None`` when it does not import:
     ``error`` says why), the optional scratch keywords the implementation does not take and its ``auto_when``
@@ -142,6 +157,7 @@ class _Route(NamedTuple):
     error: BaseException | None
     drop: frozenset
     when: Callable | None = None
+    refuse: frozenset = frozenset()  # FORMAT_KWARGS the implementation cannot take (_refused)
 
 
 @functools.cache
@@ -164,7 +180,7 @@ def _routes(op: str, backend: str | None, device_type: str, interpret: bool | No
             routes.append(_Route(name, None, e, frozenset()))
             continue
         drop = frozenset(k for k in OPTIONAL_KWARGS if k not in _params(fn))
-        routes.append(_Route(name, fn, None, drop, getattr(fn, "auto_when", None)))
+        routes.append(_Route(name, fn, None, drop, getattr(fn, "auto_when", None), _refused(op, fn)))
     if composition is not None:
         routes.append(_Route(COMPOSED, composition, None,
                              frozenset(k for k in OPTIONAL_KWARGS if k not in _params(composition))))
@@ -203,7 +219,8 @@ def invoke(found: tuple[_Route, ...], op: str, backend: str | None, args: tuple,
     raises what it raises; ``None``/``"auto"`` tries the next on :class:`NotImplementedError` (raised before
     anything is written)."""
     r = found[0] if found else None
-    if r is not None and r.fn is not None:  # the common case: the first candidate runs
+    if r is not None and r.fn is not None and not (r.refuse and not r.refuse.isdisjoint(kwargs)):
+        # (the common case: the first candidate runs)
         kw = kwargs if not r.drop or r.drop.isdisjoint(kwargs) else {k: v for k, v in kwargs.items() if k not in r.drop}
         if r.when is not None and (backend is None or backend == "auto") and not r.when(*args, **kw):
             return _invoke_from(found, 1, op, backend, args, kwargs, None)  # auto passes the call on
@@ -226,6 +243,11 @@ def _invoke_from(found: tuple[_Route, ...], start: int, op: str, backend: str | 
                 raise BackendUnavailable(f"backend {r.name!r} has no implementation of {op}: {r.error}") from r.error
             last = r.error
             continue
+        if r.refuse and not r.refuse.isdisjoint(kwargs):  # (an implementation that cannot take MXFP4 operands)
+            last = NotImplementedError(f"backend {r.name!r}'s {op} takes no {sorted(r.refuse & kwargs.keys())}")
+            if explicit:
+                raise last
+            continue
         kw = {k: v for k, v in kwargs.items() if k not in r.drop} if not r.drop.isdisjoint(kwargs) else kwargs
         if r.when is not None and not explicit and not r.when(*args, **kw):
             continue  # auto: a call this backend leaves to the next one (its auto_when)
@@ -246,6 +268,10 @@ def first(found: tuple[_Route, ...], backend: str | None, args: tuple, kwargs: d
     for i, r in enumerate(found):
         if r.fn is None:
             continue
+        if r.refuse and not r.refuse.isdisjoint(kwargs):
+            if not auto:
+                return i  # (invoke_at raises what it cannot take)
+            continue
         if r.when is None or not auto:
             return i
         if r.when(*args, **{k: v for k, v in kwargs.items() if k not in r.drop}):
@@ -265,6 +291,8 @@ def invoke_at(found: tuple[_Route, ...], i: int, op: str, backend: str | None, a
     ``auto_when`` is not asked again: predicates read shapes only); ``auto`` still falls back past it on
     :class:`NotImplementedError`."""
     r = found[i]
+    if r.refuse and not r.refuse.isdisjoint(kwargs):
+        return _invoke_from(found, i, op, backend, args, kwargs, None)  # (raises, or auto passes it on)
     kw = kwargs if not r.drop or r.drop.isdisjoint(kwargs) else {k: v for k, v in kwargs.items() if k not in r.drop}
     try:
         return r.fn(*args, **kw)

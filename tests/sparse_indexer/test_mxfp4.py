@@ -514,3 +514,44 @@ def test_single_block_mxfp4_caches_and_qk_refusal():
     qk = torch.zeros(qv.shape[2], qv.shape[0] * qv.shape[1], 64)
     with pytest.raises(ValueError, match="qk"):
         si.fp8_paged_mqa_logits(qv, kv, w, cl, bt, cache_format=MX, q_scale=qs, qk=qk)
+
+
+TOY_LOGITS_CALLS: list[str] = []
+
+
+def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, out, clean, compressed=False):
+    """A toy backend's ragged logits that knows nothing of MXFP4 (no ``q_scale`` parameter): the reference's."""
+    from sparse_indexer._runtime import dispatch
+
+    TOY_LOGITS_CALLS.append("toy")
+    dispatch.implementation("fp8_mqa_logits", "reference")(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke,
+                                                           out=out, clean=clean, compressed=compressed)
+
+
+def test_backends_without_the_mxfp4_keywords_are_passed_over():
+    """A registered backend whose implementation lacks ``q_scale`` is never handed MXFP4 operands: ``auto`` goes on
+    to the next backend, the backend named explicitly raises ``NotImplementedError``; FP8 calls still reach it."""
+    from sparse_indexer import backends
+
+    entry = backends.Backend("toymx", lambda device: None if device.type == "cpu" else "CPU only", auto=("cpu",),
+                             rank=0, ops=("fp8_mqa_logits",), module=__name__, where="the CPU (a test's toy)")
+    backends.register(entry)
+    try:
+        g = torch.Generator().manual_seed(60)
+        qv, qs, kv, ks, w, a, b = _ragged(g)
+        TOY_LOGITS_CALLS.clear()
+        got = si.fp8_mqa_logits(qv, kv, ks, w, a, b, q_scale=qs)
+        assert TOY_LOGITS_CALLS == [] and torch.equal(got, mxfp4_ref(qv, qs, kv, ks, w, a, b))
+        with pytest.raises(NotImplementedError, match="takes no \\['q_scale'\\]"):
+            si.fp8_mqa_logits(qv, kv, ks, w, a, b, q_scale=qs, backend="toymx")
+        q8, qs8 = si.quantize_q(torch.randn(3, 4, 64, generator=g))
+        k8, ks8 = si.quantize_k(torch.randn(20, 64, generator=g))
+        si.fp8_mqa_logits(q8, k8, ks8, torch.randn(3, 4, generator=g), torch.zeros(3, dtype=torch.int32),
+                          torch.full((3,), 20, dtype=torch.int32))
+        assert TOY_LOGITS_CALLS == ["toy"]
+    finally:
+        backends.unregister("toymx")
+
+
+def mxfp4_ref(qv, qs, kv, ks, w, a, b):
+    return si.fp8_mqa_logits(qv, kv, ks, w, a, b, q_scale=qs, backend="reference")
