@@ -117,7 +117,7 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
             backend reads every format; Triton reads ``"ue8m0x4"`` scales (flat order, ``q``'s FP8 format); aiter
             the preshuffled order where its kernel does; the others raise ``NotImplementedError`` for anything but
             the plain case, so ``auto`` falls back. ``CacheFormat(values="mxfp4")`` (docs/spec.md §3a): MXFP4 keys,
-            scored against MXFP4 queries (``q_scale`` required); the reference backend only.
+            scored against MXFP4 queries (``q_scale`` required) by the reference and Triton backends.
         q_scale: with an MXFP4 cache, the queries' scale bytes ``[B, next_n, H, D / 32]`` uint8, ``q`` then
             ``[B, next_n, H, D / 2]`` uint8 packed e2m1 values (:func:`sparse_indexer.quantize_q_mxfp4`; the
             weights carry no query scale).

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ..._runtime.launch import Launcher
 from ..._runtime.triton_compat import fix_interpreter
-from ..fp8_mqa_logits.triton import to_out
+from ..fp8_mqa_logits.triton import _e2m1, _scale_factors, to_out
 
 fix_interpreter()  # Triton 3.6's interpreter under NumPy >= 2.4 (sparse_indexer/_runtime/triton_compat.py)
 
@@ -356,9 +356,11 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
     ``config`` overrides :data:`CONFIG` (then nothing is cached). ``out`` float32 or bfloat16 (converted once, at
     the store); ``indices``: entry ``b`` reads block-table row ``indices[b]``. ``cache_scale``: float32 or
     ``"ue8m0x4"`` scales (decoded exactly in the kernel); a mix of FP8 formats or the preshuffled order raise
-    ``NotImplementedError``."""
-    if cache_values != "fp8" or q_scale is not None:
-        raise NotImplementedError("the Triton backend does not score MXFP4 caches (docs/spec.md §3a)")
+    ``NotImplementedError``. ``cache_values="mxfp4"`` with ``q_scale``: MXFP4 queries against an MXFP4 cache
+    (:func:`_paged_mxfp4_kernel`)."""
+    if cache_values == "mxfp4":
+        _mxfp4(q, q_scale, kv_cache, weights, context_lens, block_table, out, clean, indices)
+        return
     if cache_fp8_dtype is not None and cache_fp8_dtype != q.dtype:
         raise NotImplementedError(f"{q.dtype} queries against a {cache_fp8_dtype} cache (a declared mix of formats)")
     if cache_order != "flat":
@@ -398,3 +400,101 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
         LAST_LAUNCH["programs_per_sm"] = per_sm
     args[-1] = num_programs
     _LAUNCH.launch_with((num_programs,), cfg, args, 7)
+
+
+@triton.jit
+def _paged_mxfp4_block(kv_ptr, base, off, qlo, qhi, fq, valid, BS: tl.constexpr, D: tl.constexpr,
+                       b: tl.constexpr):
+    """Block ``b`` of the keys at byte ``base + off * D / 2`` (each key's own block; scale bytes at ``base + BS * D /
+    2 + off * D / 32``) against a query's block ``b`` (fp16 nibble values ``qlo``/``qhi``, scale factors ``fq``):
+    the exact e2m1 dot times the key's and then the query's power of two (docs/spec.md §3a). ``[BLOCK_N, HP]``."""
+    offs = tl.arange(0, 16)
+    kb = tl.load(kv_ptr + (base + off * (D // 2) + b * 16)[:, None] + offs[None, :], mask=valid[:, None], other=0)
+    sk = tl.load(kv_ptr + base + BS * (D // 2) + off * (D // 32) + b, mask=valid, other=127).to(tl.int32)
+    dot = tl.dot(_e2m1(kb & 15), tl.trans(qlo)) + tl.dot(_e2m1(kb >> 4), tl.trans(qhi))
+    return dot * _scale_factors(sk)[:, None] * fq[None, :]
+
+
+@triton.jit
+def _paged_mxfp4_kernel(
+    out_ptr,  # [B * next_n, W] float32 or bfloat16, row stride stride_out
+    q_ptr,  # [B, next_n, H, D / 2] uint8, contiguous
+    qs_ptr,  # [B, next_n, H, D / 32] uint8, contiguous
+    kv_ptr,  # MXFP4 cache bytes: block k at k * stride_blk
+    w_ptr,  # [B * next_n, H] float32, row stride stride_w
+    cl_ptr,  # [B] or [B, next_n] int32/int64
+    bt_ptr,  # [B, max_blocks] int32 (HAS_IDX: [num_requests, max_blocks])
+    idx_ptr,  # [B] int32 block-table row of each entry (HAS_IDX)
+    W, CAP,  # CAP = min(W, max_blocks * BS)
+    stride_out, stride_w, stride_clb, stride_cln, stride_bt, stride_blk,
+    NEXT_N: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    BLOCK_N: tl.constexpr, CL_2D: tl.constexpr, CLEAN: tl.constexpr, HAS_IDX: tl.constexpr,
+):
+    """Program ``(b, t)``: key positions ``[t * BLOCK_N, (t + 1) * BLOCK_N)`` of request ``b`` against its
+    ``next_n`` query tokens (each key read through the block table: a tile may span blocks); per token the
+    blocks' scaled dots (:func:`_paged_mxfp4_block`, summed in order), relu, the weights, the head sum; cells at or
+    past a row's limit ``-inf`` with ``CLEAN``."""
+    b = tl.program_id(0).to(tl.int64)
+    pos = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_bt = tl.load(idx_ptr + b).to(tl.int64) if HAS_IDX else b
+    inside = pos < CAP
+    blk = tl.load(bt_ptr + row_bt * stride_bt + pos // BS, mask=inside, other=0).to(tl.int64)
+    base = blk * stride_blk
+    off = pos % BS
+    offs_h = tl.arange(0, HP)
+    hmask = offs_h < H
+    offs_b = tl.arange(0, 16)
+    for j in tl.static_range(NEXT_N):
+        if CL_2D:
+            lim = tl.load(cl_ptr + b * stride_clb + j * stride_cln).to(tl.int32)
+        else:
+            lim = tl.load(cl_ptr + b * stride_clb).to(tl.int32) - NEXT_N + j + 1
+        lim = tl.minimum(tl.maximum(lim, 0), CAP)
+        rowq = (b * NEXT_N + j) * H + offs_h  # query rows of token j
+        valid = pos < lim
+        if tl.program_id(1) * BLOCK_N < lim:
+            qrow = q_ptr + rowq * (D // 2)
+            srow = qs_ptr + rowq * (D // 32)
+            q0 = tl.load(qrow[:, None] + offs_b[None, :], mask=hmask[:, None], other=0)
+            s = _paged_mxfp4_block(kv_ptr, base, off, _e2m1(q0 & 15), _e2m1(q0 >> 4),
+                                   _scale_factors(tl.load(srow, mask=hmask, other=127).to(tl.int32)), valid, BS, D, 0)
+            for blkn in tl.static_range(1, D // 32):
+                qn = tl.load(qrow[:, None] + blkn * 16 + offs_b[None, :], mask=hmask[:, None], other=0)
+                fq = _scale_factors(tl.load(srow + blkn, mask=hmask, other=127).to(tl.int32))
+                s = s + _paged_mxfp4_block(kv_ptr, base, off, _e2m1(qn & 15), _e2m1(qn >> 4), fq, valid, BS, D,
+                                           blkn)
+            wts = tl.load(w_ptr + (b * NEXT_N + j) * stride_w + offs_h, mask=hmask, other=0.0)
+            s = tl.maximum(s, 0.0, propagate_nan=tl.PropagateNan.ALL) * wts[None, :]
+            logit = tl.sum(s, axis=1)
+            tl.store(out_ptr + (b * NEXT_N + j) * stride_out + pos, to_out(logit, out_ptr), mask=valid)
+        if CLEAN:
+            ninf = to_out(tl.full([BLOCK_N], float("-inf"), tl.float32), out_ptr)
+            tl.store(out_ptr + (b * NEXT_N + j) * stride_out + pos, ninf, mask=(pos >= lim) & (pos < W))
+
+
+_LAUNCH_MX = Launcher(_paged_mxfp4_kernel)
+_MX_BLOCK_N = 64
+
+
+def _mxfp4(q, q_scale, kv_cache, weights, context_lens, block_table, out, clean, indices) -> None:
+    """MXFP4 queries against an MXFP4 cache (arguments checked): :func:`_paged_mxfp4_kernel` over ``(B, W /
+    BLOCK_N)``. Untuned (correctness first); D 32, 64 or 128."""
+    b, next_n, h, half = q.shape
+    d = 2 * half
+    if d not in (32, 64, 128):
+        raise NotImplementedError(f"triton fp8_paged_mqa_logits scores MXFP4 with D in (32, 64, 128), got {d=}")
+    nb, bs, width = kv_cache.shape
+    w = out.shape[1]
+    if b == 0 or w == 0:
+        return
+    cl_2d = context_lens.dim() == 2
+    cls = context_lens.stride()
+    has_idx = indices is not None
+    cfg = _LAUNCH_MX.config(NEXT_N=next_n, H=h, HP=max(16, triton.next_power_of_2(h)), D=d, BS=bs,
+                            BLOCK_N=_MX_BLOCK_N, CL_2D=cl_2d, CLEAN=bool(clean), HAS_IDX=has_idx, num_warps=4)
+    stride_blk = kv_cache.stride()[0] if nb > 1 else -(-bs * width // 4) * 4  # CacheLayout.block_stride
+    _LAUNCH_MX.launch_with(
+        (b, triton.cdiv(w, _MX_BLOCK_N)), cfg,
+        (out, q, q_scale, kv_cache, weights, context_lens, block_table, indices if has_idx else context_lens,
+         w, min(w, block_table.shape[1] * bs), out.stride()[0], weights.stride()[0], cls[0],
+         cls[1] if cl_2d else 0, block_table.stride()[0], stride_blk), 8)
