@@ -1,6 +1,8 @@
 """MXFP4 (docs/spec.md §3a) on a GPU: the Triton write and gather byte for byte the reference's, the ragged scores
 of Triton and ``auto`` (which must pass Gluon over on Hopper) within tolerance of the reference, and an MXFP4
-cache's paged scores under ``auto``. Run: ``PYTHONPATH=. python3 -m pytest tests/gpu/test_mxfp4_gpu.py``."""
+cache's paged scores on Triton and under ``auto``.
+
+Run: ``PYTHONPATH=. python3 -m pytest tests/gpu/test_mxfp4_gpu.py``."""
 
 from __future__ import annotations
 
@@ -74,5 +76,6 @@ def test_paged_scores_under_auto():
     qv, qs = qv.view(b, nn, h, d // 2), qs.view(b, nn, h, d // 32)
     w = torch.randn(b * nn, h, device=DEV, generator=g)
     want = si.fp8_paged_mqa_logits(qv, kv, w, cl, bt, cache_format=MX, q_scale=qs, backend="reference")
-    got = si.fp8_paged_mqa_logits(qv, kv, w, cl, bt, cache_format=MX, q_scale=qs)
-    assert torch.equal(got, want)
+    for backend in ("triton", None):
+        got = si.fp8_paged_mqa_logits(qv, kv, w, cl, bt, cache_format=MX, q_scale=qs, backend=backend)
+        assert_logits(got, want.double(), rtol_l2=1e-6)
