@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..._runtime.launch import no_kernel_needed
 from ...mxfp4 import mxfp4_scores
 
 TILE_ELEMS = 1 << 24  # 64 MiB of float32 scores per tile
@@ -72,11 +73,7 @@ def _compressed(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out, cle
     m, h, d = q.shape
     n = k_fp8.shape[0]
     w = out.shape[1]
-    if m == 0 or w == 0:
-        return
-    if n == 0:
-        if clean:
-            out.fill_(float("-inf"))
+    if no_kernel_needed(m, n, w, out, clean):
         return
     rt, ct = tile_sizes(m, h + d, w)
     for r0 in range(0, m, rt):
@@ -100,16 +97,12 @@ def _compressed(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out, cle
 
 def _mxfp4(q, q_scale, k_vals, k_scales, weights, cu_seqlen_ks, cu_seqlen_ke, out, clean, compressed) -> None:
     """MXFP4 operands: the scores of :func:`~sparse_indexer.mxfp4.mxfp4_scores` tile by tile (its ``[rows, H,
-    cols, D / 32]`` temporaries within :data:`TILE_ELEMS`), windowed as the FP8 path; compressed rows are key
-    columns ``ks[m] + j``, scored over the union of the tile's windows."""
+    cols, D / 32]`` temporaries within :data:`TILE_ELEMS`), windowed as the FP8 path; compressed rows (column
+    ``j`` of row ``m`` is key ``ks[m] + j``) are scored one row at a time, each against its own keys."""
     m, h, _ = q.shape
     n = k_vals.shape[0]
     w = out.shape[1]
-    if m == 0 or w == 0:
-        return
-    if n == 0:
-        if clean:
-            out.fill_(float("-inf"))
+    if no_kernel_needed(m, n, w, out, clean):
         return
     nb = q_scale.shape[-1]
     rt, ct = tile_sizes(m, h * nb * 2, w)  # (float64 block products: twice the float32 elements)

@@ -33,6 +33,19 @@ class PagedInputs(NamedTuple):
     capacity: int
 
 
+def _check_tables(weights, context_lens, block_table, indices, b: int, next_n: int, h: int, dev) -> None:
+    """The paged call's ``weights [B * next_n, H]`` float32, ``context_lens [B]`` or ``[B, next_n]``,
+    ``block_table [B, max_blocks]`` (``[num_requests, max_blocks]`` with ``indices [B]``), index dtypes, on
+    ``dev`` (the FP8 and the MXFP4 calls alike)."""
+    C.tensor("weights", weights, dtypes=torch.float32, device=dev, shape=(b * next_n, h), last_contiguous=True)
+    C.tensor("context_lens", context_lens, dtypes=C.INDEX_DTYPES, device=dev, contiguous=True,
+             shape=(b,) if context_lens.dim() == 1 else (b, next_n))
+    C.tensor("block_table", block_table, ndim=2, dtypes=C.INDEX_DTYPES, device=dev,
+             shape=(b if indices is None else None, None), last_contiguous=True)
+    if indices is not None:
+        C.tensor("indices", indices, dtypes=C.INDEX_DTYPES, device=dev, shape=(b,), contiguous=True)
+
+
 def check_paged_inputs(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
                        block_table: torch.Tensor, indices: torch.Tensor | None = None,
                        cache_format: CacheFormat | None = None,
@@ -58,13 +71,7 @@ def check_paged_inputs(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.T
     C.tensor("kv_cache", kv_cache, device=dev)
     if lay.head_dim != d:
         raise ValueError(f"kv_cache holds D={lay.head_dim} but q has D={d}")
-    C.tensor("weights", weights, dtypes=torch.float32, device=dev, shape=(b * next_n, h), last_contiguous=True)
-    C.tensor("context_lens", context_lens, dtypes=C.INDEX_DTYPES, device=dev, contiguous=True,
-             shape=(b,) if context_lens.dim() == 1 else (b, next_n))
-    C.tensor("block_table", block_table, ndim=2, dtypes=C.INDEX_DTYPES, device=dev,
-             shape=(b if indices is None else None, None), last_contiguous=True)
-    if indices is not None:
-        C.tensor("indices", indices, dtypes=C.INDEX_DTYPES, device=dev, shape=(b,), contiguous=True)
+    _check_tables(weights, context_lens, block_table, indices, b, next_n, h, dev)
     return PagedInputs(b, next_n, h, d, dev, fmt_kw, kv3, lay, block_table.shape[1] * lay.block_size)
 
 
@@ -223,13 +230,7 @@ def _paged_mxfp4(q, kv_cache, weights, context_lens, block_table, out, clean, ba
     C.tensor("kv_cache", kv_cache, device=dev)
     if lay.head_dim != 2 * half:
         raise ValueError(f"kv_cache holds D={lay.head_dim} but q has D={2 * half} (D / 2 = {half} bytes)")
-    C.tensor("weights", weights, dtypes=torch.float32, device=dev, shape=(b * next_n, h), last_contiguous=True)
-    C.tensor("context_lens", context_lens, dtypes=C.INDEX_DTYPES, device=dev, contiguous=True,
-             shape=(b,) if context_lens.dim() == 1 else (b, next_n))
-    C.tensor("block_table", block_table, ndim=2, dtypes=C.INDEX_DTYPES, device=dev,
-             shape=(b if indices is None else None, None), last_contiguous=True)
-    if indices is not None:
-        C.tensor("indices", indices, dtypes=C.INDEX_DTYPES, device=dev, shape=(b,), contiguous=True)
+    _check_tables(weights, context_lens, block_table, indices, b, next_n, h, dev)
     capacity = block_table.shape[1] * lay.block_size
     if logits_dtype is not None and logits_dtype not in LOGITS_DTYPES:
         raise TypeError(f"logits_dtype must be one of {LOGITS_DTYPES}, got {logits_dtype}")

@@ -23,6 +23,17 @@ def row_limits(context_lens: torch.Tensor, next_n: int) -> torch.Tensor:
     return lim.clamp(min=0)
 
 
+def _tile_slots(block_table: torch.Tensor, c0: int, c1: int, bs: int, nb: int):
+    """Key positions ``[c0, c1)`` of every request: ``(pos [c], blk [B, c] int64, off [1, c])``, the block ids
+    read through ``block_table`` and clamped into the cache (positions past a row's limit are masked later)."""
+    b, max_blocks = block_table.shape
+    pos = torch.arange(c0, c1, device=block_table.device)
+    bi = (pos // bs).clamp(max=max(0, max_blocks - 1))
+    blk = block_table[:, bi].long().clamp(0, nb - 1) if max_blocks else torch.zeros(
+        b, c1 - c0, dtype=torch.long, device=block_table.device)
+    return pos, blk, (pos % bs)[None, :]
+
+
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out, clean, indices=None,
                          cache_fp8_dtype=None, cache_scale="float32", cache_order="flat", cache_values="fp8",
                          q_scale=None) -> None:
@@ -47,18 +58,13 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
     if plain:
         values, scales = cache_views(kv_cache, fp8)
     nb, bs = kv_cache.shape[0], kv_cache.shape[1]
-    max_blocks = block_table.shape[1]
     lim = row_limits(context_lens, next_n).view(b, next_n, 1)
     qf = q.float().reshape(b, next_n * h, d)
     wts = weights.view(b, next_n, h)
     ct = max(1, min(w, TILE_ELEMS // max(1, b * next_n * h)))
     for c0 in range(0, w, ct):
         c1 = min(w, c0 + ct)
-        pos = torch.arange(c0, c1, device=q.device)
-        bi = (pos // bs).clamp(max=max(0, max_blocks - 1))
-        blk = block_table[:, bi].long().clamp(0, nb - 1) if max_blocks else torch.zeros(
-            b, c1 - c0, dtype=torch.long, device=q.device)
-        off = (pos % bs)[None, :]
+        pos, blk, off = _tile_slots(block_table, c0, c1, bs, nb)
         if plain:
             k = values[blk, off].float()  # [B, c, D]
             ksc = scales[blk, off]  # [B, c]
@@ -79,18 +85,14 @@ def _mxfp4(q, q_scale, kv_cache, weights, context_lens, block_table, out, clean)
     b, next_n, h, _ = q.shape
     w = out.shape[1]
     nb, bs = kv_cache.shape[0], kv_cache.shape[1]
-    max_blocks = block_table.shape[1]
     nblk = q_scale.shape[-1]
     lim = row_limits(context_lens, next_n).view(b, next_n, 1)
     wts = weights.view(b, next_n, h)
     ct = max(1, min(w, TILE_ELEMS // max(1, next_n * h * nblk * 2)))
     for c0 in range(0, w, ct):
         c1 = min(w, c0 + ct)
-        pos = torch.arange(c0, c1, device=q.device)
-        bi = (pos // bs).clamp(max=max(0, max_blocks - 1))
-        blk = block_table[:, bi].long().clamp(0, nb - 1) if max_blocks else torch.zeros(
-            b, c1 - c0, dtype=torch.long, device=q.device)
-        off = (pos % bs)[None, :].expand_as(blk)
+        pos, blk, off = _tile_slots(block_table, c0, c1, bs, nb)
+        off = off.expand_as(blk)
         kv, ks = read_keys_mxfp4(kv_cache, blk, off)  # [B, c, D / 2], [B, c, D / 32]
         val = torch.stack([mxfp4_scores(q[i], q_scale[i], kv[i], ks[i], wts[i]) for i in range(b)])  # [B, next_n, c]
         inside = pos.view(1, 1, -1) < lim

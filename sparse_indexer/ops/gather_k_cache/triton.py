@@ -39,52 +39,39 @@ def _gather_k_cache_kernel(
     UE8M0: tl.constexpr,  # key scales as 4 UE8M0 bytes (the "ue8m0x4" encoding), written out as float32
     MX: tl.constexpr = False,  # MXFP4 keys (docs/spec.md §3a): D / 2 value bytes (out_k [N, D / 8] int32 words)
     # and D / 32 scale bytes per key (out_scale [N, D / 32] uint8), copied as they are
+    VB: tl.constexpr = 0,  # value bytes per key (D, or D / 2 with MX); the scale region starts at BS * VB
 ):
     j = tl.program_id(0)
     r = tl.program_id(1)
     beg = tl.load(cu_ptr + r).to(tl.int64)
     n = tl.load(cu_ptr + r + 1).to(tl.int64) - beg
-    if MX:
-        if j * BLOCK_T < n:
-            DW: tl.constexpr = D // 8
+    if j * BLOCK_T < n:
+        DW: tl.constexpr = VB // 4
+        p = j * BLOCK_T + tl.arange(0, BLOCK_T)
+        pm = p < n
+        blk = tl.load(bt_ptr + r.to(tl.int64) * bt_stride + p // BS, mask=pm, other=0).to(tl.int64)
+        off = p % BS
+        base = blk * block_stride  # bytes
+        words = cache_ptr.to(tl.pointer_type(tl.int32))
+        w = tl.arange(0, DW)
+        vals = tl.load(words + (base // 4 + off * DW)[:, None] + w[None, :], mask=pm[:, None])
+        row = beg + p
+        tl.store(out_k_ptr + row[:, None] * DW + w[None, :], vals, mask=pm[:, None])
+        if MX:
             SB: tl.constexpr = D // 32
-            p = j * BLOCK_T + tl.arange(0, BLOCK_T)
-            pm = p < n
-            blk = tl.load(bt_ptr + r.to(tl.int64) * bt_stride + p // BS, mask=pm, other=0).to(tl.int64)
-            off = p % BS
-            base = blk * block_stride  # bytes
-            words = cache_ptr.to(tl.pointer_type(tl.int32))
-            w = tl.arange(0, DW)
-            vals = tl.load(words + (base // 4 + off * DW)[:, None] + w[None, :], mask=pm[:, None])
-            row = beg + p
-            tl.store(out_k_ptr + row[:, None] * DW + w[None, :], vals, mask=pm[:, None])
             sb = tl.arange(0, SB)
-            sc = tl.load(cache_ptr + (base + BS * (D // 2) + off * SB)[:, None] + sb[None, :], mask=pm[:, None])
+            sc = tl.load(cache_ptr + (base + BS * VB + off * SB)[:, None] + sb[None, :], mask=pm[:, None])
             tl.store(out_scale_ptr + row[:, None] * SB + sb[None, :], sc, mask=pm[:, None])
-    else:
-        if j * BLOCK_T < n:
-            DW: tl.constexpr = D // 4
-            p = j * BLOCK_T + tl.arange(0, BLOCK_T)
-            pm = p < n
-            blk = tl.load(bt_ptr + r.to(tl.int64) * bt_stride + p // BS, mask=pm, other=0).to(tl.int64)
-            off = p % BS
-            base = blk * block_stride  # bytes
-            words = cache_ptr.to(tl.pointer_type(tl.int32))
-            w = tl.arange(0, DW)
-            src = (base // 4 + off * DW)[:, None] + w[None, :]
-            vals = tl.load(words + src, mask=pm[:, None])
-            row = beg + p
-            tl.store(out_k_ptr + row[:, None] * DW + w[None, :], vals, mask=pm[:, None])
-            if UE8M0:
-                sw = tl.load((cache_ptr + base + BS * D + off * 4).to(tl.pointer_type(tl.int32)), mask=pm)
-                tl.store(out_scale_ptr + row, _ue8m0(sw), mask=pm)
-            else:
-                sptr = (cache_ptr + base + BS * D + off * 4).to(tl.pointer_type(tl.float32))
-                tl.store(out_scale_ptr + row, tl.load(sptr, mask=pm), mask=pm)
+        elif UE8M0:
+            sw = tl.load((cache_ptr + base + BS * VB + off * 4).to(tl.pointer_type(tl.int32)), mask=pm)
+            tl.store(out_scale_ptr + row, _ue8m0(sw), mask=pm)
+        else:
+            sptr = (cache_ptr + base + BS * VB + off * 4).to(tl.pointer_type(tl.float32))
+            tl.store(out_scale_ptr + row, tl.load(sptr, mask=pm), mask=pm)
 
 
 _LAUNCH = Launcher(_gather_k_cache_kernel)
-_CONFIGS: dict = {}  # (block_size, D, ue8m0) -> LaunchConfig
+_CONFIGS: dict = {}  # (block_size, D, ue8m0, mxfp4) -> LaunchConfig
 
 
 def gather_k_cache(kv_cache, block_table, cu_seq_lens, *, out_k, out_scale, cache_scale="float32",
@@ -111,6 +98,7 @@ def gather_k_cache(kv_cache, block_table, cu_seq_lens, *, out_k, out_scale, cach
     cfg = _CONFIGS.get((bs, d, ue8m0, mx))
     if cfg is None:
         cfg = _CONFIGS[(bs, d, ue8m0, mx)] = _LAUNCH.config(BS=bs, D=d, BLOCK_T=_BLOCK_T, UE8M0=ue8m0, MX=mx,
+                                                            VB=d // 2 if mx else d,
                                                             num_warps=4)
     _LAUNCH.launch_with((triton.cdiv(max_blocks * bs, _BLOCK_T), r), cfg,
                         (out_k.view(torch.int32), out_scale, kv_cache, block_table, cu_seq_lens,
