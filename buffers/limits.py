@@ -205,9 +205,9 @@ class IndexerLimits:
     candidate_block_size: int = attrs.field(default=8, validator=_positive)
 
     def __attrs_post_init__(self):
-        if self.cache_format is not None and self.cache_format.mxfp4:
-            raise ValueError("IndexerLimits.cache_format: the step does not run MXFP4 caches yet (docs/spec.md §3a: "
-                             "write_k_cache, gather_k_cache and the ragged fp8_mqa_logits read and write them)")
+        if self.cache_format is not None and self.cache_format.mxfp4 and self.world_size > 1:
+            raise ValueError(f"IndexerLimits.cache_format: MXFP4 caches are not supported with context parallel "
+                             f"(world_size={self.world_size}): its ranks gather and score FP8 keys")
         if self.candidate_blocks and (self.candidate_blocks - 1) * self.candidate_block_size + 1 < self.topk:
             raise ValueError(
                 f"IndexerLimits.candidate_blocks={self.candidate_blocks} blocks of candidate_block_size="
@@ -254,6 +254,12 @@ class IndexerLimits:
     def cache(self) -> CacheFormat:
         """The K cache's format: ``cache_format``, or ``CacheFormat(fp8_dtype=fp8_dtype)``."""
         return self.cache_format if self.cache_format is not None else CacheFormat(fp8_dtype=self.fp8_dtype)
+
+    @property
+    def mxfp4(self) -> bool:
+        """Whether the cache and the queries are MXFP4 (docs/spec.md §3a: ``cache_format=CacheFormat(values=
+        "mxfp4")``); the gather buffers then hold ``D / 2`` value bytes and ``D / 32`` scale bytes per key."""
+        return self.cache_format is not None and self.cache_format.mxfp4
 
     @property
     def max_keys(self) -> int:

@@ -225,8 +225,16 @@ def logits_elems(lim: IndexerLimits) -> int:
 # A top-k backend that needs scratch declares its width in the backend registry (topk_scratch below). Every size
 # is the largest that some step allowed by the limits uses (tests/buffers/test_plan_tight.py).
 FIELDS = {
-    "k_fp8": (lambda lim: (prefill_extremes(lim).keys, lim.head_dim), lambda lim: lim.cache.fp8_dtype),
-    "k_scale": (lambda lim: (prefill_extremes(lim).keys,), lambda lim: torch.float32),
+    # the gathered keys of one prefill chunk: D FP8 values and a float32 scale per key, or with an MXFP4 cache
+    # D / 2 value bytes and D / 32 scale bytes (docs/spec.md §3a)
+    "k_fp8": (
+        lambda lim: (prefill_extremes(lim).keys, lim.head_dim // 2 if lim.mxfp4 else lim.head_dim),
+        lambda lim: torch.uint8 if lim.mxfp4 else lim.cache.fp8_dtype,
+    ),
+    "k_scale": (
+        lambda lim: (prefill_extremes(lim).keys, lim.head_dim // 32) if lim.mxfp4 else (prefill_extremes(lim).keys,),
+        lambda lim: torch.uint8 if lim.mxfp4 else torch.float32,
+    ),
     "logits": (lambda lim: (logits_elems(lim),), lambda lim: lim.logits_dtype),
     # decode only, one sub-batch at a time
     "qk": (
@@ -237,8 +245,14 @@ FIELDS = {
     # into [max_num_seqs, next_n] slots (docs/spec.md §7, step 4); only needed when next_n > 1. Every decode request of
     # the step is packed at once (sub-batches then read slices), so these hold all max_num_seqs * next_n rows.
     "q_pack": (
-        lambda lim: (lim.max_decode_rows, lim.n_heads, lim.head_dim) if lim.next_n > 1 else None,
-        lambda lim: lim.fp8_dtype,
+        lambda lim: (lim.max_decode_rows, lim.n_heads, lim.head_dim // 2 if lim.mxfp4 else lim.head_dim)
+        if lim.next_n > 1 else None,
+        lambda lim: torch.uint8 if lim.mxfp4 else lim.fp8_dtype,
+    ),
+    # MXFP4 queries' scale bytes, packed like q_pack
+    "q_scale_pack": (
+        lambda lim: (lim.max_decode_rows, lim.n_heads, lim.head_dim // 32) if lim.next_n > 1 and lim.mxfp4 else None,
+        lambda lim: torch.uint8,
     ),
     "w_pack": (
         lambda lim: (lim.max_decode_rows, lim.n_heads) if lim.next_n > 1 else None,
@@ -340,7 +354,8 @@ def plan(limits: IndexerLimits) -> BufferPlan:
     """Lay out every field of :class:`buffers.Buffers` for ``limits``; pure, needs no device.
 
     Fields are placed in the order of :data:`FIELDS` at 256-byte-aligned offsets; absent fields (``qk`` unless
-    ``limits.with_qk``; ``q_pack``, ``w_pack``, ``topk_pack`` when ``next_n == 1``; ``topk_scratch`` when no
+    ``limits.with_qk``; ``q_pack``, ``w_pack``, ``topk_pack`` when ``next_n == 1``; ``q_scale_pack`` unless the
+    cache is MXFP4 and ``next_n > 1``; ``topk_scratch`` when no
     registered backend declares a top-k workspace; ``cp_scratch`` when ``world_size == 1``) take no bytes.
     ``total_bytes`` is what an engine reserves.
     """

@@ -12,7 +12,8 @@ from .plan import ALIGN, BufferPlan
 
 __all__ = ["Buffers", "BufferTooSmall"]
 
-OPTIONAL = ("qk", "q_pack", "w_pack", "topk_pack", "topk_scratch", "cp_scratch", "block_scores", "cand_pack")
+OPTIONAL = ("qk", "q_pack", "q_scale_pack", "w_pack", "topk_pack", "topk_scratch", "cp_scratch", "block_scores",
+            "cand_pack")
 
 
 SIZED_BY = {
@@ -22,6 +23,7 @@ SIZED_BY = {
               "(decode)",
     "qk": "plan with IndexerLimits(with_qk=True); its size follows max_num_seqs * next_n and max_model_len",
     "q_pack": "raise IndexerLimits.max_num_seqs * next_n (planned only when next_n > 1)",
+    "q_scale_pack": "raise IndexerLimits.max_num_seqs * next_n (planned only for MXFP4 caches with next_n > 1)",
     "w_pack": "raise IndexerLimits.max_num_seqs * next_n (planned only when next_n > 1)",
     "topk_pack": "raise IndexerLimits.max_num_seqs * next_n (planned only when next_n > 1; topk columns)",
     "topk_scratch": "raise IndexerLimits.max_num_seqs * next_n (its rows; its columns follow max_model_len and "
@@ -55,13 +57,16 @@ class BufferTooSmall(ValueError):
 
 
 def _tensor(ndim, dtypes):
+    ndims = ndim if isinstance(ndim, tuple) else (ndim,)
+
     def check(inst, attribute, value):
         if value is None and attribute.name in OPTIONAL:
             return
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"Buffers.{attribute.name} must be a tensor, got {type(value).__name__}")
-        if value.dim() != ndim:
-            raise ValueError(f"Buffers.{attribute.name} must be {ndim}-D, got shape {tuple(value.shape)}")
+        if value.dim() not in ndims:
+            raise ValueError(f"Buffers.{attribute.name} must be {' or '.join(map(str, ndims))}-D, got shape "
+                             f"{tuple(value.shape)}")
         if value.dtype not in dtypes:
             raise TypeError(f"Buffers.{attribute.name} must have dtype in {dtypes}, got {value.dtype}")
         if not value.is_contiguous():
@@ -77,8 +82,9 @@ class Buffers:
 
     Attributes:
         k_fp8: ``[K, D]`` fp8 — gathered keys of one prefill chunk (``K``: the most keys a chunk allowed by the
-            limits can gather, at most ``prefill_k_tokens``; :func:`buffers.plan.prefill_extremes`).
-        k_scale: ``[K]`` float32 — their scales.
+            limits can gather, at most ``prefill_k_tokens``; :func:`buffers.plan.prefill_extremes`); with an MXFP4
+            cache (docs/spec.md §3a) ``[K, D / 2]`` uint8, their packed e2m1 values.
+        k_scale: ``[K]`` float32 — their scales; with an MXFP4 cache ``[K, D / 32]`` uint8, their UE8M0 bytes.
         logits: ``[E]`` float32 or bfloat16 (``IndexerLimits.logits_dtype``), flat — one prefill chunk's ``[M, N]``
             logits (``[M, longest window]`` with ``IndexerLimits.compressed_prefill_logits``) or one decode
             sub-batch's logits ``[decode_batch * next_n, W]`` (``E``: :func:`buffers.plan.logits_elems`).
@@ -86,7 +92,9 @@ class Buffers:
             sub-batch, for backends that need them.
         q_pack, w_pack, topk_pack: ``[max_num_seqs * next_n, H, D]`` fp8, ``[max_num_seqs * next_n, H]``
             float32, ``[max_num_seqs * next_n, topk]`` int32, or ``None`` when ``next_n == 1`` — the padded
-            decode slots of a step whose requests have fewer than ``next_n`` new tokens.
+            decode slots of a step whose requests have fewer than ``next_n`` new tokens. With an MXFP4 cache
+            ``q_pack`` is ``[max_num_seqs * next_n, H, D / 2]`` uint8 and ``q_scale_pack`` ``[max_num_seqs *
+            next_n, H, D / 32]`` uint8 holds the queries' scale bytes (``None`` otherwise).
         topk_scratch: ``[decode_batch * next_n, 32 + 2 * cap]`` int32 or ``None`` — the split-row top-k's global
             scratch for the rows of one decode sub-batch (per row: counters, then positions and values of up to ``cap``
             candidates, ``sparse_indexer.ops.top_k_per_row.workspace.topk_scratch_cap``; the plan's width is the widest
@@ -106,11 +114,12 @@ class Buffers:
             consumer).
     """
 
-    k_fp8: torch.Tensor = attrs.field(validator=_tensor(2, FP8_DTYPES))
-    k_scale: torch.Tensor = attrs.field(validator=_tensor(1, (torch.float32,)))
+    k_fp8: torch.Tensor = attrs.field(validator=_tensor(2, (*FP8_DTYPES, torch.uint8)))
+    k_scale: torch.Tensor = attrs.field(validator=_tensor((1, 2), (torch.float32, torch.uint8)))
     logits: torch.Tensor = attrs.field(validator=_tensor(1, LOGITS_DTYPES))
     qk: torch.Tensor | None = attrs.field(default=None, validator=_tensor(3, (torch.float32,)))
-    q_pack: torch.Tensor | None = attrs.field(default=None, validator=_tensor(3, FP8_DTYPES))
+    q_pack: torch.Tensor | None = attrs.field(default=None, validator=_tensor(3, (*FP8_DTYPES, torch.uint8)))
+    q_scale_pack: torch.Tensor | None = attrs.field(default=None, validator=_tensor(3, (torch.uint8,)))
     w_pack: torch.Tensor | None = attrs.field(default=None, validator=_tensor(2, (torch.float32,)))
     topk_pack: torch.Tensor | None = attrs.field(default=None, validator=_tensor(2, (torch.int32,)))
     topk_scratch: torch.Tensor | None = attrs.field(default=None, validator=_tensor(2, (torch.int32,)))
@@ -123,6 +132,23 @@ class Buffers:
             raise ValueError(
                 f"Buffers.k_scale has {self.k_scale.shape[0]} rows but k_fp8 has {self.k_fp8.shape[0]}"
             )
+        mx = self.mxfp4
+        # (the trailing dimensions: a record may also hold stacks of layers, [L, ...], under torch.func.vmap)
+        kd, sd = self.k_fp8.dim(), self.k_scale.dim()
+        k_last, s_last = self.k_fp8.shape[-1], self.k_scale.shape[-1]
+        if (mx and (self.k_scale.dtype != torch.uint8 or sd != kd or s_last * 16 != k_last)
+                or not mx and (self.k_scale.dtype != torch.float32 or sd != kd - 1)):
+            raise ValueError(
+                "Buffers.k_scale must be " + (f"[K, {k_last // 16}] uint8 (MXFP4 scale bytes, k_fp8 is "
+                                              "uint8)" if mx else f"[K] float32 (k_fp8 is {self.k_fp8.dtype})")
+                + f", got {self.k_scale.dtype} {tuple(self.k_scale.shape)}")
+        if self.q_pack is not None and (self.q_pack.dtype == torch.uint8) != mx:
+            raise ValueError(f"Buffers.q_pack is {self.q_pack.dtype} but k_fp8 is {self.k_fp8.dtype}: MXFP4 records "
+                             "hold uint8 keys and queries, FP8 records fp8 ones")
+        if (self.q_scale_pack is not None) != (mx and self.q_pack is not None):
+            raise ValueError("Buffers.q_scale_pack (MXFP4 query scale bytes) goes with an MXFP4 record's q_pack: "
+                             f"q_pack is {None if self.q_pack is None else self.q_pack.dtype}, q_scale_pack "
+                             f"{'given' if self.q_scale_pack is not None else 'missing'}")
         for name in ("k_scale", "logits", *OPTIONAL):
             t = getattr(self, name)
             if t is not None and t.device != self.k_fp8.device:
@@ -138,8 +164,13 @@ class Buffers:
         return self.k_fp8.dtype
 
     @property
+    def mxfp4(self) -> bool:
+        """Whether the record holds MXFP4 keys and queries (uint8 ``k_fp8``: docs/spec.md §3a)."""
+        return self.k_fp8.dtype == torch.uint8
+
+    @property
     def head_dim(self) -> int:
-        return self.k_fp8.shape[1]
+        return self.k_fp8.shape[1] * 2 if self.k_fp8.dtype == torch.uint8 else self.k_fp8.shape[1]
 
     @property
     def k_capacity(self) -> int:
@@ -152,7 +183,8 @@ class Buffers:
         return self.logits.shape[0]
 
     def k_view(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``n`` rows of the gather buffers: (``[n, D]`` fp8, ``[n]`` float32)."""
+        """The first ``n`` rows of the gather buffers: (``[n, D]`` fp8, ``[n]`` float32), or with MXFP4 keys
+        (``[n, D / 2]`` uint8, ``[n, D / 32]`` uint8)."""
         if n > self.k_capacity:
             raise BufferTooSmall("k_fp8", n, self.k_capacity, "gathered prefill key tokens")
         return self.k_fp8[:n], self.k_scale[:n]
@@ -220,6 +252,14 @@ class Buffers:
             raise BufferTooSmall("q_pack", rows, self.q_pack.shape[0], "packed decode rows")
         return self.q_pack[:rows], self.w_pack[:rows], self.topk_pack[:rows]
 
+    def q_scale_pack_view(self, rows: int) -> torch.Tensor:
+        """``q_scale_pack[:rows]``: the MXFP4 queries' packed scale bytes of a non-uniform decode."""
+        if self.q_scale_pack is None:
+            raise BufferTooSmall("q_scale_pack", rows, 0, "this record holds no MXFP4 query scales")
+        if rows > self.q_scale_pack.shape[0]:
+            raise BufferTooSmall("q_scale_pack", rows, self.q_scale_pack.shape[0], "packed decode rows")
+        return self.q_scale_pack[:rows]
+
     @property
     def nbytes(self) -> int:
         return sum(math.prod(t.shape) * t.element_size() for t in self.tensors().values())
@@ -272,7 +312,7 @@ class Buffers:
 
 # The pytree leaves. ``topk_scratch`` is not one: only the Triton backend uses it, never under ``torch.func``
 # transforms (which run the reference), so a rebuilt record simply has none.
-_FIELDS = ("k_fp8", "k_scale", "logits", "qk", "q_pack", "w_pack", "topk_pack", "cand_pack")
+_FIELDS = ("k_fp8", "k_scale", "logits", "qk", "q_pack", "q_scale_pack", "w_pack", "topk_pack", "cand_pack")
 
 
 # ---------------------------------------------------------------- pytree
@@ -300,7 +340,7 @@ def _flatten_with_keys(b: Buffers):
 
 
 def _register_pytree() -> None:
-    """Register :class:`Buffers` as a pytree node (children: the seven fields of ``_FIELDS``, ``None`` when absent), so
+    """Register :class:`Buffers` as a pytree node (children: the fields of ``_FIELDS``, ``None`` when absent), so
     ``torch.func.vmap``/``functionalize``, ``make_fx`` and ``torch.utils._pytree`` flatten it to its tensors."""
     from torch.utils import _pytree
 

@@ -94,7 +94,8 @@ def _require_backend(backend: str, ops: tuple[str, ...], device: torch.device) -
 
 def check_step(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor, metadata: IndexerMetadata,
                buffers: Buffers, topk_out: torch.Tensor, k: torch.Tensor | None = None,
-               *, prefill: bool = True, decode: bool = True, backend: str | None = None) -> None:
+               *, prefill: bool = True, decode: bool = True, backend: str | None = None,
+               q_scale: torch.Tensor | None = None) -> None:
     """Raise ``ValueError``/``TypeError``/:class:`BufferTooSmall` unless the step fits; reads no device values.
 
     Shapes: ``q_fp8 [T, H, D]`` fp8, ``k [>= num_tokens, D]``, ``weights [T, H]`` float32,
@@ -102,7 +103,9 @@ def check_step(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tenso
     ``metadata.limits.cache`` (docs/spec.md §4): ``buffers.k_fp8`` must be in its FP8 format, and ``q_fp8`` in the
     same one unless the limits declare a ``cache_format`` (then ``q_fp8`` is in ``limits.fp8_dtype``, which may
     differ: DeepSeek-V4's e4m3fn caches read with e4m3fnuz queries); the preshuffled order needs a block size that
-    is a multiple of 16. An explicitly named
+    is a multiple of 16. With an MXFP4 cache (``IndexerLimits(cache_format=CacheFormat(values="mxfp4"))``,
+    docs/spec.md §3a) the queries are MXFP4 too: ``q_fp8 [T, H, D / 2]`` uint8 with ``q_scale [T, H, D / 32]``
+    uint8 (:func:`~sparse_indexer.quantize_q_mxfp4`). An explicitly named
     ``backend`` that cannot run one of the step's ops on this device raises
     :class:`~sparse_indexer.BackendUnavailable` here, before the step writes anything.
 
@@ -112,7 +115,7 @@ def check_step(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tenso
     layers check their own tensors (dtypes, shapes, devices, the cache layout) and that those are disjoint from
     the remembered ones and from each other. Every check still runs before anything is written.
     """
-    _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, prefill, decode, backend)
+    _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, prefill, decode, backend, q_scale)
 
 
 class _Spans:
@@ -266,14 +269,15 @@ def _plain(tensors) -> bool:
     return all(type(t) is torch.Tensor and not t.requires_grad and not t.is_meta for t in tensors)
 
 
-def _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, prefill: bool, decode: bool, backend):
+def _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, prefill: bool, decode: bool, backend,
+           q_scale=None):
     """:func:`check_step`; returns the cache's 3-D view and, when the step may run its ops directly (plain
     eager mode, plain tensors: :func:`library.runs_directly`), the step's :class:`_StepPlan` (else ``None``)."""
     if not isinstance(metadata, IndexerMetadata):
         raise TypeError(f"metadata must be an IndexerMetadata, got {type(metadata).__name__}")
     if not isinstance(buffers, Buffers):
         raise TypeError(f"buffers must be a Buffers record, got {type(buffers).__name__}")
-    if (backend is None or type(backend) is str) and not _is_compiling():
+    if (backend is None or type(backend) is str) and q_scale is None and not _is_compiling():
         memo = metadata._step_memo
         plan = memo.get((backend, prefill, decode, k is None))
         if plan is not None and (plan.buffers is buffers or _same_buffers(plan.buffers, buffers)):
@@ -289,8 +293,14 @@ def _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, prefill: bo
                     _check_cache_ids(metadata, cache_layout(kv3), kv_cache)
                 return kv3, plan
     lim = metadata.limits
-    C.fp8("q_fp8", q_fp8, ndim=3, contiguous=True)
+    mx = lim.mxfp4
+    if mx or q_scale is not None:
+        _check_mxfp4_queries(q_fp8, q_scale, buffers, lim)
+    else:
+        C.fp8("q_fp8", q_fp8, ndim=3, contiguous=True)
     t, h, d = q_fp8.shape
+    if mx:
+        d *= 2
     dev = q_fp8.device
     if t < metadata.num_tokens:
         raise ValueError(f"q_fp8 has {t} rows but the metadata describes {metadata.num_tokens} tokens")
@@ -298,10 +308,17 @@ def _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, prefill: bo
         raise ValueError(f"q_fp8 has H={h}, D={d} but the limits say H={lim.n_heads}, D={lim.head_dim}")
     fmt = lim.cache_format  # (None: the plain format in lim.fp8_dtype; not lim.cache, which Dynamo cannot build)
     cache_fp8 = lim.fp8_dtype if fmt is None else fmt.fp8_dtype
-    if buffers.fp8_dtype != cache_fp8:
+    if mx:
+        pass  # (the queries and the record: _check_mxfp4_queries)
+    elif buffers.mxfp4:
+        raise TypeError("buffers hold MXFP4 keys (uint8 k_fp8) but the limits' cache format is FP8: plan the buffers "
+                        "with these limits")
+    elif buffers.fp8_dtype != cache_fp8:
         raise TypeError(f"buffers.k_fp8 is {buffers.fp8_dtype} but the limits' cache format is {cache_fp8} (the "
                         "prefill gather copies the cache's bytes: plan the buffers with these limits)")
-    if fmt is None:
+    if mx:
+        pass
+    elif fmt is None:
         if q_fp8.dtype != buffers.fp8_dtype:
             raise TypeError(f"q_fp8 is {q_fp8.dtype} but buffers.k_fp8 is {buffers.fp8_dtype} (a cache in another FP8 "
                             "format than the queries must be declared: IndexerLimits(cache_format=CacheFormat(...)))")
@@ -325,7 +342,7 @@ def _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, prefill: bo
     if topk_out.shape[1] != lim.topk:
         raise ValueError(f"topk_out has {topk_out.shape[1]} columns but the limits say topk={lim.topk}")
     kv3 = as_3d(kv_cache)
-    lay = cache_layout(kv3)
+    lay = cache_layout(kv3, mxfp4=mx)
     C.tensor("kv_cache", kv_cache, device=dev)
     if lay.head_dim != d or lay.block_size != lim.block_size:
         raise ValueError(f"kv_cache has D={lay.head_dim}, block_size={lay.block_size}; expected D={d}, "
@@ -343,12 +360,12 @@ def _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, prefill: bo
     key = (backend, prefill, decode, k is None)
     plan = memo.get(key) if memo is not None else None
     if plan is not None and (plan.buffers is buffers or _same_buffers(plan.buffers, buffers)):
-        if not plan.layer_disjoint((topk_out, kv_cache), (q_fp8, weights, k)):
-            _disjoint(buffers, metadata, q_fp8, weights, k, topk_out, kv_cache)  # raises, naming the tensors
+        if not plan.layer_disjoint((topk_out, kv_cache), (q_fp8, weights, k, q_scale)):
+            _disjoint(buffers, metadata, q_fp8, weights, k, topk_out, kv_cache, q_scale)  # raises, naming them
         _check_cache_ids(metadata, lay, kv_cache)
         return kv3, plan
     _check_pack_fields(buffers, q_fp8)
-    _disjoint(buffers, metadata, q_fp8, weights, k, topk_out, kv_cache)
+    _disjoint(buffers, metadata, q_fp8, weights, k, topk_out, kv_cache, q_scale)
     _check_cache_ids(metadata, lay, kv_cache)
     # (resolving a backend imports modules, which Dynamo cannot trace; a compiled step raises from the op)
     if backend is not None and backend != "auto" and not torch.compiler.is_compiling():
@@ -383,6 +400,8 @@ def _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, prefill: bo
             buffers.pack_views(dm.num_rows)
             if buffers.topk_pack.shape[1] != topk_out.shape[1]:
                 raise BufferTooSmall("topk_pack", topk_out.shape[1], buffers.topk_pack.shape[1], "topk columns")
+            if mx:
+                buffers.q_scale_pack_view(dm.num_rows)
     if memo is None or not _plain((*buffers.tensors().values(), *metadata.tensors().values())):
         return kv3, None
     plan = memo[key] = _StepPlan(metadata, buffers, prefill, decode)
@@ -403,6 +422,12 @@ def _format_unsupported(backend: str, fmt, q_dtype: torch.dtype, block_size: int
     The reference reads and writes every format; Triton ``"ue8m0x4"`` scales in the flat order, the queries' FP8
     format (its cache write: float32 scales only); aiter its preshuffled order; Gluon and CUDA the plain one. A step
     must not start writing with a backend that would raise in a later op."""
+    if fmt.mxfp4:
+        from . import backends
+
+        if backend in ("reference", "triton") or backend not in backends.BUILTIN:
+            return None
+        return "its kernels read FP8 caches only (MXFP4: the reference and Triton backends)"
     plain_fp8 = fmt.fp8_dtype == q_dtype
     if backend == "reference" or (fmt.scale == "float32" and fmt.order == "flat" and plain_fp8):
         return None
@@ -475,16 +500,34 @@ def _layer_fast(want: tuple, q_fp8, weights, k, topk_out, kv_cache) -> int | Non
     return nb
 
 
-def _disjoint(buffers, metadata, q_fp8, weights, k, topk_out, kv_cache) -> None:
+def _disjoint(buffers, metadata, q_fp8, weights, k, topk_out, kv_cache, q_scale=None) -> None:
     """What the step writes (``topk_out``, the cache, every buffer field) against everything it reads, one sweep."""
     outputs = {f"buffers.{name}": x for name, x in buffers.tensors().items()}
     outputs["topk_out"], outputs["kv_cache"] = topk_out, kv_cache
-    C.disjoint(outputs, {"q_fp8": q_fp8, "weights": weights, "k": k, **metadata.tensors()})
+    C.disjoint(outputs, {"q_fp8": q_fp8, "weights": weights, "k": k, "q_scale": q_scale, **metadata.tensors()})
+
+
+def _check_mxfp4_queries(q: torch.Tensor, q_scale: torch.Tensor | None, buffers: Buffers, lim) -> None:
+    """An MXFP4 step's queries and record (docs/spec.md §3a): ``q [T, H, D / 2]`` uint8 and ``q_scale [T, H, D /
+    32]`` uint8, both contiguous, against limits that declare an MXFP4 cache and a record planned with them."""
+    if not lim.mxfp4:
+        raise ValueError("q_scale (MXFP4 queries) needs limits with an MXFP4 cache: IndexerLimits(cache_format="
+                         "CacheFormat(values='mxfp4'))")
+    if q_scale is None:
+        raise ValueError("the limits declare an MXFP4 cache: its queries are MXFP4 too, pass q_fp8 (packed e2m1 "
+                         "values [T, H, D / 2] uint8) with q_scale [T, H, D / 32] uint8 (quantize_q_mxfp4)")
+    C.tensor("q_fp8", q, ndim=3, dtypes=torch.uint8, contiguous=True)
+    t, h, half = q.shape
+    C.tensor("q_scale", q_scale, dtypes=torch.uint8, device=q.device, shape=(t, h, half // 16), contiguous=True)
+    if not buffers.mxfp4:
+        raise TypeError(f"the limits declare an MXFP4 cache but buffers.k_fp8 is {buffers.fp8_dtype}: plan the "
+                        "buffers with these limits (uint8 k_fp8 [K, D / 2], k_scale [K, D / 32])")
 
 
 def indexer_prefill(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor,
                     metadata: IndexerMetadata, buffers: Buffers, topk_out: torch.Tensor, *,
-                    backend: str | None = None, _checked: bool = False) -> torch.Tensor:
+                    backend: str | None = None, q_scale: torch.Tensor | None = None,
+                    _checked: bool = False) -> torch.Tensor:
     """Top-k of every prefill token, chunk by chunk (docs/spec.md §7 step 3); writes ``topk_out`` prefill rows only.
 
     Each chunk gathers its requests' keys into ``buffers.k_fp8/k_scale`` (skipped for a later query piece of a
@@ -493,15 +536,17 @@ def indexer_prefill(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.
     """
     plan = None
     if not _checked:
-        kv3, plan = _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, None, True, False, backend)
+        kv3, plan = _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, None, True, False, backend,
+                           q_scale)
     _run_step(plan, metadata, buffers, q_fp8, weights, None, kv_cache if plan is None else kv3, topk_out,
-              backend, None, True, False)
+              backend, None, True, False, q_scale=q_scale)
     return topk_out
 
 
 def indexer_decode(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor,
                    metadata: IndexerMetadata, buffers: Buffers, topk_out: torch.Tensor, *,
-                   backend: str | None = None, _checked: bool = False) -> torch.Tensor:
+                   backend: str | None = None, q_scale: torch.Tensor | None = None,
+                   _checked: bool = False) -> torch.Tensor:
     """Top-k of every decode token (docs/spec.md §7 step 4); writes ``topk_out[:num_decode_tokens]`` only.
 
     Uniform steps reshape the queries to ``[B, next_n, H, D]`` and write top-k straight into ``topk_out``.
@@ -514,9 +559,10 @@ def indexer_decode(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.T
     """
     plan = None
     if not _checked:
-        kv3, plan = _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, None, False, True, backend)
+        kv3, plan = _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, None, False, True, backend,
+                           q_scale)
     _run_step(plan, metadata, buffers, q_fp8, weights, None, kv_cache if plan is None else kv3, topk_out,
-              backend, None, False, True)
+              backend, None, False, True, q_scale=q_scale)
     return topk_out
 
 
@@ -535,12 +581,13 @@ def _run_op(name: str, backend: str | None, device: torch.device, args: tuple, k
 def _run_step(plan, metadata: IndexerMetadata, buffers: Buffers, q_fp8: torch.Tensor, weights: torch.Tensor,
               k: torch.Tensor | None, kv_cache: torch.Tensor, topk_out: torch.Tensor, backend: str | None,
               scale_fmt: str | None, prefill: bool, decode: bool, candidates: torch.Tensor | None = None,
-              write_candidates: bool = False) -> None:
+              write_candidates: bool = False, q_scale: torch.Tensor | None = None) -> None:
     """The step's ops (arguments checked): the cache write (with ``k``), the padding rows, every prefill chunk,
     the decode sub-batches. With ``plan`` (:func:`_check`'s, plain eager) on its views and through
     :func:`_run_direct`; without, on views made here and through :func:`_run_op`. The one place that calls the
     step's ops. ``candidates`` (two-level indexer, docs/spec.md §6a): written per token row by a source layer
-    (``write_candidates``), read by a consumer layer's top-k."""
+    (``write_candidates``), read by a consumer layer's top-k. ``q_scale``: the MXFP4 queries' scale bytes (an MXFP4
+    cache, docs/spec.md §3a), handed to the logits ops beside the rows of ``q_fp8``."""
     run = _run_direct
     if plan is None:
         run = _run_op
@@ -568,7 +615,8 @@ def _run_step(plan, metadata: IndexerMetadata, buffers: Buffers, q_fp8: torch.Te
                 if write:
                     candidates[a:b].fill_(-1)
         for i, (c, k_fp8, k_scale, logits) in enumerate(plan.chunks):
-            _chunk_ops(run, backend, dev, q_fp8, weights, kv_cache, c, k_fp8, k_scale, logits, plan.gather_kw)
+            _chunk_ops(run, backend, dev, q_fp8, weights, kv_cache, c, k_fp8, k_scale, logits, plan.gather_kw,
+                       q_scale)
             out = _rows(topk_out, c.token_start, c.token_end)
             if candidates is None:
                 run("top_k_per_row", backend, dev, (logits, *c.topk_bounds), {"out": out})
@@ -580,6 +628,7 @@ def _run_step(plan, metadata: IndexerMetadata, buffers: Buffers, q_fp8: torch.Te
             dm = metadata.decode
             nd = metadata.num_decode_tokens
             q, w, sel = _decode_inputs(q_fp8, weights, dm, nd, buffers, topk_out)
+            qs = None if q_scale is None else _decode_q_scale(q_scale, dm, nd, buffers)
             cand = None
             if candidates is not None:  # the candidate rows of the decode slots: token rows, or packed like sel
                 if dm.uniform:
@@ -602,7 +651,8 @@ def _run_step(plan, metadata: IndexerMetadata, buffers: Buffers, q_fp8: torch.Te
                         continue
                     except NotImplementedError:
                         pass
-                _sub_batch_ops(run, backend, dev, q, w, kv_cache, b0, b1, r0, r1, logits, qk, ctx, bt, plan.paged_kw)
+                _sub_batch_ops(run, backend, dev, q, w, kv_cache, b0, b1, r0, r1, logits, qk, ctx, bt, plan.paged_kw,
+                               None if qs is None else _rows(qs, b0, b1))
                 if cand is None:
                     kw = {"out": _rows(sel, r0, r1)} if ws is None else {"out": _rows(sel, r0, r1), "workspace": ws}
                     run("top_k_per_row", backend, dev, (logits, row_starts, row_ends), kw)
@@ -698,25 +748,31 @@ def _check_candidates(candidates: torch.Tensor, write: bool, metadata: IndexerMe
 
 def _chunk_ops(run, backend: str | None, dev: torch.device, q_fp8: torch.Tensor, weights: torch.Tensor,
                kv3: torch.Tensor, c, k_fp8: torch.Tensor, k_scale: torch.Tensor, logits: torch.Tensor,
-               fmt_kw: dict | None = None) -> None:
+               fmt_kw: dict | None = None, q_scale: torch.Tensor | None = None) -> None:
     """One prefill chunk's gather (skipped when its keys are already there; ``fmt_kw``: the cache format's keyword
-    arguments, :func:`_format_kwargs`) and ``clean=False`` logits."""
+    arguments, :func:`_format_kwargs`) and ``clean=False`` logits (``q_scale``: MXFP4 queries' scale bytes)."""
     if c.gather:
         run("gather_k_cache", backend, dev, (kv3, c.block_table, c.cu_seq_lens),
             {"out_k": k_fp8, "out_scale": k_scale, **fmt_kw} if fmt_kw else {"out_k": k_fp8, "out_scale": k_scale})
     t0, t1 = c.token_start, c.token_end
+    kw = {"out": logits, "clean": False} if c.window is None else {"out": logits, "clean": False, "compressed": True}
+    if q_scale is not None:
+        kw["q_scale"] = _rows(q_scale, t0, t1)
     run("fp8_mqa_logits", backend, dev,
-        (_rows(q_fp8, t0, t1), k_fp8, k_scale, _rows(weights, t0, t1), c.cu_seqlen_ks, c.cu_seqlen_ke),
-        {"out": logits, "clean": False} if c.window is None else {"out": logits, "clean": False, "compressed": True})
+        (_rows(q_fp8, t0, t1), k_fp8, k_scale, _rows(weights, t0, t1), c.cu_seqlen_ks, c.cu_seqlen_ke), kw)
 
 
 def _sub_batch_ops(run, backend: str | None, dev: torch.device, q: torch.Tensor, w: torch.Tensor, kv3: torch.Tensor,
                    b0: int, b1: int, r0: int, r1: int, logits: torch.Tensor, qk: torch.Tensor | None,
-                   context_lens: torch.Tensor, block_table: torch.Tensor, fmt_kw: dict | None = None) -> None:
+                   context_lens: torch.Tensor, block_table: torch.Tensor, fmt_kw: dict | None = None,
+                   q_scale: torch.Tensor | None = None) -> None:
     """Paged ``clean=False`` logits of decode requests ``[b0, b1)`` (rows ``[r0, r1)``) into ``logits`` (and
-    ``qk``; not in a cache format other than the plain one, ``fmt_kw``: only aiter's stage1 kernel reads it)."""
+    ``qk``; not in a cache format other than the plain one, ``fmt_kw``: only aiter's stage1 kernel reads it;
+    ``q_scale``: the sub-batch's MXFP4 query scale bytes ``[b1 - b0, next_n, H, D / 32]``)."""
     if fmt_kw:
         kw = {"out": logits, "clean": False, **fmt_kw}
+        if q_scale is not None:
+            kw["q_scale"] = q_scale
     else:
         kw = {"out": logits, "clean": False} if qk is None else {"out": logits, "clean": False, "qk": qk}
     run("fp8_paged_mqa_logits", backend, dev, (_rows(q, b0, b1), kv3, _rows(w, r0, r1), context_lens, block_table), kw)
@@ -749,6 +805,17 @@ def _decode_inputs(q_fp8: torch.Tensor, weights: torch.Tensor, dm, nd: int, buff
     return q_pack.view(b, nn, h, d), w_pack, sel
 
 
+def _decode_q_scale(q_scale: torch.Tensor, dm, nd: int, buffers: Buffers) -> torch.Tensor:
+    """The MXFP4 decode queries' scale bytes ``[B, next_n, H, D / 32]``, as :func:`_decode_inputs` lays out the
+    queries: a view when uniform, else packed into ``buffers.q_scale_pack``."""
+    b, nn, h, s = dm.num_reqs, dm.next_n, q_scale.shape[1], q_scale.shape[2]
+    if dm.uniform:
+        return _rows(q_scale, 0, nd).view(b, nn, h, s)
+    packed = buffers.q_scale_pack_view(dm.num_rows)
+    torch.index_select(q_scale, 0, dm.pack_src, out=packed)
+    return packed.view(b, nn, h, s)
+
+
 def _decode_logits(q: torch.Tensor, w: torch.Tensor, kv_cache: torch.Tensor, dm, buffers: Buffers, b0: int, b1: int,
                    backend: str | None, limits=None):
     """Paged ``clean=False`` logits of decode requests ``[b0, b1)`` into the start of ``buffers.logits`` (and
@@ -771,11 +838,13 @@ def _decode_logits(q: torch.Tensor, w: torch.Tensor, kv_cache: torch.Tensor, dm,
 def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor | None, weights: torch.Tensor, kv_cache: torch.Tensor,
                         metadata: IndexerMetadata, buffers: Buffers, topk_out: torch.Tensor, *,
                         backend: str | None = None, scale_fmt: str | None = "ue8m0",
-                        candidates: torch.Tensor | None = None, write_candidates: bool = False) -> torch.Tensor:
+                        candidates: torch.Tensor | None = None, write_candidates: bool = False,
+                        q_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One indexer step of one layer (docs/spec.md §7). Returns ``topk_out``.
 
     Args:
-        q_fp8: ``[T, H, D]`` fp8 queries, decode tokens first; their scales folded into ``weights``.
+        q_fp8: ``[T, H, D]`` fp8 queries, decode tokens first; their scales folded into ``weights``. With an
+            MXFP4 cache (docs/spec.md §3a) ``[T, H, D / 2]`` uint8 packed e2m1 values, scales in ``q_scale``.
         k: ``[>= num_tokens, D]`` bfloat16/float16/float32 keys of the new tokens (quantized into the cache;
             rows beyond ``num_tokens`` are ignored), or ``None`` when the cache already holds them.
         weights: ``[T, H]`` float32.
@@ -794,6 +863,10 @@ def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor | None, weights: to
             each token's window; -1 for padding rows and rows without keys) and selects its own top-k over its
             whole windows; a consumer layer (``False``) selects inside the candidate blocks of each row.
         write_candidates: this layer is the source of ``candidates``.
+        q_scale: ``[T, H, D / 32]`` uint8, the MXFP4 queries' UE8M0 scale bytes (:func:`~sparse_indexer.
+            quantize_q_mxfp4`): required with, and only with, limits that declare an MXFP4 cache
+            (``IndexerLimits(cache_format=CacheFormat(values="mxfp4"))``; the cache is then ``[num_blocks,
+            block_size, D / 2 + D / 32]``, the buffers planned with those limits, and ``k`` is quantized to MXFP4).
 
     The cache is read (and, with ``k``, written) in ``metadata.limits.cache`` (an ``IndexerLimits(cache_format=
     CacheFormat(...))`` declaration, else the plain format in ``limits.fp8_dtype``): the gather and the paged
@@ -804,7 +877,7 @@ def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor | None, weights: to
     Raises:
         BufferTooSmall, ValueError, TypeError: before anything is written.
     """
-    kv3, plan = _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, True, True, backend)
+    kv3, plan = _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, True, True, backend, q_scale)
     if candidates is not None:
         _check_candidates(candidates, bool(write_candidates), metadata, buffers, q_fp8, weights, k, topk_out,
                           kv_cache, backend)
@@ -820,5 +893,5 @@ def sparse_attn_indexer(q_fp8: torch.Tensor, k: torch.Tensor | None, weights: to
     # check_step proved every op's arguments (the layer's tensors, the buffer views) and the metadata's records
     # checked theirs when they were built, once per step: the ops run without their own checks (host time)
     _run_step(plan, metadata, buffers, q_fp8, weights, k, kv_cache if plan is None else kv3, topk_out, backend,
-              scale_fmt, True, True, candidates, bool(write_candidates))
+              scale_fmt, True, True, candidates, bool(write_candidates), q_scale)
     return topk_out

@@ -26,7 +26,7 @@ LIM = limits(next_n=1, n_heads=16, head_dim=64, topk=8, max_model_len=128, max_n
 def test_buffers_is_a_pytree_node():
     b = allocate(LIM)
     leaves, spec = _pytree.tree_flatten(b)
-    assert [x is None for x in leaves] == [False, False, False, True, True, True, True, True]
+    assert [x is None for x in leaves] == [False, False, False, True, True, True, True, True, True]
     b2 = _pytree.tree_unflatten(leaves, spec)
     assert isinstance(b2, Buffers) and all(getattr(b2, n) is getattr(b, n) for n in ("k_fp8", "k_scale", "logits"))
 
@@ -64,7 +64,8 @@ def test_functionalize_writes_only_buffers_and_outputs():
     gm = make_fx(torch.func.functionalize(decode, remove="mutations_and_views"))(sc.q, sc.k, sc.w, sc.kv, bufs, out)
     nodes = list(gm.graph.nodes)
     ph = [n.target for n in nodes if n.op == "placeholder"]
-    fields = ("k_fp8", "k_scale", "logits", "qk", "q_pack", "w_pack", "topk_pack", "cand_pack")  # the leaves
+    # the leaves
+    fields = ("k_fp8", "k_scale", "logits", "qk", "q_pack", "q_scale_pack", "w_pack", "topk_pack", "cand_pack")
     names = ["q", "k", "w", "kv", *[f"bufs.{n}" for n in fields], "out"]
     assert len(ph) == len(names)
     name_of = dict(zip(ph, names))

@@ -287,8 +287,9 @@ def test_mxfp4_cache_format_and_layout():
         CacheFormat(values="mxfp4", fp8_dtype=torch.float8_e4m3fnuz)
     with pytest.raises(ValueError, match="values must be one of"):
         CacheFormat(values="fp4")
-    with pytest.raises(ValueError, match="does not run MXFP4 caches"):
-        IndexerLimits(max_model_len=128, max_num_batched_tokens=64, max_num_seqs=2, cache_format=MX)
+    assert IndexerLimits(max_model_len=128, max_num_batched_tokens=64, max_num_seqs=2, cache_format=MX).mxfp4
+    with pytest.raises(ValueError, match="not supported with context parallel"):
+        IndexerLimits(max_model_len=128, max_num_batched_tokens=64, max_num_seqs=2, cache_format=MX, world_size=2)
     for d, width in ((128, 68), (64, 34)):
         kv = si.new_kv_cache(3, 16, d, mxfp4=True)
         assert kv.shape == (3, 16, width) and kv.dtype == torch.uint8
