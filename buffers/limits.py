@@ -6,7 +6,7 @@ import attrs
 import torch
 
 __all__ = ["CacheFormat", "IndexerLimits", "FP8_DTYPES", "SCALE_ENCODINGS", "BYTE_ORDERS", "VALUE_FORMATS",
-           "LOGITS_DTYPES", "MiB", "DEFAULT_PREFILL_K_TOKENS", "DEFAULT_MAX_LOGITS_BYTES"]
+           "mxfp4_tile", "LOGITS_DTYPES", "MiB", "DEFAULT_PREFILL_K_TOKENS", "DEFAULT_MAX_LOGITS_BYTES"]
 
 MiB = 1 << 20
 
@@ -22,6 +22,21 @@ LOGITS_DTYPES = (torch.float32, torch.bfloat16)
 SCALE_ENCODINGS = ("float32", "ue8m0x4")
 BYTE_ORDERS = ("flat", "preshuffled")
 VALUE_FORMATS = ("fp8", "mxfp4")
+TILED = "tiled:"  # an MXFP4 byte order "tiled:N,C,L" (CacheFormat.order)
+
+
+def mxfp4_tile(order: str) -> tuple[int, int, int]:
+    """``(n_per_tile, d_per_tile, scale_lanes)`` of an MXFP4 cache's byte order (docs/spec.md §3a): ``"flat"`` is
+    ``(1, 1, 1)`` (every key's value bytes, then every key's scale bytes), ``"tiled:N,C,L"`` is ``(N, C, L)``.
+    Raises ``ValueError`` for any other string."""
+    if order == "flat":
+        return 1, 1, 1
+    parts = order[len(TILED):].split(",") if order.startswith(TILED) else ()
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"an MXFP4 byte order is 'flat' or 'tiled:N,C,L' with positive integers N (keys per run), "
+                         f"C (value bytes per chunk) and L (scale lanes), got {order!r}")
+    n, c, lanes = (int(p) for p in parts)
+    return n, c, lanes
 
 
 def _fp8(inst, attribute, value):
@@ -43,11 +58,14 @@ class CacheFormat:
         order: the byte order inside a block: ``"flat"`` (all values token after token, then all scales; the
             default) or ``"preshuffled"`` (values in 16 x 16 tiles, byte of ``(t, d)`` at ``(t // 16) * 16 * D +
             (d // 16) * 256 + (t % 16) * 16 + d % 16``, scales flat; aiter's gfx942/gfx950 caches, vLLM's ROCm
-            C = 1, 2 caches with more than one entry per block).
+            C = 1, 2 caches with more than one entry per block). An MXFP4 cache is ``"flat"`` or
+            ``"tiled:N,C,L"`` (aiter's paged MXFP4 order, vLLM's ROCm MXFP4 caches, docs/spec.md §3a: runs of ``N``
+            keys, values as ``[C-byte chunk, key, byte]``, scale bytes as ``[scale % L, key, scale // L]``;
+            :meth:`tiled_mxfp4`).
         values: ``"fp8"`` (the default: ``D`` FP8 values and 4 scale bytes per key) or ``"mxfp4"`` (docs/spec.md
             §3a: ``D / 2`` bytes of e2m1 values and ``D / 32`` UE8M0 scale bytes per key, block-major as the flat
             order: every key's values, then every key's scale bytes; vLLM's NVIDIA page layout). An MXFP4 format
-            has its own scale bytes: ``fp8_dtype``, ``scale`` and ``order`` must be left at their defaults.
+            has its own scale bytes: ``fp8_dtype`` and ``scale`` must be left at their defaults.
     """
 
     fp8_dtype: torch.dtype = attrs.field(default=torch.float8_e4m3fn, validator=_fp8)
@@ -62,18 +80,22 @@ class CacheFormat:
 
     @order.validator
     def _order(self, attribute, value):
-        if value not in BYTE_ORDERS:
-            raise ValueError(f"CacheFormat.order must be one of {BYTE_ORDERS}, got {value!r}")
+        if isinstance(value, str) and value.startswith(TILED):
+            mxfp4_tile(value)  # (raises for a malformed one)
+            if self.values != "mxfp4":
+                raise ValueError(f"CacheFormat.order={value!r} is an MXFP4 byte order: it needs values='mxfp4'")
+        elif value not in BYTE_ORDERS:
+            raise ValueError(f"CacheFormat.order must be one of {BYTE_ORDERS} or (MXFP4) 'tiled:N,C,L', got {value!r}")
 
     @values.validator
     def _values(self, attribute, value):
         if value not in VALUE_FORMATS:
             raise ValueError(f"CacheFormat.values must be one of {VALUE_FORMATS}, got {value!r}")
         if value == "mxfp4" and (self.fp8_dtype != torch.float8_e4m3fn or self.scale != "float32"
-                                 or self.order != "flat"):
-            raise ValueError("an MXFP4 CacheFormat has its own scale bytes (docs/spec.md §3a): leave fp8_dtype, "
-                             f"scale and order at their defaults, got {self.fp8_dtype}, {self.scale!r}, "
-                             f"{self.order!r}")
+                                 or self.order == "preshuffled"):
+            raise ValueError("an MXFP4 CacheFormat has its own scale bytes and byte orders (docs/spec.md §3a): leave "
+                             f"fp8_dtype and scale at their defaults and use order 'flat' or 'tiled:N,C,L', got "
+                             f"{self.fp8_dtype}, {self.scale!r}, {self.order!r}")
 
     @property
     def is_default(self) -> bool:
@@ -85,6 +107,19 @@ class CacheFormat:
     def mxfp4(self) -> bool:
         """Whether the keys are MXFP4 (docs/spec.md §3a)."""
         return self.values == "mxfp4"
+
+    @classmethod
+    def tiled_mxfp4(cls, n_per_tile: int, d_per_tile: int = 16, scale_lanes: int | None = None) -> CacheFormat:
+        """The MXFP4 format in aiter's paged order (``"tiled:N,C,L"``; ``scale_lanes`` default ``64 // N``, a
+        64-lane wave's). aiter's ``cache_format(H, D, page)`` picks ``N = 32`` when ``D <= 64`` or ``H >= 32``,
+        else 16, and ``C = 16``: DeepSeek-V4's 64 heads of 128 give ``tiled:32,16,2``."""
+        lanes = 64 // n_per_tile if scale_lanes is None else scale_lanes
+        return cls(values="mxfp4", order=f"{TILED}{n_per_tile},{d_per_tile},{lanes}")
+
+    @property
+    def tile(self) -> tuple[int, int, int]:
+        """An MXFP4 format's ``(n_per_tile, d_per_tile, scale_lanes)`` (:func:`mxfp4_tile`; flat: ``(1, 1, 1)``)."""
+        return mxfp4_tile(self.order)
 
     def key_bytes(self, head_dim: int) -> int:
         """Bytes per key: ``D + 4`` (FP8), ``D / 2 + D / 32`` (MXFP4)."""

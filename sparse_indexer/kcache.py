@@ -11,8 +11,10 @@ from typing import NamedTuple
 
 import torch
 
+from buffers.limits import mxfp4_tile
+
 __all__ = ["HEAD_DIMS", "CacheLayout", "cache_layout", "cache_views", "compressed_slot_mapping", "encode_ue8m0x4",
-           "decode_ue8m0", "new_kv_cache", "preshuffled_offsets", "read_keys", "read_keys_mxfp4",
+           "decode_ue8m0", "new_kv_cache", "preshuffled_offsets", "mxfp4_offsets", "read_keys", "read_keys_mxfp4",
            "slots_from_block_table", "write_keys", "write_keys_mxfp4"]
 
 HEAD_DIMS = (64, 128)
@@ -265,26 +267,55 @@ def write_keys(kv_cache: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, val
         raw[:, bs * d :].view(torch.int32)[blk, off] = encode_ue8m0x4(scales)
 
 
-def _mxfp4_regions(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``([nb, bs, D / 2], [nb, bs, D / 32])`` uint8 views of an MXFP4 cache's value and scale regions."""
+def mxfp4_offsets(block_size: int, head_dim: int, order: str = "flat",
+                  device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Byte offsets inside one block of an MXFP4 cache in byte order ``order`` (docs/spec.md §3a; ``"flat"`` or
+    ``"tiled:N,C,L"``, :func:`buffers.limits.mxfp4_tile`): ``(values [block_size, D / 2], scales [block_size, D /
+    32])`` int64, of value byte ``j`` and scale byte ``s`` of the block's key ``t``. The values fill the block's
+    first ``block_size * D / 2`` bytes, the scales the rest; in runs of ``N`` keys, value byte ``j`` of key ``t``
+    is at ``(t // N) * N * D / 2 + (j // C) * N * C + (t % N) * C + j % C`` and scale byte ``s`` at
+    ``block_size * D / 2 + (t // N) * N * D / 32 + (s % L) * N * (D / 32 / L) + (t % N) * (D / 32 / L) + s // L``
+    (``"flat"`` is ``N = C = L = 1``: ``t * D / 2 + j`` and ``block_size * D / 2 + t * D / 32 + s``)."""
+    n, c, lanes = mxfp4_tile(order)
+    half, nsc = head_dim // 2, head_dim // 32
+    if block_size % n or half % c or nsc % lanes:
+        raise ValueError(f"the MXFP4 byte order {order!r} needs block_size a multiple of {n}, D / 2 = {half} of {c} "
+                         f"and D / 32 = {nsc} of {lanes}")
+    t = torch.arange(block_size, device=device)[:, None]
+    j = torch.arange(half, device=device)[None, :]
+    sc = torch.arange(nsc, device=device)[None, :]
+    run, tt = t // n * n, t % n
+    values = run * half + j // c * (n * c) + tt * c + j % c
+    per = nsc // lanes
+    scales = block_size * half + run * nsc + sc % lanes * (n * per) + tt * per + sc // lanes
+    return values, scales
+
+
+def _mxfp4_bytes(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """``[nb, block bytes]`` uint8 view of an MXFP4 cache's blocks, its block size and head dim."""
     lay = cache_layout(kv_cache, mxfp4=True)
     kv = as_3d(kv_cache)
     nb, bs, d = lay.num_blocks, lay.block_size, lay.head_dim
     raw = kv.as_strided((nb, bs * (d // 2 + d // 32)), (lay.block_stride, 1), kv.storage_offset())
-    return raw[:, : bs * d // 2].view(nb, bs, d // 2), raw[:, bs * d // 2 :].view(nb, bs, d // 32)
+    return raw, bs, d
 
 
-def read_keys_mxfp4(kv_cache: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MXFP4 keys in slots ``(blk, off)`` (int64, equal shapes ``S``) of an MXFP4 cache (docs/spec.md §3a):
-    ``(values [*S, D / 2], scales [*S, D / 32])`` uint8 (a copy)."""
-    values, scales = _mxfp4_regions(kv_cache)
-    return values[blk, off], scales[blk, off]
+def read_keys_mxfp4(kv_cache: torch.Tensor, blk: torch.Tensor, off: torch.Tensor,
+                    order: str = "flat") -> tuple[torch.Tensor, torch.Tensor]:
+    """The MXFP4 keys in slots ``(blk, off)`` (int64, equal shapes ``S``) of an MXFP4 cache in byte order ``order``
+    (docs/spec.md §3a, :func:`mxfp4_offsets`): ``(values [*S, D / 2], scales [*S, D / 32])`` uint8 (a copy)."""
+    raw, bs, d = _mxfp4_bytes(kv_cache)
+    vo, so = mxfp4_offsets(bs, d, order, raw.device)
+    b = blk.unsqueeze(-1)
+    return raw[b, vo[off]], raw[b, so[off]]
 
 
 def write_keys_mxfp4(kv_cache: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, values: torch.Tensor,
-                     scales: torch.Tensor) -> None:
+                     scales: torch.Tensor, order: str = "flat") -> None:
     """Store MXFP4 keys (``values [S, D / 2]``, ``scales [S, D / 32]`` uint8) in slots ``(blk, off)`` (int64 ``[S]``)
-    of an MXFP4 cache (:func:`read_keys_mxfp4`'s inverse)."""
-    v, sc = _mxfp4_regions(kv_cache)
-    v[blk, off] = values
-    sc[blk, off] = scales
+    of an MXFP4 cache in byte order ``order`` (:func:`read_keys_mxfp4`'s inverse)."""
+    raw, bs, d = _mxfp4_bytes(kv_cache)
+    vo, so = mxfp4_offsets(bs, d, order, raw.device)
+    b = blk.unsqueeze(-1)
+    raw[b, vo[off]] = values
+    raw[b, so[off]] = scales

@@ -126,10 +126,18 @@ def read_format(name: str, dtype: torch.dtype, fmt, cache_fp8_dtype, *, mix: boo
 
 
 def check_order(fmt: CacheFormat, block_size: int, head_dim: int) -> None:
-    """The ``"preshuffled"`` order lays a block out in 16 x 16 tiles: its block size must be a multiple of 16."""
+    """The ``"preshuffled"`` order lays a block out in 16 x 16 tiles: its block size must be a multiple of 16; an
+    MXFP4 ``"tiled:N,C,L"`` order needs runs of ``N`` keys in a block, chunks of ``C`` value bytes and ``L`` scale
+    lanes that divide a key's bytes."""
     if fmt.order == "preshuffled" and (block_size % 16 or head_dim % 16):
         raise ValueError(f"a cache in the preshuffled order needs a block_size multiple of 16 (16 x 16 tiles), got "
                          f"block_size={block_size}")
+    if fmt.mxfp4 and fmt.order != "flat":
+        n, c, lanes = fmt.tile
+        if block_size % n or (head_dim // 2) % c or (head_dim // 32) % lanes:
+            raise ValueError(f"an MXFP4 cache in the order {fmt.order!r} needs a block_size multiple of {n} (runs of "
+                             f"{n} keys), D / 2 = {head_dim // 2} a multiple of {c} and D / 32 = {head_dim // 32} of "
+                             f"{lanes}; got block_size={block_size}")
 
 
 def format_kwargs(fmt: CacheFormat, dtype: torch.dtype | None) -> dict:

@@ -227,6 +227,7 @@ def _paged_mxfp4(q, kv_cache, weights, context_lens, block_table, out, clean, ba
     C.tensor("q_scale", q_scale, dtypes=torch.uint8, device=dev, shape=(b, next_n, h, half // 16), contiguous=True)
     kv3 = as_3d(kv_cache)
     lay = cache_layout(kv3, mxfp4=True)
+    C.check_order(cache_format, lay.block_size, lay.head_dim)
     C.tensor("kv_cache", kv_cache, device=dev)
     if lay.head_dim != 2 * half:
         raise ValueError(f"kv_cache holds D={lay.head_dim} but q has D={2 * half} (D / 2 = {half} bytes)")
@@ -243,7 +244,7 @@ def _paged_mxfp4(q, kv_cache, weights, context_lens, block_table, out, clean, ba
                    block_table=block_table, indices=indices)
     if C.want_value_checks(check_values, context_lens, block_table, indices) and context_lens.numel():
         check_paged_values(context_lens, block_table, indices, next_n, out.shape[1], capacity, lay)
-    extra = {"cache_values": "mxfp4", "q_scale": q_scale}
+    extra = {**C.format_kwargs(cache_format, None), "q_scale": q_scale}
     if indices is not None:
         extra["indices"] = indices
     library.call("fp8_paged_mqa_logits", backend, dev, q, kv3, weights, context_lens, block_table, out=out,

@@ -51,7 +51,7 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
     if indices is not None:
         block_table = block_table.index_select(0, indices.long())
     if cache_values == "mxfp4":
-        _mxfp4(q, q_scale, kv_cache, weights, context_lens, block_table, out, clean)
+        _mxfp4(q, q_scale, kv_cache, weights, context_lens, block_table, out, clean, cache_order)
         return
     fp8 = q.dtype if cache_fp8_dtype is None else cache_fp8_dtype
     plain = cache_scale == "float32" and cache_order == "flat"
@@ -79,7 +79,7 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
         dst.copy_(torch.where(inside, val, fill))
 
 
-def _mxfp4(q, q_scale, kv_cache, weights, context_lens, block_table, out, clean) -> None:
+def _mxfp4(q, q_scale, kv_cache, weights, context_lens, block_table, out, clean, order="flat") -> None:
     """MXFP4 queries against an MXFP4 cache: each request's keys read through its block table in column tiles,
     scored by :func:`~sparse_indexer.mxfp4.mxfp4_scores` (one request at a time: its own keys)."""
     b, next_n, h, _ = q.shape
@@ -93,7 +93,7 @@ def _mxfp4(q, q_scale, kv_cache, weights, context_lens, block_table, out, clean)
         c1 = min(w, c0 + ct)
         pos, blk, off = _tile_slots(block_table, c0, c1, bs, nb)
         off = off.expand_as(blk)
-        kv, ks = read_keys_mxfp4(kv_cache, blk, off)  # [B, c, D / 2], [B, c, D / 32]
+        kv, ks = read_keys_mxfp4(kv_cache, blk, off, order)  # [B, c, D / 2], [B, c, D / 32]
         val = torch.stack([mxfp4_scores(q[i], q_scale[i], kv[i], ks[i], wts[i]) for i in range(b)])  # [B, next_n, c]
         inside = pos.view(1, 1, -1) < lim
         dst = out[:, c0:c1].view(b, next_n, c1 - c0)

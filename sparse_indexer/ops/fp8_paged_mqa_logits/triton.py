@@ -32,6 +32,7 @@ import triton.language as tl
 
 from ..._runtime.launch import Launcher
 from ..._runtime.triton_compat import fix_interpreter
+from .._mxfp4_triton import scale_offset, tile_constants, value_offset
 from ..fp8_mqa_logits.triton import _e2m1, _scale_factors, to_out
 
 fix_interpreter()  # Triton 3.6's interpreter under NumPy >= 2.4 (sparse_indexer/_runtime/triton_compat.py)
@@ -359,7 +360,7 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
     ``NotImplementedError``. ``cache_values="mxfp4"`` with ``q_scale``: MXFP4 queries against an MXFP4 cache
     (:func:`_paged_mxfp4_kernel`)."""
     if cache_values == "mxfp4":
-        _mxfp4(q, q_scale, kv_cache, weights, context_lens, block_table, out, clean, indices)
+        _mxfp4(q, q_scale, kv_cache, weights, context_lens, block_table, out, clean, indices, cache_order)
         return
     if cache_fp8_dtype is not None and cache_fp8_dtype != q.dtype:
         raise NotImplementedError(f"{q.dtype} queries against a {cache_fp8_dtype} cache (a declared mix of formats)")
@@ -404,13 +405,15 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
 
 @triton.jit
 def _paged_mxfp4_block(kv_ptr, base, off, qlo, qhi, fq, valid, BS: tl.constexpr, D: tl.constexpr,
-                       b: tl.constexpr):
-    """Block ``b`` of the keys at byte ``base + off * D / 2`` (each key's own block; scale bytes at ``base + BS * D /
-    2 + off * D / 32``) against a query's block ``b`` (fp16 nibble values ``qlo``/``qhi``, scale factors ``fq``):
+                       b: tl.constexpr, TN: tl.constexpr, TC: tl.constexpr, TL: tl.constexpr):
+    """Block ``b`` of the keys ``off`` of the cache blocks at byte ``base`` (their bytes where the byte order
+    ``TN, TC, TL`` puts them, :mod:`.._mxfp4_triton`; flat: values at ``off * D / 2``, scale bytes at ``BS * D / 2
+    + off * D / 32``) against a query's block ``b`` (fp16 nibble values ``qlo``/``qhi``, scale factors ``fq``):
     the exact e2m1 dot times the key's and then the query's power of two (docs/spec.md §3a). ``[BLOCK_N, HP]``."""
     offs = tl.arange(0, 16)
-    kb = tl.load(kv_ptr + (base + off * (D // 2) + b * 16)[:, None] + offs[None, :], mask=valid[:, None], other=0)
-    sk = tl.load(kv_ptr + base + BS * (D // 2) + off * (D // 32) + b, mask=valid, other=127).to(tl.int32)
+    kb = tl.load(kv_ptr + base[:, None] + value_offset(off[:, None], b * 16 + offs[None, :], D // 2, TN, TC),
+                 mask=valid[:, None], other=0)
+    sk = tl.load(kv_ptr + base + scale_offset(off, b, BS, D // 2, D // 32, TN, TL), mask=valid, other=127).to(tl.int32)
     dot = tl.dot(_e2m1(kb & 15), tl.trans(qlo)) + tl.dot(_e2m1(kb >> 4), tl.trans(qhi))
     return dot * _scale_factors(sk)[:, None] * fq[None, :]
 
@@ -429,6 +432,7 @@ def _paged_mxfp4_kernel(
     stride_out, stride_w, stride_clb, stride_cln, stride_bt, stride_blk,
     NEXT_N: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_N: tl.constexpr, CL_2D: tl.constexpr, CLEAN: tl.constexpr, HAS_IDX: tl.constexpr,
+    TN: tl.constexpr = 1, TC: tl.constexpr = 1, TL: tl.constexpr = 1,  # the cache's byte order (flat: 1, 1, 1)
 ):
     """Program ``(b, t)``: key positions ``[t * BLOCK_N, (t + 1) * BLOCK_N)`` of request ``b`` against its
     ``next_n`` query tokens (each key read through the block table: a tile may span blocks); per token the
@@ -457,12 +461,13 @@ def _paged_mxfp4_kernel(
             srow = qs_ptr + rowq * (D // 32)
             q0 = tl.load(qrow[:, None] + offs_b[None, :], mask=hmask[:, None], other=0)
             s = _paged_mxfp4_block(kv_ptr, base, off, _e2m1(q0 & 15), _e2m1(q0 >> 4),
-                                   _scale_factors(tl.load(srow, mask=hmask, other=127).to(tl.int32)), valid, BS, D, 0)
+                                   _scale_factors(tl.load(srow, mask=hmask, other=127).to(tl.int32)), valid, BS, D, 0,
+                                   TN, TC, TL)
             for blkn in tl.static_range(1, D // 32):
                 qn = tl.load(qrow[:, None] + blkn * 16 + offs_b[None, :], mask=hmask[:, None], other=0)
                 fq = _scale_factors(tl.load(srow + blkn, mask=hmask, other=127).to(tl.int32))
                 s = s + _paged_mxfp4_block(kv_ptr, base, off, _e2m1(qn & 15), _e2m1(qn >> 4), fq, valid, BS, D,
-                                           blkn)
+                                           blkn, TN, TC, TL)
             wts = tl.load(w_ptr + (b * NEXT_N + j) * stride_w + offs_h, mask=hmask, other=0.0)
             s = tl.maximum(s, 0.0, propagate_nan=tl.PropagateNan.ALL) * wts[None, :]
             logit = tl.sum(s, axis=1)
@@ -476,14 +481,15 @@ _LAUNCH_MX = Launcher(_paged_mxfp4_kernel)
 _MX_BLOCK_N = 64
 
 
-def _mxfp4(q, q_scale, kv_cache, weights, context_lens, block_table, out, clean, indices) -> None:
-    """MXFP4 queries against an MXFP4 cache (arguments checked): :func:`_paged_mxfp4_kernel` over ``(B, W /
-    BLOCK_N)``. Untuned (correctness first); D 32, 64 or 128."""
+def _mxfp4(q, q_scale, kv_cache, weights, context_lens, block_table, out, clean, indices, order="flat") -> None:
+    """MXFP4 queries against an MXFP4 cache in byte order ``order`` (arguments checked): :func:`_paged_mxfp4_kernel`
+    over ``(B, W / BLOCK_N)``. Untuned (correctness first); D 32, 64 or 128."""
     b, next_n, h, half = q.shape
     d = 2 * half
     if d not in (32, 64, 128):
         raise NotImplementedError(f"triton fp8_paged_mqa_logits scores MXFP4 with D in (32, 64, 128), got {d=}")
     nb, bs, width = kv_cache.shape
+    tiles = tile_constants(order, bs, d, "triton fp8_paged_mqa_logits")
     w = out.shape[1]
     if b == 0 or w == 0:
         return
@@ -491,7 +497,8 @@ def _mxfp4(q, q_scale, kv_cache, weights, context_lens, block_table, out, clean,
     cls = context_lens.stride()
     has_idx = indices is not None
     cfg = _LAUNCH_MX.config(NEXT_N=next_n, H=h, HP=max(16, triton.next_power_of_2(h)), D=d, BS=bs,
-                            BLOCK_N=_MX_BLOCK_N, CL_2D=cl_2d, CLEAN=bool(clean), HAS_IDX=has_idx, num_warps=4)
+                            BLOCK_N=_MX_BLOCK_N, CL_2D=cl_2d, CLEAN=bool(clean), HAS_IDX=has_idx, num_warps=4,
+                            **tiles)
     stride_blk = kv_cache.stride()[0] if nb > 1 else -(-bs * width // 4) * 4  # CacheLayout.block_stride
     _LAUNCH_MX.launch_with(
         (b, triton.cdiv(w, _MX_BLOCK_N)), cfg,

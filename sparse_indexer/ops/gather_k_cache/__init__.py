@@ -49,7 +49,8 @@ def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_len
         _checked: for :func:`sparse_indexer.sparse_attn_indexer` alone (see :func:`sparse_indexer.top_k_per_row`).
     """
     if cache_format is not None and type(cache_format) is CacheFormat and cache_format.mxfp4:
-        _gather_mxfp4(kv_cache, block_table, cu_seq_lens, out_k, out_scale, backend, check_values, cache_fp8_dtype)
+        _gather_mxfp4(kv_cache, block_table, cu_seq_lens, out_k, out_scale, backend, check_values, cache_fp8_dtype,
+                      cache_format)
         return
     if _checked:
         extra = {} if cache_format is None else C.format_kwargs(cache_format, None)
@@ -97,7 +98,7 @@ def gather_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_len
 
 
 def _gather_mxfp4(kv_cache, block_table, cu_seq_lens, out_k, out_scale, backend, check_values,
-                  cache_fp8_dtype) -> None:
+                  cache_fp8_dtype, fmt) -> None:
     """:func:`gather_k_cache` from a cache of MXFP4 keys (docs/spec.md §3a): ``out_k [N, D / 2]`` and ``out_scale
     [N, D / 32]`` uint8, the keys' bytes as they are; every check, then the op."""
     if cache_fp8_dtype is not None:
@@ -105,6 +106,7 @@ def _gather_mxfp4(kv_cache, block_table, cu_seq_lens, out_k, out_scale, backend,
                          "alone)")
     kv3 = as_3d(kv_cache)
     lay = cache_layout(kv3, mxfp4=True)
+    C.check_order(fmt, lay.block_size, lay.head_dim)
     dev = kv_cache.device
     C.tensor("block_table", block_table, ndim=2, dtypes=C.INDEX_DTYPES, device=dev, last_contiguous=True)
     r = block_table.shape[0]
@@ -119,7 +121,7 @@ def _gather_mxfp4(kv_cache, block_table, cu_seq_lens, out_k, out_scale, backend,
     if C.want_value_checks(check_values, block_table, cu_seq_lens):
         _check_values(block_table, cu_seq_lens, out_k.shape[0], lay)
     library.call("gather_k_cache", backend, dev, kv3, block_table, cu_seq_lens, out_k=out_k, out_scale=out_scale,
-                 cache_values="mxfp4")
+                 **C.format_kwargs(fmt, None))
 
 
 _LAYOUTS = C.Layouts()  # the last fully checked call's layout (host overhead per call)

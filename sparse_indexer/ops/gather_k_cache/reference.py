@@ -24,7 +24,7 @@ def gather_k_cache(kv_cache, block_table, cu_seq_lens, *, out_k, out_scale, cach
     blk = block_table.long()[req, pos // bs]
     off = pos % bs
     if cache_values == "mxfp4":
-        out_k[:total], out_scale[:total] = read_keys_mxfp4(kv_cache, blk, off)
+        out_k[:total], out_scale[:total] = read_keys_mxfp4(kv_cache, blk, off, cache_order)
     elif cache_scale == "float32" and cache_order == "flat":
         values, scales = cache_views(kv_cache, out_k.dtype)
         out_k[:total] = values[blk, off]

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from ..._runtime.launch import Launcher
 from ..._runtime.triton_compat import fix_interpreter
+from .._mxfp4_triton import scale_offset, tile_constants, value_offset
 from ..fp8_paged_mqa_logits.triton import _ue8m0
 
 fix_interpreter()  # Triton 3.6's interpreter under NumPy >= 2.4 (sparse_indexer/_runtime/triton_compat.py)
@@ -40,6 +41,9 @@ def _gather_k_cache_kernel(
     MX: tl.constexpr = False,  # MXFP4 keys (docs/spec.md §3a): D / 2 value bytes (out_k [N, D / 8] int32 words)
     # and D / 32 scale bytes per key (out_scale [N, D / 32] uint8), copied as they are
     VB: tl.constexpr = 0,  # value bytes per key (D, or D / 2 with MX); the scale region starts at BS * VB
+    TN: tl.constexpr = 1,  # MX: the byte order's runs of TN keys, TC-byte value chunks, TL scale lanes (flat: 1s)
+    TC: tl.constexpr = 1,
+    TL: tl.constexpr = 1,
 ):
     j = tl.program_id(0)
     r = tl.program_id(1)
@@ -54,13 +58,18 @@ def _gather_k_cache_kernel(
         base = blk * block_stride  # bytes
         words = cache_ptr.to(tl.pointer_type(tl.int32))
         w = tl.arange(0, DW)
-        vals = tl.load(words + (base // 4 + off * DW)[:, None] + w[None, :], mask=pm[:, None])
+        if MX:  # (word w holds value bytes 4w..4w+3: one chunk, TC a multiple of 4 or TN = 1)
+            vals = tl.load(words + (base[:, None] + value_offset(off[:, None], 4 * w[None, :], VB, TN, TC)) // 4,
+                           mask=pm[:, None])
+        else:
+            vals = tl.load(words + (base // 4 + off * DW)[:, None] + w[None, :], mask=pm[:, None])
         row = beg + p
         tl.store(out_k_ptr + row[:, None] * DW + w[None, :], vals, mask=pm[:, None])
         if MX:
             SB: tl.constexpr = D // 32
             sb = tl.arange(0, SB)
-            sc = tl.load(cache_ptr + (base + BS * VB + off * SB)[:, None] + sb[None, :], mask=pm[:, None])
+            sc = tl.load(cache_ptr + base[:, None] + scale_offset(off[:, None], sb[None, :], BS, VB, SB, TN, TL),
+                         mask=pm[:, None])
             tl.store(out_scale_ptr + row[:, None] * SB + sb[None, :], sc, mask=pm[:, None])
         elif UE8M0:
             sw = tl.load((cache_ptr + base + BS * VB + off * 4).to(tl.pointer_type(tl.int32)), mask=pm)
@@ -71,7 +80,7 @@ def _gather_k_cache_kernel(
 
 
 _LAUNCH = Launcher(_gather_k_cache_kernel)
-_CONFIGS: dict = {}  # (block_size, D, ue8m0, mxfp4) -> LaunchConfig
+_CONFIGS: dict = {}  # (block_size, D, ue8m0, mxfp4, cache order) -> LaunchConfig
 
 
 def gather_k_cache(kv_cache, block_table, cu_seq_lens, *, out_k, out_scale, cache_scale="float32",
@@ -81,12 +90,16 @@ def gather_k_cache(kv_cache, block_table, cu_seq_lens, *, out_k, out_scale, cach
     raises ``NotImplementedError``. ``cache_values="mxfp4"``: MXFP4 keys, their bytes copied (``out_k [N, D / 2]``,
     ``out_scale [N, D / 32]`` uint8)."""
     mx = cache_values == "mxfp4"
-    if cache_order != "flat":
+    if cache_order != "flat" and not mx:
         raise NotImplementedError(f"the Triton gather_k_cache reads the flat order, not {cache_order!r}")
     ue8m0 = cache_scale == "ue8m0x4"
     r, max_blocks = block_table.shape
     nb, bs, width = kv_cache.shape
     d = width * 32 // 17 if mx else width - 4
+    tiles = tile_constants(cache_order, bs, d, "the Triton gather_k_cache") if mx else {}
+    if tiles and tiles["TN"] > 1 and tiles["TC"] % 4:
+        raise NotImplementedError(f"the Triton gather_k_cache copies MXFP4 values in 4-byte words: the order "
+                                  f"{cache_order!r} splits them")
     if d & (d - 1):
         raise NotImplementedError(f"the Triton gather_k_cache needs a power-of-two head dim, got D={d}")
     if r > _MAX_GRID_Y:
@@ -95,11 +108,11 @@ def gather_k_cache(kv_cache, block_table, cu_seq_lens, *, out_k, out_scale, cach
         return
     # CacheLayout.block_stride of the checked view
     block_stride = kv_cache.stride()[0] if nb > 1 else -(-bs * width // 4) * 4
-    cfg = _CONFIGS.get((bs, d, ue8m0, mx))
+    key = (bs, d, ue8m0, mx, cache_order)
+    cfg = _CONFIGS.get(key)
     if cfg is None:
-        cfg = _CONFIGS[(bs, d, ue8m0, mx)] = _LAUNCH.config(BS=bs, D=d, BLOCK_T=_BLOCK_T, UE8M0=ue8m0, MX=mx,
-                                                            VB=d // 2 if mx else d,
-                                                            num_warps=4)
+        cfg = _CONFIGS[key] = _LAUNCH.config(BS=bs, D=d, BLOCK_T=_BLOCK_T, UE8M0=ue8m0, MX=mx, VB=d // 2 if mx else d,
+                                             num_warps=4, **tiles)
     _LAUNCH.launch_with((triton.cdiv(max_blocks * bs, _BLOCK_T), r), cfg,
                         (out_k.view(torch.int32), out_scale, kv_cache, block_table, cu_seq_lens,
                          block_table.stride()[0], block_stride), 5)

@@ -45,9 +45,10 @@ def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.T
         if fp8_dtype != torch.float8_e4m3fn:
             raise ValueError(f"fp8_dtype={fp8_dtype} does not apply to an MXFP4 cache (leave it at its default)")
         if not _checked:
-            _check(k, kv_cache, slot_mapping, scale_fmt, fp8_dtype, check_values, mxfp4=True)
+            _, lay = _check(k, kv_cache, slot_mapping, scale_fmt, fp8_dtype, check_values, mxfp4=True)
+            C.check_order(cache_format, lay.block_size, lay.head_dim)
         library.call("write_k_cache", backend, k.device, k, as_3d(kv_cache), slot_mapping, scale_fmt=scale_fmt,
-                     fp8_dtype=fp8_dtype, cache_values="mxfp4")
+                     fp8_dtype=fp8_dtype, **C.format_kwargs(cache_format, None))
         return
     if cache_format is not None:
         _write_format(cache_format, fp8_dtype, scale_fmt, kv_cache)

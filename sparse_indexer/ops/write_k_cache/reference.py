@@ -23,7 +23,7 @@ def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.T
         keep = slots >= 0
         bs = kv_cache.shape[1]
         vals, scales = quantize_k_mxfp4(k[:s])
-        write_keys_mxfp4(kv_cache, slots[keep] // bs, slots[keep] % bs, vals[keep], scales[keep])
+        write_keys_mxfp4(kv_cache, slots[keep] // bs, slots[keep] % bs, vals[keep], scales[keep], cache_order)
         return
     values, scales = cache_views(kv_cache, fp8_dtype)
     bs = values.shape[1]

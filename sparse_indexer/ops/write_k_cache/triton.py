@@ -17,6 +17,7 @@ import triton.language as tl
 from ..._runtime.launch import Launcher
 from ..._runtime.triton_compat import fix_interpreter, interpreting
 from ...fp8 import K_SCALE_FLOOR, QUANT_MAX
+from .._mxfp4_triton import scale_offset, tile_constants, value_offset
 
 fix_interpreter()  # Triton 3.6's interpreter under NumPy >= 2.4 (sparse_indexer/_runtime/triton_compat.py)
 _SOFT_FP8 = interpreting()  # Triton decides at import whether kernels are interpreted; so does this flag
@@ -135,11 +136,15 @@ def _write_mxfp4_kernel(
     D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BF16: tl.constexpr,  # k is bfloat16: widened from its bits (exact for subnormals, also in the interpreter)
+    TN: tl.constexpr = 1,  # the byte order's runs of TN keys, TC-byte value chunks, TL scale lanes (flat: 1, 1, 1)
+    TC: tl.constexpr = 1,
+    TL: tl.constexpr = 1,
 ):
     """docs/spec.md §3a per key: each 32-element block's exponent from amax's float32 bits (``amax = 1.m *
     2**E``: ``e = E - 2``, one more when ``1.m > 1.5``; ``-126`` below ``6 * 2**-126``), the codes of ``x * 2**-e``
     (exact), element ``2j`` in byte ``j``'s low nibble; a block with a NaN or an infinity: scale byte 255, codes
-    0. Values at ``off * D / 2`` in the block, scale bytes at ``BS * D / 2 + off * D / 32``."""
+    0. Values and scale bytes where the cache's byte order puts them (:mod:`.._mxfp4_triton`; flat: values at
+    ``off * D / 2`` in the block, scale bytes at ``BS * D / 2 + off * D / 32``)."""
     HALF: tl.constexpr = D // 2
     NB: tl.constexpr = D // 32
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -173,10 +178,11 @@ def _write_mxfp4_kernel(
     blk = slot // BS
     off = slot - blk * BS
     base = blk * block_stride
-    tl.store(cache_ptr + (base + off * HALF)[:, None] + j[None, :], byte, mask=ok[:, None])
+    tl.store(cache_ptr + base[:, None] + value_offset(off[:, None], j[None, :], HALF, TN, TC), byte, mask=ok[:, None])
     b = tl.arange(0, NB)
     sc = tl.where(bad, 255, e + 127).to(tl.uint8)
-    tl.store(cache_ptr + (base + BS * HALF + off * NB)[:, None] + b[None, :], sc, mask=ok[:, None])
+    tl.store(cache_ptr + base[:, None] + scale_offset(off[:, None], b[None, :], BS, HALF, NB, TN, TL), sc,
+             mask=ok[:, None])
 
 
 _LAUNCH_MX = Launcher(_write_mxfp4_kernel)
@@ -201,7 +207,7 @@ def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.T
     float32 scales in the flat order only (another FP8 format raises ``NotImplementedError``), or MXFP4 keys
     (``cache_values="mxfp4"``, :func:`_write_mxfp4_kernel`)."""
     if cache_values == "mxfp4":
-        _write_mxfp4(k, kv_cache, slot_mapping)
+        _write_mxfp4(k, kv_cache, slot_mapping, cache_order)
         return
     if cache_scale != "float32" or cache_order != "flat":
         raise NotImplementedError(f"the Triton write_k_cache writes float32 scales in the flat order, got "
@@ -218,18 +224,20 @@ def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.T
                         (kv_cache, k, slot_mapping, s, k.stride()[0], block_stride), 3)
 
 
-def _write_mxfp4(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """MXFP4 keys into an MXFP4 cache (docs/spec.md §3a; arguments checked): :func:`_write_mxfp4_kernel`."""
+def _write_mxfp4(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, order: str) -> None:
+    """MXFP4 keys into an MXFP4 cache in byte order ``order`` (docs/spec.md §3a; arguments checked):
+    :func:`_write_mxfp4_kernel`."""
     s = slot_mapping.shape[0]
     nb, bs, width = kv_cache.shape
     d = width * 32 // 17
+    tiles = tile_constants(order, bs, d, "the Triton write_k_cache")
     if s == 0:
         return
     block_stride = kv_cache.stride()[0] if nb > 1 else -(-bs * width // 4) * 4
     bf16 = k.dtype == torch.bfloat16
-    cfg = _CONFIGS.get(("mxfp4", bs, d, bf16))
+    key = ("mxfp4", bs, d, bf16, order)
+    cfg = _CONFIGS.get(key)
     if cfg is None:
-        cfg = _CONFIGS[("mxfp4", bs, d, bf16)] = _LAUNCH_MX.config(BS=bs, D=d, BLOCK_T=_BLOCK_T, BF16=bf16,
-                                                                   num_warps=4)
+        cfg = _CONFIGS[key] = _LAUNCH_MX.config(BS=bs, D=d, BLOCK_T=_BLOCK_T, BF16=bf16, num_warps=4, **tiles)
     _LAUNCH_MX.launch_with(((s + _BLOCK_T - 1) // _BLOCK_T,), cfg,
                            (kv_cache, k, slot_mapping, s, k.stride()[0], block_stride), 3)
