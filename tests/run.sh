@@ -27,5 +27,5 @@ run env TRITON_INTERPRET=1 SPARSE_INDEXER_TEST_BACKENDS=triton "$PY" -m pytest -
 # CUDA_VISIBLE_DEVICES is set and empty); skips where vLLM is absent
 run env TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= VLLM_SPARSE_INDEXER_MAX_LOGITS_MB=1 "$PY" -m pytest -q \
   -p no:cacheprovider tests/compat/test_vllm_builder.py tests/compat/test_vllm_builder_v4.py \
-  tests/compat/test_vllm_builder_v41.py
+  tests/compat/test_vllm_builder_v41.py tests/compat/test_vllm_rocm_mxfp4.py
 exit $fail

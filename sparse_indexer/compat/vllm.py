@@ -40,6 +40,7 @@ registers its own op).
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -48,7 +49,7 @@ import attrs
 import torch
 
 from buffers import Buffers, BufferTooSmall, CacheFormat, IndexerLimits, plan
-from buffers.limits import MiB
+from buffers.limits import DEFAULT_PREFILL_K_TOKENS, MiB
 from buffers.plan import BufferPlan
 
 from ..indexer import sparse_attn_indexer
@@ -294,7 +295,39 @@ def _chunk_from_vllm(c) -> PrefillChunk:
     )
 
 
-def metadata_from_vllm(md, limits: IndexerLimits) -> IndexerMetadata:
+def _split_chunk(c: PrefillChunk, limits: IndexerLimits) -> tuple[PrefillChunk, ...]:
+    """``c`` as runs of whole requests whose keys fit the gather buffers (``limits.prefill_k_tokens``) and whose
+    ``[rows, keys]`` logits fit ``limits.max_logits_bytes`` (``c`` itself when it fits). Reads the chunk's key
+    offsets and windows on the host. A run without keys (requests shorter than ``C``) becomes no chunk: its rows
+    are the record's empty rows. A request that alone does not fit is left whole (the step then says which
+    buffer is too small)."""
+    cells = limits.max_logits_bytes // 4
+    if c.num_k_tokens <= limits.prefill_k_tokens and c.num_tokens * c.num_k_tokens <= cells:
+        return (c,)
+    cu = c.cu_seq_lens.tolist()
+    ks = c.cu_seqlen_ks.tolist()
+    req_of = [bisect_right(cu, k, 0, len(cu) - 1) - 1 for k in ks]  # each row's request (monotone)
+    first_row = [bisect_left(req_of, r) for r in range(len(cu))]  # (len(cu) - 1 requests; the end sentinel)
+    out, a = [], 0
+    n_req = len(cu) - 1
+    while a < n_req:
+        b = a + 1
+        while (b < n_req and cu[b + 1] - cu[a] <= limits.prefill_k_tokens
+               and (first_row[b + 1] - first_row[a]) * (cu[b + 1] - cu[a]) <= cells):
+            b += 1
+        r0, r1, keys = first_row[a], first_row[b], cu[b] - cu[a]
+        if keys and r1 > r0:
+            base = cu[a]
+            out.append(attrs.evolve(
+                c, token_start=c.token_start + r0, token_end=c.token_start + r1, num_k_tokens=keys, gather=True,
+                block_table=c.block_table[a:b], cu_seq_lens=c.cu_seq_lens[a : b + 1] - base,
+                cu_seqlen_ks=c.cu_seqlen_ks[r0:r1] - base, cu_seqlen_ke=c.cu_seqlen_ke[r0:r1] - base,
+                seq_lens=tuple(cu[i + 1] - cu[i] for i in range(a, b))))
+        a = b
+    return tuple(out)
+
+
+def metadata_from_vllm(md, limits: IndexerLimits, *, split_chunks: bool = False) -> IndexerMetadata:
     """Our :class:`IndexerMetadata` from one layer's vLLM ``DeepseekV32IndexerMetadata`` (any object with its
     field names: ``slot_mapping``, ``num_decodes``, ``num_decode_tokens``, ``num_prefills``,
     ``num_prefill_tokens``, ``decode``, ``prefill.chunks``; ``seq_lens`` (``[num_reqs]`` int32, tokens) for a
@@ -306,6 +339,10 @@ def metadata_from_vllm(md, limits: IndexerLimits) -> IndexerMetadata:
     (:func:`_decode_from_vllm`), and padding tokens after the prefill chunks (counted in vLLM's
     ``num_prefill_tokens``, covered by no chunk) fall beyond our ``num_tokens``, so the step fills their
     ``topk_out`` rows with -1. Their ``slot_mapping`` entries are -1 (no cache write).
+
+    ``split_chunks``: cut chunks that do not fit the limits' gather buffers or logits into runs of whole requests
+    (:func:`_split_chunk`; vLLM's ROCm MXFP4 builder bounds a chunk by its logits alone). Reads the chunk's key
+    offsets on the host; the rows of a run without keys become ``empty_rows``.
 
     With ``C > 1`` vLLM drops every prefill chunk without a key (all its requests shorter than ``C`` tokens),
     also between two others: the rows before or between the remaining chunks that no chunk covers are such
@@ -333,6 +370,8 @@ def metadata_from_vllm(md, limits: IndexerLimits) -> IndexerMetadata:
         if md.prefill is None:
             raise ValueError("num_prefills > 0 but the metadata has no prefill part")
         chunks = tuple(_chunk_from_vllm(c) for c in md.prefill.chunks)
+        if split_chunks:
+            chunks = tuple(piece for c in chunks for piece in _split_chunk(c, limits))
     # prefill rows: the chunks' rows, in order from the decode tokens on; gaps are dropped key-less chunks
     # (compressed caches only); the rest of vLLM's prefill tokens are FULL-graph padding (requests with no
     # tokens) or key-less tokens, left to the step's -1 fill
@@ -432,6 +471,10 @@ class VllmIndexer:
             it the longest length with that many keys, ``(max_model_len // C) * C + C - 1`` (the same keys, so
             the same buffers).
         backend: passed to every op (``None`` = auto).
+        prefill_tokens: the tokens the prefill gather buffers of the MXFP4 entry (:meth:`rocm_mxfp4`, whose op
+            gets no ``total_seq_lens``) hold keys for, ``// C`` per layer; ``None``: ``DEFAULT_PREFILL_K_TOKENS``
+            keys. :meth:`from_vllm_config` sets vLLM's prefill workspace rule (``get_max_prefill_buffer_size``),
+            the key count vLLM's FP8 op passes as ``total_seq_lens``.
         attn_metadata: returns the forward context's ``attn_metadata`` (default: vLLM's
             ``get_forward_context().attn_metadata``); not a dict means a profiling run.
         manager: the workspace manager (``None`` = vLLM's ``current_workspace_manager()``).
@@ -443,6 +486,7 @@ class VllmIndexer:
     with_qk: bool = False
     model_max_model_len: int | None = None
     backend: str | None = None
+    prefill_tokens: int | None = None
     attn_metadata: Callable[[], Any] = _forward_context_metadata
     manager: Any = None
     # conversions of vLLM's metadata objects, most recent last: every layer of a step that shares a K-cache group
@@ -465,7 +509,7 @@ class VllmIndexer:
     # at most two limits: with and without candidate blocks)
     MAX_CONVERTED = 8
 
-    def _metadata(self, vllm_md, limits: IndexerLimits) -> IndexerMetadata:
+    def _metadata(self, vllm_md, limits: IndexerLimits, split_chunks: bool = False) -> IndexerMetadata:
         """:func:`metadata_from_vllm`, once per (metadata object, capture state, limits)."""
         capturing = _cuda_available() and torch.cuda.is_current_stream_capturing()
         memo = self._converted
@@ -474,7 +518,9 @@ class VllmIndexer:
         if hit is not None and hit[0] is vllm_md and hit[1] is limits:
             memo.move_to_end(key)
             return hit[2]
-        md = metadata_from_vllm(vllm_md, limits)
+        # (split_chunks only where asked: an engine may wrap metadata_from_vllm with its own two arguments)
+        md = (metadata_from_vllm(vllm_md, limits, split_chunks=True) if split_chunks
+              else metadata_from_vllm(vllm_md, limits))
         memo[key] = (vllm_md, limits, md)
         while len(memo) > self.MAX_CONVERTED:
             memo.popitem(last=False)
@@ -483,15 +529,17 @@ class VllmIndexer:
     def _limits_and_plan(self, kv_cache: torch.Tensor, q_fp8: torch.Tensor, topk_tokens: int, head_dim: int,
                          max_model_len: int, total_seq_lens: int, topk_indices_buffer: torch.Tensor,
                          compress_ratio: int = 1, skip_k_cache_insert: bool = False, candidate_blocks: int = 0,
-                         candidate_block_size: int = 8) -> tuple[IndexerLimits, BufferPlan]:
+                         candidate_block_size: int = 8,
+                         cache_format: CacheFormat | None = None) -> tuple[IndexerLimits, BufferPlan]:
         """:meth:`limits` and its plan, made once per distinct set of the arguments they read (``candidate_blocks``:
         ``K_b``, the columns of the op's candidate buffer, 0 without one)."""
         args = (kv_cache, q_fp8, topk_tokens, head_dim, max_model_len, total_seq_lens, topk_indices_buffer)
         kw = {"compress_ratio": compress_ratio, "skip_k_cache_insert": skip_k_cache_insert,
-              "candidate_blocks": candidate_blocks, "candidate_block_size": candidate_block_size}
+              "candidate_blocks": candidate_blocks, "candidate_block_size": candidate_block_size,
+              "cache_format": cache_format}
         key = (kv_cache.shape[1], kv_cache.device, q_fp8.shape[1], q_fp8.dtype, topk_tokens, head_dim, max_model_len,
                total_seq_lens, topk_indices_buffer.shape[0], compress_ratio, bool(skip_k_cache_insert),
-               candidate_blocks, candidate_block_size if candidate_blocks else 0)
+               candidate_blocks, candidate_block_size if candidate_blocks else 0, cache_format)
         memo = self._memo["limits"]
         try:
             hit = memo.get(key)
@@ -549,34 +597,43 @@ class VllmIndexer:
         model = getattr(vllm_config, "model_config", None)
         model_len = getattr(model, "max_model_len", None) if model is not None else None
         kw.setdefault("model_max_model_len", int(model_len) if model_len else None)
+        if "prefill_tokens" not in kw:
+            try:
+                from vllm.v1.attention.backends.mla.indexer import get_max_prefill_buffer_size
+
+                kw["prefill_tokens"] = int(get_max_prefill_buffer_size(vllm_config))
+            except (ImportError, AttributeError, AssertionError, TypeError):
+                pass  # (not vLLM's config or version: the default)
         return cls(max_num_seqs=int(vllm_config.scheduler_config.max_num_seqs), next_n=1 + n_spec,
                    max_logits_bytes=mb * MiB, **kw)
 
     def limits(self, kv_cache: torch.Tensor, q_fp8: torch.Tensor, topk_tokens: int, head_dim: int,
                max_model_len: int, total_seq_lens: int, topk_indices_buffer: torch.Tensor, *,
                compress_ratio: int = 1, skip_k_cache_insert: bool = False, candidate_blocks: int = 0,
-               candidate_block_size: int = 8) -> IndexerLimits:
+               candidate_block_size: int = 8, cache_format: CacheFormat | None = None) -> IndexerLimits:
         """The :class:`IndexerLimits` of one op call. ``max_model_len`` and ``total_seq_lens`` are the op's, in
         keys (``// compress_ratio``); the limits' ``max_model_len`` is in tokens (:attr:`model_max_model_len`
         when it has ``max_model_len`` keys, else the longest length that has). A cache the model's compressor
         wrote (``skip_k_cache_insert``) has the byte format of :func:`v4_cache_format`. ``candidate_blocks``
         (``K_b``: the columns of the op's ``candidate_blocks`` buffer; 0 without one) and
         ``candidate_block_size`` become the limits' two-level indexer fields (``IndexerLimits`` raises
-        ``ValueError`` when ``(K_b - 1) * b + 1 < topk_tokens``)."""
+        ``ValueError`` when ``(K_b - 1) * b + 1 < topk_tokens``). ``cache_format``: an MXFP4 cache's format
+        (:meth:`rocm_mxfp4`; ``q_fp8`` is then the packed MXFP4 queries, uint8)."""
         cr = _compress_ratio(compress_ratio)
         keys = int(max_model_len)
         tokens = keys * cr + cr - 1
         if self.model_max_model_len is not None and self.model_max_model_len // cr == keys:
             tokens = int(self.model_max_model_len)
-        fmt = None
-        if skip_k_cache_insert:
+        fmt = cache_format
+        if fmt is None and skip_k_cache_insert:
             fmt = v4_cache_format(cr, int(kv_cache.shape[1]), kv_cache.device, q_fp8.dtype)
         return IndexerLimits(
             max_model_len=tokens, max_num_batched_tokens=int(topk_indices_buffer.shape[0]),
             max_num_seqs=self.max_num_seqs, next_n=self.next_n, n_heads=int(q_fp8.shape[1]),
             head_dim=int(head_dim), topk=int(topk_tokens), block_size=int(kv_cache.shape[1]), compress_ratio=cr,
             prefill_k_tokens=max(int(total_seq_lens), keys), max_logits_bytes=self.max_logits_bytes,
-            fp8_dtype=q_fp8.dtype, cache_format=fmt, with_qk=self.with_qk,
+            fp8_dtype=torch.float8_e4m3fn if q_fp8.dtype == torch.uint8 else q_fp8.dtype, cache_format=fmt,
+            with_qk=self.with_qk,
             # vLLM's builder on ROCm/CPU sends requests of 1..next_n tokens whose length differs from the first
             # decode's down the prefill path: its chunks may hold max_num_seqs one-token prefills
             min_prefill_query_len=1,
@@ -661,6 +718,67 @@ class VllmIndexer:
                 candidate_blocks[q_fp8.shape[0] : rows].fill_(-1)
         return out
 
+    def rocm_mxfp4(self, hidden_states: torch.Tensor, k_cache_prefix, kv_cache: torch.Tensor, q_values: torch.Tensor,
+                   q_scale: torch.Tensor, weights: torch.Tensor, topk_tokens: int, head_dim: int, max_model_len: int,
+                   topk_indices_buffer: torch.Tensor, compress_ratio: int = 1,
+                   candidate_blocks: torch.Tensor | None = None, candidate_block_size: int = 0,
+                   candidate_write: bool = False) -> torch.Tensor:
+        """Drop-in for vLLM 0.33's ``rocm_mxfp4_sparse_attn_indexer`` (``RocmSparseAttnIndexer.forward_hip``, the
+        ROCm MXFP4 indexer of DeepSeek-V4/V4.1 on CDNA4): one step of one layer on the MXFP4 cache the model wrote
+        (``k`` is never given), with vLLM's ``RocmMxfp4IndexerMetadata`` (its base fields are read, as
+        :meth:`__call__` reads them); returns ``topk_indices_buffer``. Register it with :meth:`fake_rocm_mxfp4`.
+
+        ``q_values [T, H, D / 2]`` uint8 packed e2m1; ``q_scale`` each head's ``D / 32`` UE8M0 bytes, as vLLM's
+        query kernel returns them (``[T, H]`` int32 at ``D = 128``) or as ``[T, H, D / 32]`` uint8; ``weights
+        [T, H]`` float32 with the softmax and head scales folded in (not the query scales). The cache ``[pages,
+        entries, D / 2 + D / 32]`` uint8 is read where it lies, in aiter's tiled page order
+        (:func:`rocm_mxfp4_cache_format`), pages any stride apart. ``max_model_len`` is in keys (``// C``), as the
+        FP8 op's. Candidate blocks as in :meth:`__call__`.
+
+        vLLM's ROCm MXFP4 builder cuts prefill chunks by their logits alone (its kernel reads the paged cache in
+        place; nothing is gathered), so a chunk may hold more keys than the plan's gather buffers
+        (``prefill_k_tokens``: :attr:`prefill_tokens` ``// C``, at least one request's keys); such a chunk is cut
+        into runs of whole requests that fit (:func:`metadata_from_vllm` with ``split_chunks``), which reads its
+        key offsets on the host once per step.
+
+        Raises:
+            ValueError, TypeError: bad arguments (shapes, dtypes), before anything is written.
+            NotImplementedError: where vLLM's page order cannot be learnt (aiter's ``cache_format``).
+        """
+        cr = _compress_ratio(compress_ratio)
+        kb = _candidate_columns(candidate_blocks, candidate_block_size, candidate_write)
+        if topk_indices_buffer is None or topk_indices_buffer.shape[1] != topk_tokens:
+            raise ValueError(f"topk_indices_buffer must be [rows, topk_tokens={topk_tokens}], got "
+                             f"{None if topk_indices_buffer is None else list(topk_indices_buffer.shape)}")
+        qs = _mxfp4_q_scale(q_values, q_scale, head_dim)
+        fmt = rocm_mxfp4_cache_format(int(q_values.shape[1]), int(head_dim), int(kv_cache.shape[1]))
+        held = DEFAULT_PREFILL_K_TOKENS if self.prefill_tokens is None else int(self.prefill_tokens) // cr
+        limits, p = self._limits_and_plan(kv_cache, q_values, topk_tokens, head_dim, max_model_len,
+                                          max(int(max_model_len), held), topk_indices_buffer, cr, True, kb,
+                                          candidate_block_size if kb else 8, fmt)
+        attn_metadata = self.attn_metadata()
+        if not isinstance(attn_metadata, dict):
+            reserve(self._largest_plan(p), self.manager)
+            return topk_indices_buffer
+        md = self._metadata(attn_metadata[_layer_name(k_cache_prefix)], limits, split_chunks=True)
+        bufs = self._buffers(p)
+        out = topk_indices_buffer
+        extra = {"candidates": candidate_blocks, "write_candidates": bool(candidate_write)} if kb else {}
+        sparse_attn_indexer(q_values, None, weights, kv_cache, md, bufs, out, backend=self.backend, q_scale=qs,
+                            **extra)
+        rows = hidden_states.shape[0]
+        if rows > q_values.shape[0]:
+            out[q_values.shape[0] : rows].fill_(-1)
+            if kb and candidate_write:
+                candidate_blocks[q_values.shape[0] : rows].fill_(-1)
+        return out
+
+    def fake_rocm_mxfp4(self, hidden_states, k_cache_prefix, kv_cache, q_values, q_scale, weights, topk_tokens,
+                        head_dim, max_model_len, topk_indices_buffer, compress_ratio=1, candidate_blocks=None,
+                        candidate_block_size=0, candidate_write=False):
+        """:meth:`rocm_mxfp4`'s fake (FakeTensor mode): returns ``topk_indices_buffer``; touches no workspace."""
+        return topk_indices_buffer
+
     def fake(self, hidden_states, k_cache_prefix, kv_cache, q_fp8, k, weights, quant_block_size, scale_fmt,
              topk_tokens, head_dim, max_model_len, total_seq_lens, topk_indices_buffer, skip_k_cache_insert=False,
              compress_ratio=1, candidate_blocks=None, candidate_block_size=0, candidate_write=False):
@@ -692,3 +810,47 @@ def _compress_ratio(c) -> int:
         raise ValueError(f"compress_ratio={c!r} is not supported: the indexer op takes one of {COMPRESS_RATIOS} "
                          "(DeepSeek-V4's ratio-128 layers have no indexer)")
     return c
+
+
+def _mxfp4_q_scale(q_values: torch.Tensor, q_scale: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The MXFP4 queries' scale bytes ``[T, H, D / 32]`` uint8 (a view) from vLLM's ``q_scale``: one int32 per
+    head (``[T, H]``, ``D = 128``) or the bytes themselves."""
+    if not isinstance(q_values, torch.Tensor) or q_values.dim() != 3 or q_values.dtype != torch.uint8:
+        raise TypeError(f"q_values must be [T, H, D / 2] uint8 (packed e2m1), got "
+                        f"{getattr(q_values, 'dtype', type(q_values).__name__)} {list(getattr(q_values, 'shape', []))}")
+    t, h, half = q_values.shape
+    if 2 * half != head_dim:
+        raise ValueError(f"q_values holds D = {2 * half} (D / 2 = {half} bytes) but head_dim={head_dim}")
+    nb = head_dim // 32
+    if not isinstance(q_scale, torch.Tensor) or q_scale.dtype not in (torch.int32, torch.uint8):
+        raise TypeError(f"q_scale must be [T, H] int32 (4 scale bytes per head) or [T, H, D / 32] uint8, got "
+                        f"{getattr(q_scale, 'dtype', type(q_scale).__name__)}")
+    if q_scale.shape[:2] != (t, h) or q_scale.numel() * q_scale.element_size() != t * h * nb:
+        raise ValueError(f"q_scale must hold {nb} scale bytes per head for q_values' [T={t}, H={h}], got "
+                         f"{q_scale.dtype} {list(q_scale.shape)}")
+    if not q_scale.is_contiguous():
+        raise ValueError(f"q_scale must be contiguous, got strides {q_scale.stride()}")
+    return q_scale.view(torch.uint8).view(t, h, nb)
+
+
+def rocm_mxfp4_cache_format(num_heads: int, head_dim: int, page_entries: int) -> CacheFormat:
+    """The :class:`buffers.CacheFormat` of vLLM's ROCm MXFP4 indexer cache: MXFP4 keys in aiter's tiled page
+    order, as vLLM's ``rocm_paged_mxfp4_cache_layout`` reads it from aiter's ``cache_format`` for ``num_heads``
+    query heads of ``head_dim`` and ``page_entries`` entries per page (the only place vLLM learns it, so the
+    writer and this reader cannot disagree).
+
+    Raises:
+        NotImplementedError: vLLM's layout function or aiter is not importable here.
+        ValueError: aiter describes an order that ``"tiled:N,C,L"`` cannot express (vLLM raises it).
+    """
+    try:
+        from vllm.v1.attention.ops.rocm_paged_mxfp4_indexer import rocm_paged_mxfp4_cache_layout
+    except ImportError as e:
+        raise NotImplementedError(f"the ROCm MXFP4 indexer cache's page order comes from vLLM 0.33 and aiter: "
+                                  f"{e}") from e
+    try:
+        layout = rocm_paged_mxfp4_cache_layout(num_heads, head_dim, page_entries)
+    except ImportError as e:
+        raise NotImplementedError(f"the ROCm MXFP4 indexer cache's page order comes from aiter's cache_format(), which "
+                                  f"is not importable here: {e}") from e
+    return CacheFormat.tiled_mxfp4(int(layout.n_per_tile), int(layout.d_per_tile), int(layout.scale_lanes))
