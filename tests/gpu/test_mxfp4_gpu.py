@@ -18,9 +18,11 @@ DEV = "cuda"
 MX = CacheFormat(values="mxfp4")
 
 
+@pytest.mark.parametrize("order", ["flat", "tiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d,bs", [(128, 64), (64, 16)])
-def test_write_and_gather_bytes(dtype, d, bs):
+def test_write_and_gather_bytes(dtype, d, bs, order):
+    fmt = MX if order == "flat" else CacheFormat.tiled_mxfp4(32 if bs >= 32 else 16)
     g = torch.Generator(device=DEV).manual_seed(d + bs)
     nb = 40
     n = nb * bs - 7
@@ -32,8 +34,8 @@ def test_write_and_gather_bytes(dtype, d, bs):
     slots = torch.randperm(nb * bs, device=DEV, generator=g)[:n]
     want = si.new_kv_cache(nb, bs, d, device=DEV, mxfp4=True)
     got = si.new_kv_cache(nb, bs, d, device=DEV, mxfp4=True)
-    si.write_k_cache(x, want, slots, cache_format=MX, backend="reference")
-    si.write_k_cache(x, got, slots, cache_format=MX, backend="triton")
+    si.write_k_cache(x, want, slots, cache_format=fmt, backend="reference")
+    si.write_k_cache(x, got, slots, cache_format=fmt, backend="triton")
     assert torch.equal(got, want), int((got != want).sum())
     table = torch.stack([torch.randperm(nb, device=DEV, generator=g) for _ in range(3)]).int()
     lens = [nb * bs, 1, 5 * bs + 3]
@@ -42,7 +44,7 @@ def test_write_and_gather_bytes(dtype, d, bs):
     for backend in ("reference", "triton", None):
         k = torch.zeros(sum(lens), d // 2, dtype=torch.uint8, device=DEV)
         s = torch.zeros(sum(lens), d // 32, dtype=torch.uint8, device=DEV)
-        si.gather_k_cache(got, table, cu, out_k=k, out_scale=s, cache_format=MX, backend=backend)
+        si.gather_k_cache(got, table, cu, out_k=k, out_scale=s, cache_format=fmt, backend=backend)
         outs[backend] = (k, s)
     for backend in ("triton", None):
         assert torch.equal(outs[backend][0], outs["reference"][0]) and torch.equal(outs[backend][1],
@@ -79,3 +81,81 @@ def test_paged_scores_under_auto():
     for backend in ("triton", None):
         got = si.fp8_paged_mqa_logits(qv, kv, w, cl, bt, cache_format=MX, q_scale=qs, backend=backend)
         assert_logits(got, want.double(), rtol_l2=1e-6)
+
+
+@pytest.mark.parametrize("order", ["flat", "tiled"])
+def test_paged_scores_tiled_equal_flat(order):
+    g = torch.Generator(device=DEV).manual_seed(3)
+    b, nn, h, d, bs, nb = 16, 2, 64, 128, 64, 70
+    fmt = MX if order == "flat" else CacheFormat.tiled_mxfp4(32)
+    keys = torch.randn(nb * bs, d, device=DEV, generator=g)
+    flat = si.new_kv_cache(nb, bs, d, device=DEV, mxfp4=True)
+    kv = si.new_kv_cache(nb, bs, d, device=DEV, mxfp4=True)
+    si.write_k_cache(keys, flat, torch.arange(nb * bs, device=DEV), cache_format=MX, backend="triton")
+    si.write_k_cache(keys, kv, torch.arange(nb * bs, device=DEV), cache_format=fmt, backend="triton")
+    bt = torch.randperm(nb, device=DEV, generator=g)[: b * 4].view(b, 4).int()
+    cl = torch.randint(1, 4 * bs + 1, (b,), device=DEV, generator=g, dtype=torch.int32)
+    qv, qs = si.quantize_q_mxfp4(torch.randn(b * nn, h, d, device=DEV, generator=g))
+    qv, qs = qv.view(b, nn, h, d // 2), qs.view(b, nn, h, d // 32)
+    w = torch.randn(b * nn, h, device=DEV, generator=g)
+    want = si.fp8_paged_mqa_logits(qv, flat, w, cl, bt, cache_format=MX, q_scale=qs, backend="reference")
+    got = si.fp8_paged_mqa_logits(qv, kv, w, cl, bt, cache_format=fmt, q_scale=qs, backend="triton")
+    assert_logits(got, want, rtol_l2=1e-6)
+
+
+@pytest.mark.parametrize("next_n", [1, 2])
+def test_step_matches_the_reference_eager_and_graphed(next_n):
+    """The whole MXFP4 step (prefill chunks and decode) under auto on the GPU against the reference backend on the
+    same inputs, eager and replayed from a CUDA graph (decode only, the graph's part)."""
+    from buffers import IndexerLimits, allocate
+
+    lim = IndexerLimits(max_model_len=8192, max_num_batched_tokens=2048, max_num_seqs=16, next_n=next_n, n_heads=64,
+                        head_dim=128, topk=512, block_size=64, cache_format=CacheFormat.tiled_mxfp4(32))
+    g = torch.Generator().manual_seed(next_n)
+    seq = [8000, 3000, 600, 5000, 700, 1500]
+    qry = [next_n] * 4 + [500, 1000]
+    nb = sum(-(-s // 64) for s in seq) + 4
+    bt = torch.zeros(len(seq), 128, dtype=torch.int32)
+    perm, o = torch.randperm(nb, generator=g).int(), 0
+    for r, s in enumerate(seq):
+        bt[r, : -(-s // 64)] = perm[o : o + -(-s // 64)]
+        o += -(-s // 64)
+    pos = torch.cat([torch.arange(s - q, s) for s, q in zip(seq, qry)])
+    req = torch.cat([torch.full((q,), r) for r, q in enumerate(qry)])
+    slots = bt.long()[req, pos // 64] * 64 + pos % 64
+    t = sum(qry)
+    k = torch.randn(t, 128, generator=g).to(torch.bfloat16)
+    qv, qs = si.quantize_q_mxfp4(torch.randn(t, 64, 128, generator=g))
+    w = torch.randn(t, 64, generator=g) / 90.0
+    kv0 = si.new_kv_cache(nb, 64, 128, mxfp4=True)
+    hist = torch.randn(nb * 64, 128, generator=g)
+    si.write_k_cache(hist, kv0, torch.arange(nb * 64), cache_format=lim.cache_format, backend="reference")
+    outs = {}
+    for dev, backend in (("cpu", "reference"), (DEV, None)):
+        md = si.build_metadata(seq, qry, bt.to(dev), slots.to(dev), lim, num_blocks=nb)
+        kv = kv0.to(dev)
+        out = torch.full((t, 512), 7, dtype=torch.int32, device=dev)
+        si.sparse_attn_indexer(qv.to(dev), k.to(dev), w.to(dev), kv, md, allocate(lim, device=dev), out,
+                               q_scale=qs.to(dev), backend=backend)
+        outs[dev] = (out.cpu(), kv.cpu())
+    assert torch.equal(outs[DEV][1], outs["cpu"][1]), "the MXFP4 cache write differs"
+    a, b = outs[DEV][0], outs["cpu"][0]
+    overlap = torch.stack([torch.isin(a[i], b[i]).float().mean() for i in range(t)])
+    assert overlap.min() >= 0.98 and overlap.mean() >= 0.995, (overlap.min(), overlap.mean())  # near-ties only
+    # decode rows only, replayed from a CUDA graph
+    nd = next_n * 4
+    lim_d = lim
+    md = si.build_metadata(seq[:4], qry[:4], bt[:4].to(DEV), slots[:nd].to(DEV), lim_d, num_blocks=nb)
+    bufs = allocate(lim_d, device=DEV)
+    kv = outs[DEV][1].to(DEV)
+    q_d, qs_d, w_d = qv[:nd].to(DEV), qs[:nd].to(DEV), w[:nd].to(DEV)
+    out = torch.full((nd, 512), 7, dtype=torch.int32, device=DEV)
+    si.sparse_attn_indexer(q_d, None, w_d, kv, md, bufs, out, q_scale=qs_d)
+    eager = out.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        si.sparse_attn_indexer(q_d, None, w_d, kv, md, bufs, out, q_scale=qs_d)
+    out.fill_(7)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
