@@ -22,7 +22,7 @@ MX = CacheFormat(values="mxfp4")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d,bs", [(128, 64), (64, 16)])
 def test_write_and_gather_bytes(dtype, d, bs, order):
-    fmt = MX if order == "flat" else CacheFormat.tiled_mxfp4(32 if bs >= 32 else 16)
+    fmt = MX if order == "flat" else CacheFormat.tiled_mxfp4(32) if bs >= 32 else CacheFormat.tiled_mxfp4(16, 16, 2)
     g = torch.Generator(device=DEV).manual_seed(d + bs)
     nb = 40
     n = nb * bs - 7
