@@ -158,4 +158,4 @@ def test_step_matches_the_reference_eager_and_graphed(next_n):
     out.fill_(7)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, eager)
+    assert torch.equal(out.sort(1).values, eager.sort(1).values)  # (the top-k is a set: its order may vary)
