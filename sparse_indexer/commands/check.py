@@ -42,7 +42,7 @@ from ..fp8 import fp8_name, quantize_k, quantize_q
 from ..indexer import sparse_attn_indexer
 from ..kcache import cache_views, compressed_slot_mapping, new_kv_cache, slots_from_block_table
 from ..metadata import build_metadata
-from ..mxfp4 import quantize_k_mxfp4, quantize_q_mxfp4
+from ..mxfp4 import dequantize_mxfp4, quantize_k_mxfp4, quantize_q_mxfp4
 from ..ops.fp8_mqa_logits import fp8_mqa_logits
 from ..ops.fp8_mqa_topk import fp8_mqa_topk
 from ..ops.fp8_paged_mqa_logits import fp8_paged_mqa_logits, row_limits
@@ -381,6 +381,30 @@ def case_mxfp4_cache(ctx: Ctx, d: int, bs: int) -> tuple[str, str, bool]:
     return _logits_verdict(ctx, *logits_error(got, want, inside, clean=True))
 
 
+def case_mxfp4_paged_tiled(ctx: Ctx, next_n: int) -> tuple[str, str, bool]:
+    """The paged scores of an MXFP4 cache in aiter's tiled order (``tiled:32,16,2``: H = 64, D = 128, 64-entry
+    pages, what vLLM's ROCm MXFP4 caches hold), written by the reference; the backend's scores against the
+    reference's (aiter's own paged MXFP4 kernel on gfx950)."""
+    fmt = CacheFormat.tiled_mxfp4(32)
+    g = ctx.gen(290 + next_n)
+    h, d, bs, lens = 64, 128, 64, [5 * 64 + 9, 1, 64, 200]
+    nb = len(lens) * 6 + 2
+    kv = new_kv_cache(nb, bs, d, mxfp4=True)
+    write_k_cache(_keys(g, nb * bs, d), kv, torch.arange(nb * bs), cache_format=fmt, backend="reference")
+    table = torch.randperm(nb, generator=g)[: len(lens) * 6].view(len(lens), 6).int()  # 6 blocks per request
+    cl = torch.tensor(lens, dtype=torch.int32)
+    qv, qs = quantize_q_mxfp4(torch.randn(len(lens) * next_n, h, d, generator=g))
+    qv, qs = qv.view(len(lens), next_n, h, d // 2), qs.view(len(lens), next_n, h, d // 32)
+    w = torch.randn(len(lens) * next_n, h, generator=g) * (h * d) ** -0.5
+    want = fp8_paged_mqa_logits(qv, kv, w, cl, table, cache_format=fmt, q_scale=qs, backend="reference")
+    dev = ctx.device
+    got = fp8_paged_mqa_logits(qv.to(dev), kv.to(dev), w.to(dev), cl.to(dev), table.to(dev), cache_format=fmt,
+                               q_scale=qs.to(dev), backend=ctx.op_backend)
+    ctx.sync()
+    inside = torch.arange(want.shape[1])[None, :] < row_limits(cl, next_n)[:, None]
+    return _logits_verdict(ctx, *logits_error(got, want, inside, clean=True))
+
+
 def _paged_inputs(ctx: Ctx, g: torch.Generator, next_n: int, two_d: bool, h: int, d: int, bs: int):
     """Decode inputs of the paged cases: ``(q8 [B, next_n, H, D], weights, context_lens, block_table, the
     reference's cache, the backend's cache, row limits)`` for the requests of ``sizes.paged_ctx`` (1-D lengths,
@@ -628,6 +652,67 @@ def case_step(ctx: Ctx, next_n: int, decode_lens: tuple[int, ...], prefill: tupl
     return text, f"{tol:.0e}, 0 B", wrong == 0 and cache_ok and pad_ok
 
 
+def case_step_mxfp4(ctx: Ctx, next_n: int, tiled: bool) -> tuple[str, str, bool]:
+    """One ``sparse_attn_indexer`` step on an MXFP4 cache (docs/spec.md §3a; ``tiled``: aiter's page order):
+    decode requests and a prefill request whose new keys the step writes, against the reference backend's cache
+    bytes (exactly) and each row's float64 scores over the MXFP4 codes."""
+    g = ctx.gen(610 + next_n + tiled)
+    h, d, bs, topk = 16, 128, 64, 64
+    fmt = CacheFormat.tiled_mxfp4(32) if tiled else CacheFormat(values="mxfp4")
+    seq, qry = [600, 300, 40, 200], [next_n, next_n, next_n, 30]
+    max_blocks = max(-(-s // bs) for s in seq)
+    bt = torch.arange(len(seq) * max_blocks, dtype=torch.int32).view(len(seq), max_blocks)
+    nb = bt.numel()
+    hist = [_keys(g, s, d) for s in seq]
+    ref = new_kv_cache(nb, bs, d, mxfp4=True)
+    for r, (s, q) in enumerate(zip(seq, qry)):
+        write_k_cache(hist[r][: s - q], ref, slots_from_block_table(bt[r : r + 1], torch.arange(s - q)[None], bs)[0],
+                      cache_format=fmt, backend="reference")
+    kv = ref.to(ctx.device)
+    slots = torch.cat([slots_from_block_table(bt[r : r + 1], torch.arange(s - q, s)[None], bs)[0]
+                       for r, (s, q) in enumerate(zip(seq, qry))])
+    k_new = torch.cat([hist[r][s - q :] for r, (s, q) in enumerate(zip(seq, qry))])
+    n_tok = sum(qry)
+    qv, qs = quantize_q_mxfp4(torch.randn(n_tok, h, d, generator=g) + k_new.float()[:, None, :] * 0.3)
+    w = torch.randn(n_tok, h, generator=g) * (h * d) ** -0.5
+    lim = IndexerLimits(max_model_len=max(seq), max_num_batched_tokens=n_tok, max_num_seqs=len(seq), next_n=next_n,
+                        n_heads=h, head_dim=d, topk=topk, block_size=bs, cache_format=fmt,
+                        max_logits_bytes=4 * 200 * 20)
+
+    def one(dev, backend, cache):
+        md = build_metadata(seq, qry, bt.to(dev), slots.to(dev), lim, num_blocks=nb)
+        out = torch.full((n_tok, topk), -7, dtype=torch.int32, device=dev)
+        sparse_attn_indexer(qv.to(dev), k_new.to(dev), w.to(dev), cache, md, allocate(lim, dev), out,
+                            q_scale=qs.to(dev), backend=backend)
+        return out
+
+    one(CPU, "reference", ref)
+    got = one(ctx.device, ctx.op_backend, kv)
+    ctx.sync()
+    got = got.cpu()
+    cache_off = int((kv.cpu() != ref).sum())
+    q64 = dequantize_mxfp4(qv, qs, torch.float64)
+    tol = 1e-5 if ctx.device.type == "cpu" else 1e-4
+    worst, wrong, row = 0.0, 0, 0
+    for r, (s, q) in enumerate(zip(seq, qry)):
+        k64 = dequantize_mxfp4(*quantize_k_mxfp4(hist[r]), torch.float64)
+        for j in range(q):
+            n = s - q + j + 1
+            vals = w[row].double() @ (q64[row] @ k64[:n].T).clamp(min=0)
+            sel = got[row].long()
+            if n <= topk:
+                wrong += not torch.equal(sel.sort().values[topk - n :], torch.arange(n))
+            elif bool(((sel < 0) | (sel >= n)).any()) or sel.unique().numel() != topk:
+                wrong += 1
+            else:
+                short = float((vals.topk(topk).values[-1] - vals[sel]).max()) / max(float(vals.abs().max()), 1e-300)
+                worst = max(worst, short)
+                wrong += short > tol
+            row += 1
+    text = f"{wrong}/{n_tok} rows wrong (worst {worst:.0e}), cache {cache_off} B off"
+    return text, f"{tol:.0e}, 0 B", wrong == 0 and cache_off == 0
+
+
 # ---------------------------------------------------------------------------------------------- the list
 def _candidate_logits(g: torch.Generator, r: int, w: int, special: bool) -> torch.Tensor:
     x = torch.randn(r, w, generator=g)
@@ -691,6 +776,8 @@ def cases(sizes: Sizes) -> list[tuple[str, str, Callable[[Ctx], tuple[str, str, 
         ("fp8_mqa_logits", "MXFP4 H=8 D=64 clean=False", lambda c: case_ragged_mxfp4(c, 8, 64, False)),
         ("fp8_paged_mqa_logits", "MXFP4 cache: write, gather, scores D=128 bs=16",
          lambda c: case_mxfp4_cache(c, 128, 16)),
+        ("fp8_paged_mqa_logits", "MXFP4 tiled:32,16,2 cache, next_n=2, H=64",
+         lambda c: case_mxfp4_paged_tiled(c, 2)),
     ]
     for nn in (1, 2, 3, 4):
         out.append(("fp8_paged_mqa_logits", f"next_n={nn} context_lens [B]",
@@ -726,6 +813,7 @@ def cases(sizes: Sizes) -> list[tuple[str, str, Callable[[Ctx], tuple[str, str, 
         # DeepSeek-V4's compressed indexer: one key per 4 tokens, topk 512 (V4-Flash) and 1024 (V4-Pro)
         ("step", "C=4 topk=512 next_n=2 packed decode + prefill",
          lambda c: case_step(c, 2, (2, 1, 2), ((800, 150),), 2, c=4, topk=512)),
+        ("step", "MXFP4 tiled:32,16,2 next_n=2 decode + prefill", lambda c: case_step_mxfp4(c, 2, True)),
         ("step", "C=4 topk=1024 next_n=1 decode + prefill",
          lambda c: case_step(c, 1, (1, 1), ((900, 90), (2, 5)), 0, c=4, topk=1024)),
     ]

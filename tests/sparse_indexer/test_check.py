@@ -35,7 +35,7 @@ def test_check_passes_on_cpu():
     r = _run(["--device", "cpu", "--op", "fp8_paged_mqa_logits", "--seed", "5"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "TRITON_INTERPRET=1" in r.stdout
-    assert len(_rows(r.stdout, " ok")) == 9, r.stdout  # 4 next_n x 1-D, 3 x 2-D, one H=32/D=64, one MXFP4 case
+    assert len(_rows(r.stdout, " ok")) == 10, r.stdout  # 4 next_n x 1-D, 3 x 2-D, one H=32/D=64, two MXFP4 cases
     assert "check passed" in r.stdout
 
 

@@ -9,6 +9,11 @@
   scratch (``Buffers.qk``, planned with ``IndexerLimits(with_qk=True)``), summed over heads into ``out``.
   Block size 1 only; without ``qk`` it raises ``NotImplementedError``.
 
+* gfx950, MXFP4 (docs/spec.md §3a): ``paged_mxfp4_mqa_logits`` (aiter's paged MXFP4 kernel,
+  ``aiter.ops.triton.attention.pa_mqa_logits_mxfp4``) reads the cache in place in the tiled order its
+  ``cache_format(H, D, block_size)`` describes (``CacheFormat.tiled_mxfp4``); another order raises
+  ``NotImplementedError``, as does any other architecture.
+
 aiter takes one context length per request; :func:`per_sequence_context_lens` derives it from our 1-D or 2-D
 ``context_lens``. aiter does not fill cells outside the windows; ``clean=True`` fills them afterwards.
 """
@@ -90,8 +95,11 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
     only where it is this backend's own (float32 scales; the preshuffled order exactly where its gfx942/gfx950
     kernel reads it); anything else raises ``NotImplementedError`` (auto falls back).
     """
-    if cache_values != "fp8" or q_scale is not None:
-        raise NotImplementedError("the aiter backend does not score MXFP4 caches (docs/spec.md §3a)")
+    if cache_values == "mxfp4":
+        _mxfp4(q, q_scale, kv_cache, weights, context_lens, block_table, out, clean, indices, cache_order)
+        return
+    if q_scale is not None:
+        raise NotImplementedError("q_scale (MXFP4 queries) needs an MXFP4 cache")
     if cache_fp8_dtype is not None and cache_fp8_dtype != q.dtype:
         raise NotImplementedError(f"{q.dtype} queries against a {cache_fp8_dtype} cache (a declared mix of formats)")
     if cache_scale != "float32":
@@ -128,3 +136,39 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
         torch.sum(qk, dim=0, out=out)
     if clean:
         mask_outside(out, row_limits(context_lens, nn))
+
+
+def mxfp4_order(num_heads: int, head_dim: int, block_size: int) -> str:
+    """The MXFP4 byte order aiter's paged MXFP4 kernel reads for ``num_heads`` heads of ``head_dim`` in
+    ``block_size``-entry pages (``"tiled:N,C,L"``, from its ``cache_format``; ``L = 64 // N`` unless it says)."""
+    fmt = aiter_triton_module("pa_mqa_logits_mxfp4").cache_format(num_heads, head_dim, block_size)
+    n = int(fmt["n_per_tile"])
+    return f"tiled:{n},{int(fmt['d_per_tile'])},{int(fmt.get('scale_lanes', 64 // n))}"
+
+
+def _mxfp4(q, q_scale, kv_cache, weights, context_lens, block_table, out, clean, indices, order) -> None:
+    """MXFP4 queries against an MXFP4 cache through aiter's ``paged_mxfp4_mqa_logits`` (gfx950): one context length
+    per request (:func:`per_sequence_context_lens`) and every row's own bound (``row_ends``), float32 logits
+    written inside the windows (``clean_logits=False``; ``clean`` fills the rest afterwards)."""
+    arch = gcn_arch(q.device)
+    if arch != "gfx950":
+        raise NotImplementedError(f"aiter's paged MXFP4 logits run on gfx950, not {arch}")
+    b, nn, h, half = q.shape
+    bs = kv_cache.shape[1]
+    want = mxfp4_order(h, 2 * half, bs)
+    if order != want:
+        raise NotImplementedError(f"aiter's paged MXFP4 logits read the order {want!r} for H={h}, D={2 * half}, "
+                                  f"block_size={bs}; the cache is {order!r}")
+    if out.dtype != torch.float32:
+        raise NotImplementedError(f"aiter's paged MXFP4 logits write float32, got out of dtype {out.dtype}")
+    w = out.shape[1]
+    if b == 0 or w == 0:
+        return
+    if indices is not None:
+        block_table = block_table.index_select(0, indices.long())
+    limits = row_limits(context_lens, nn).to(torch.int32)
+    mod = aiter_triton_module("pa_mqa_logits_mxfp4")
+    mod.paged_mxfp4_mqa_logits(q, q_scale, kv_cache.unsqueeze(2), weights, per_sequence_context_lens(context_lens, nn),
+                               block_table, w, out_logits=out, clean_logits=False, row_ends=limits)
+    if clean:
+        mask_outside(out, limits)

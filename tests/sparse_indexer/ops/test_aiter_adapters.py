@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import sparse_indexer as si
+from buffers import CacheFormat
 from sparse_indexer.ops.fp8_mqa_logits import aiter as mqa_aiter
 from sparse_indexer.ops.fp8_mqa_logits import reference as mqa_ref
 from sparse_indexer.ops.fp8_paged_mqa_logits import aiter as paged_aiter
@@ -143,6 +144,26 @@ def fake_stage1(q, kv4, weights, out_qk, ctx, block_table, max_model_len, ChunkQ
         out_qk[head] = tmp
 
 
+def fake_cache_format(num_heads, head_size, page_size):  # aiter's published rule
+    return {"n_per_tile": 32 if head_size <= 64 or num_heads >= 32 else 16, "d_per_tile": 16,
+            "block_kv": min(64, page_size)}
+
+
+def fake_paged_mxfp4(q, q_scale, kv4, weights, context_lens, block_table, max_model_len, *, out_logits,
+                     clean_logits=True, row_ends=None, **_):
+    """aiter's semantics: ``context_lens`` one per sequence, ``row_ends`` (when given) each row's own bound;
+    writes only inside the windows with ``clean_logits=False``."""
+    b, nn, h, half = q.shape
+    f = fake_cache_format(h, 2 * half, kv4.shape[1])
+    order = f"tiled:{f['n_per_tile']},{f['d_per_tile']},{64 // f['n_per_tile']}"
+    ends = row_ends.view(b, nn) if row_ends is not None else context_lens
+    tmp = torch.empty_like(out_logits)
+    paged_ref.fp8_paged_mqa_logits(q, kv4[:, :, 0, :], weights, ends, block_table, out=tmp, clean=True,
+                                   cache_values="mxfp4", cache_order=order, q_scale=q_scale)
+    inside = torch.arange(out_logits.shape[1])[None] < si.row_limits(ends, nn)[:, None]
+    out_logits.copy_(torch.where(inside, tmp, out_logits if not clean_logits else float("-inf")))
+
+
 def fake_mqa(q, k, ks, w, s, e, clean_logits=True):
     assert q.dtype == k.dtype
     full = torch.full((q.shape[0], (k.shape[0] + 255) // 256 * 256), 123.0)
@@ -168,6 +189,8 @@ def fake_aiter(monkeypatch):
     mod("aiter.ops.triton.attention.pa_mqa_logits", deepgemm_fp8_paged_mqa_logits=fake_paged,
         deepgemm_fp8_paged_mqa_logits_stage1=fake_stage1)
     mod("aiter.ops.triton.attention.fp8_mqa_logits", fp8_mqa_logits=fake_mqa)
+    mod("aiter.ops.triton.attention.pa_mqa_logits_mxfp4", cache_format=fake_cache_format,
+        paged_mxfp4_mqa_logits=fake_paged_mxfp4)
     mod("aiter.ops.topk", top_k_per_row_prefill=fake_topk_prefill)
 
     def set_arch(arch):
@@ -203,6 +226,41 @@ def test_paged_logits_through_aiter_adapter(fake_aiter, arch, fp8, bs, clean):
     torch.testing.assert_close(out_a[inside], out_r[inside], rtol=1e-6, atol=1e-6)
     if clean:
         assert (out_a[~inside] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("two_d", [False, True])
+@pytest.mark.parametrize("clean", [True, False])
+def test_mxfp4_paged_logits_through_aiter_adapter(fake_aiter, two_d, clean):
+    fake_aiter("gfx950")
+    g = torch.Generator().manual_seed(7)
+    b, nn, h, d, bs, nb = 3, 2, 64, 128, 64, 12
+    fmt = CacheFormat.tiled_mxfp4(32)
+    assert paged_aiter.mxfp4_order(h, d, bs) == fmt.order
+    kv = si.new_kv_cache(nb, bs, d, mxfp4=True)
+    si.write_k_cache(torch.randn(nb * bs, d, generator=g), kv, torch.arange(nb * bs), cache_format=fmt,
+                     backend="reference")
+    qv, qs = si.quantize_q_mxfp4(torch.randn(b * nn, h, d, generator=g))
+    qv, qs = qv.view(b, nn, h, d // 2), qs.view(b, nn, h, d // 32)
+    w = torch.randn(b * nn, h, generator=g)
+    cl = torch.tensor([70, 250, 1], dtype=torch.int32)
+    if two_d:  # a packed decode: request 1 has one real row
+        cl = torch.tensor([[69, 70], [250, 0], [0, 1]], dtype=torch.int32)
+    bt = torch.randperm(nb, generator=g)[: b * 4].view(b, 4).int()
+    want = torch.full((b * nn, 300), 9.0)
+    got = want.clone()
+    paged_ref.fp8_paged_mqa_logits(qv, kv, w, cl, bt, out=want, clean=clean, cache_values="mxfp4",
+                                   cache_order=fmt.order, q_scale=qs)
+    paged_aiter.fp8_paged_mqa_logits(qv, kv, w, cl, bt, out=got, clean=clean, cache_values="mxfp4",
+                                     cache_order=fmt.order, q_scale=qs)
+    inside = torch.arange(300)[None] < si.row_limits(cl, nn)[:, None]
+    torch.testing.assert_close(got[inside], want[inside], rtol=0, atol=0)
+    assert (got[~inside] == (float("-inf") if clean else 9.0)).all()
+    with pytest.raises(NotImplementedError, match="order"):
+        paged_aiter.fp8_paged_mqa_logits(qv, kv, w, cl, bt, out=got, clean=clean, cache_values="mxfp4", q_scale=qs)
+    fake_aiter("gfx942")
+    with pytest.raises(NotImplementedError, match="gfx950"):
+        paged_aiter.fp8_paged_mqa_logits(qv, kv, w, cl, bt, out=got, clean=clean, cache_values="mxfp4",
+                                         cache_order=fmt.order, q_scale=qs)
 
 
 def test_paged_adapter_refuses_what_aiter_cannot_read(fake_aiter):
