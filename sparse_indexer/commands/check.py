@@ -481,8 +481,8 @@ def case_paged_topk(ctx: Ctx, next_n: int, two_d: bool, dtype: torch.dtype, give
 
 def case_ragged_topk(ctx: Ctx, topk: int, block_rows: int | None, dtype: torch.dtype, h: int = 32,
                      d: int = 64) -> tuple[str, str, bool]:
-    """``fp8_mqa_topk`` on causal windows as :func:`case_ragged`'s (``block_rows``: a scratch of that many rows,
-    the rows in blocks; ``None``: the whole ``[M, N]`` scratch, whose scores are then judged too)."""
+    """``fp8_mqa_topk`` on causal windows as :func:`case_ragged`'s (``block_rows``: a scratch of that many rows (at
+    most ``M``), the rows in blocks; ``None``: the whole ``[M, N]`` scratch, whose scores are then judged too)."""
     if ctx.fp8 != FN:
         raise NotImplementedError("checked in e4m3fn only")
     g = ctx.gen(800 + topk + (block_rows or 0))
@@ -503,7 +503,7 @@ def case_ragged_topk(ctx: Ctx, topk: int, block_rows: int | None, dtype: torch.d
                  backend="reference")
     dev = ctx.device
     out = torch.full((m, topk), -7, dtype=torch.int32, device=dev)
-    logits = torch.full((block_rows or m, n), float("nan"), dtype=dtype, device=dev)
+    logits = torch.full((min(block_rows, m) if block_rows else m, n), float("nan"), dtype=dtype, device=dev)
     fp8_mqa_topk(q8.to(dev), k8.to(dev), ks.to(dev), w.to(dev), st.to(dev), en.to(dev), out=out, logits=logits,
                  backend=ctx.op_backend)
     ctx.sync()
@@ -840,6 +840,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "to 16K, top-k 2048 of 64K); auto = small on the CPU, full on a GPU (default: %(default)s)")
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the random inputs (default: a fresh one, printed so a run can be repeated)")
+    p.add_argument("--fuzz", type=int, default=None, metavar="N",
+                   help="instead of the fixed cases, N random ones drawn across the contract (shapes, formats, "
+                        "lengths, values), each replayable alone from the seed it prints (sparse_indexer/commands/"
+                        "fuzz.py)")
 
 
 def _backends(requested: str, device: torch.device) -> list[str]:
@@ -907,6 +911,16 @@ def run(args) -> int:
     backends = _backends(args.backend, device)
     sizes = {"small": SMALL, "full": FULL}.get(args.size, SMALL if device.type == "cpu" else FULL)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(3), "little")
+    if args.fuzz is not None:
+        if args.fuzz < 1:
+            raise UsageError(f"--fuzz N needs N >= 1, got {args.fuzz}")
+        if args.op != "all" or args.size != "auto":
+            raise UsageError("--fuzz draws its ops and sizes itself: leave --op and --size at their defaults")
+        from .fuzz import run_fuzz
+
+        print(f"sparse-indexer check --fuzz on {_device_name(device)}: {', '.join(backends)} against the reference "
+              f"backend on the CPU ({_versions()})" + (f"; {note}" if note else ""))
+        return run_fuzz(args.fuzz, seed, device, backends)
     todo = [c for c in cases(sizes) if args.op in ("all", c[0])]
     backends = [b for b in backends if any(op in _ops_of(b) for op, _, _ in todo)]
     if not backends:
