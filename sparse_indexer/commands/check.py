@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ from ..testing import (
     topk_errors,
 )
 from .cli import UsageError, require_backend, resolve_device, run_command, use_triton_interpreter
+from .fuzz import run_fuzz
 
 __all__ = ["CHECKS", "add_arguments", "run", "main"]
 
@@ -604,7 +606,7 @@ def case_step(ctx: Ctx, next_n: int, decode_lens: tuple[int, ...], prefill: tupl
         q8 = torch.cat([q8, q8[:pad_rows]])
         w = torch.cat([w, w[:pad_rows]])
     slots = compressed_slot_mapping(bt_full, seq, qry, bs, compress_ratio=c)
-    longest = max(s // c * q for s, q in zip(seq[len(decode_lens):], qry[len(decode_lens):]))
+    longest = max((s // c * q for s, q in zip(seq[len(decode_lens):], qry[len(decode_lens):])), default=0)
     lim = IndexerLimits(max_model_len=max(seq), max_num_batched_tokens=max(t, len(seq)), max_num_seqs=len(seq),
                         next_n=next_n, n_heads=h, head_dim=d, topk=topk, block_size=bs, compress_ratio=c,
                         fp8_dtype=ctx.fp8, max_logits_bytes=max(4 * (max(seq) // c), longest * 4 // 3))
@@ -916,11 +918,9 @@ def run(args) -> int:
             raise UsageError(f"--fuzz N needs N >= 1, got {args.fuzz}")
         if args.op != "all" or args.size != "auto":
             raise UsageError("--fuzz draws its ops and sizes itself: leave --op and --size at their defaults")
-        from .fuzz import run_fuzz
-
         print(f"sparse-indexer check --fuzz on {_device_name(device)}: {', '.join(backends)} against the reference "
               f"backend on the CPU ({_versions()})" + (f"; {note}" if note else ""))
-        return run_fuzz(args.fuzz, seed, device, backends)
+        return run_fuzz(args.fuzz, seed, device, backends, sys.modules[__name__])
     todo = [c for c in cases(sizes) if args.op in ("all", c[0])]
     backends = [b for b in backends if any(op in _ops_of(b) for op, _, _ in todo)]
     if not backends:

@@ -21,8 +21,6 @@ from collections.abc import Callable
 
 import torch
 
-from . import check as C
-
 __all__ = ["draw_case", "draw_sizes", "run_fuzz"]
 
 FUZZ_OPS = ("write_k_cache", "gather_k_cache", "fp8_mqa_logits", "fp8_paged_mqa_logits", "top_k_per_row",
@@ -39,8 +37,9 @@ def _lengths(rng: random.Random, n: int, topk: int, bs: int, longest: int) -> tu
     return tuple(out)
 
 
-def draw_sizes(rng: random.Random, gpu: bool) -> C.Sizes:
-    """Sizes of one case: the lengths every case reads (:class:`~.check.Sizes`), GPU-sized or interpreter-sized."""
+def draw_sizes(rng: random.Random, gpu: bool, C) -> object:
+    """Sizes of one case: the lengths every case reads (``C.Sizes``, ``C`` the :mod:`.check` module), GPU-sized
+    or interpreter-sized."""
     topk = rng.choice((512, 1024, 2048)) if gpu else rng.choice((64, 128, 256))
     longest = rng.choice((2, 3, 4, 8)) * topk if gpu else rng.randint(topk + 2, 3 * topk)
     bs = rng.choice((16, 64))
@@ -53,8 +52,9 @@ def draw_sizes(rng: random.Random, gpu: bool) -> C.Sizes:
                    topk_rows=rng.randint(3, 16), step_ctx=max(topk + 2, longest), step_topk=topk)
 
 
-def draw_case(rng: random.Random, gpu: bool) -> tuple[str, str, Callable]:
-    """One case: ``(op, description, fn(ctx) -> (measured, tolerance, ok))`` with every parameter drawn."""
+def draw_case(rng: random.Random, gpu: bool, C) -> tuple[str, str, Callable]:
+    """One case of the :mod:`.check` module ``C``: ``(op, description, fn(ctx) -> (measured, tolerance, ok))`` with
+    every parameter drawn."""
     op = rng.choice(FUZZ_OPS)
     h, d = rng.choice((16, 32, 64)), rng.choice((64, 128))
     bs = rng.choice((1, 16, 32, 64))
@@ -119,8 +119,9 @@ def draw_case(rng: random.Random, gpu: bool) -> tuple[str, str, Callable]:
         lambda c: C.case_step(c, nn, decode, prefill, pad, h, d, bss, c=cr, topk=topk)
 
 
-def run_fuzz(n: int, seed: int, device: torch.device, backends: list[str]) -> int:
-    """``n`` random cases on ``device``, each on one of ``backends`` (drawn) against the CPU reference; prints
+def run_fuzz(n: int, seed: int, device: torch.device, backends: list[str], C) -> int:
+    """``n`` random cases of the :mod:`.check` module ``C`` (passed in: it calls this module) on ``device``, each on
+    one of ``backends`` (drawn) against the CPU reference; prints
     progress, every failure with its seed, and a summary. 0 when every case passed (or was not implemented by
     its backend), 1 otherwise."""
     gpu = device.type != "cpu"
@@ -132,8 +133,8 @@ def run_fuzz(n: int, seed: int, device: torch.device, backends: list[str]) -> in
     for i in range(n):
         s = seed + i
         rng = random.Random(s)
-        op, name, fn = draw_case(rng, gpu)
-        sizes = draw_sizes(rng, gpu)
+        op, name, fn = draw_case(rng, gpu, C)
+        sizes = draw_sizes(rng, gpu, C)
         usable = [b for b in backends if op in C._ops_of(b)]
         if not usable:
             counts["n/a"] += 1

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from sparse_indexer.commands import fuzz
+from sparse_indexer.commands import check, fuzz
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,29 +19,29 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_a_case_is_a_function_of_its_seed():
     for s in range(200, 260):
         a, b = random.Random(s), random.Random(s)
-        op_a, name_a, _ = fuzz.draw_case(a, False)
-        op_b, name_b, _ = fuzz.draw_case(b, False)
-        assert (op_a, name_a, fuzz.draw_sizes(a, False)) == (op_b, name_b, fuzz.draw_sizes(b, False))
-    ops = {fuzz.draw_case(random.Random(s), True)[0] for s in range(400)}
+        op_a, name_a, _ = fuzz.draw_case(a, False, check)
+        op_b, name_b, _ = fuzz.draw_case(b, False, check)
+        assert (op_a, name_a, fuzz.draw_sizes(a, False, check)) == (op_b, name_b, fuzz.draw_sizes(b, False, check))
+    ops = {fuzz.draw_case(random.Random(s), True, check)[0] for s in range(400)}
     assert ops == set(fuzz.FUZZ_OPS), "every op is drawn"
 
 
 def test_failures_are_reported_with_their_seed(monkeypatch, capsys):
     verdicts = iter([("fine", "0", True), ("3 rows wrong", "0", False), ("fine", "0", True)])
 
-    def fake_case(rng, gpu):
+    def fake_case(rng, gpu, C):
         rng.random()
         return "top_k_per_row", "fake", lambda ctx: next(verdicts)
 
     monkeypatch.setattr(fuzz, "draw_case", fake_case)
-    rc = fuzz.run_fuzz(3, 50, torch.device("cpu"), ["triton"])
+    rc = fuzz.run_fuzz(3, 50, torch.device("cpu"), ["triton"], check)
     out = capsys.readouterr().out
     assert rc == 1 and "FAILED seed 51" in out and "seeds 51" in out and "3 rows wrong" in out
 
 
 def test_a_short_fuzz_run_passes_on_the_cpu():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-m", "sparse_indexer", "check", "--device", "cpu", "--fuzz", "20",
+    r = subprocess.run([sys.executable, "-m", "sparse_indexer", "check", "--device", "cpu", "--fuzz", "12",
                         "--seed", "20261202"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert "fuzz passed" in r.stdout and "20 cases" in r.stdout
+    assert "fuzz passed" in r.stdout and "12 cases" in r.stdout
