@@ -916,11 +916,11 @@ def run(args) -> int:
     if args.fuzz is not None:
         if args.fuzz < 1:
             raise UsageError(f"--fuzz N needs N >= 1, got {args.fuzz}")
-        if args.op != "all" or args.size != "auto":
-            raise UsageError("--fuzz draws its ops and sizes itself: leave --op and --size at their defaults")
+        if args.op != "all":
+            raise UsageError("--fuzz draws its ops itself: leave --op at its default")
         print(f"sparse-indexer check --fuzz on {_device_name(device)}: {', '.join(backends)} against the reference "
               f"backend on the CPU ({_versions()})" + (f"; {note}" if note else ""))
-        return run_fuzz(args.fuzz, seed, device, backends, sys.modules[__name__])
+        return run_fuzz(args.fuzz, seed, device, backends, sys.modules[__name__], large=sizes is FULL)
     todo = [c for c in cases(sizes) if args.op in ("all", c[0])]
     backends = [b for b in backends if any(op in _ops_of(b) for op, _, _ in todo)]
     if not backends:

@@ -3,7 +3,8 @@
 lengths drawn across the contract, and its values from its own seed.
 
 Case ``i`` of a run is a pure function of the seed ``S + i``: a failure prints that seed, and ``--fuzz 1 --seed
-S + i`` replays exactly that case (with the same ``--device``, ``--backend`` and ``--size``).
+S + i`` replays exactly that case (with the same ``--device``, ``--backend`` and ``--size``). ``--size small``
+draws the interpreter's shapes also on a GPU (many cases a second), ``full`` (a GPU's default) GPU-sized ones.
 
 What is drawn (docs/spec.md): H 16/32/64, D 64/128, block sizes 1-64, next_n 1-4, compress ratios 1/2/4, top-k
 (512/1024/2048 on a GPU; 64-256 on the CPU, where Triton's interpreter runs the kernels), both FP8 formats where
@@ -119,13 +120,15 @@ def draw_case(rng: random.Random, gpu: bool, C) -> tuple[str, str, Callable]:
         lambda c: C.case_step(c, nn, decode, prefill, pad, h, d, bss, c=cr, topk=topk)
 
 
-def run_fuzz(n: int, seed: int, device: torch.device, backends: list[str], C) -> int:
+def run_fuzz(n: int, seed: int, device: torch.device, backends: list[str], C, large: bool | None = None) -> int:
     """``n`` random cases of the :mod:`.check` module ``C`` (passed in: it calls this module) on ``device``, each on
-    one of ``backends`` (drawn) against the CPU reference; prints
+    one of ``backends`` (drawn) against the CPU reference, GPU-sized shapes when ``large`` (default: on a GPU) and
+    interpreter-sized ones otherwise (``--size``); prints
     progress, every failure with its seed, and a summary. 0 when every case passed (or was not implemented by
     its backend), 1 otherwise."""
-    gpu = device.type != "cpu"
-    print(f"fuzz: {n} random cases from seed {seed} (case i replays alone with --fuzz 1 --seed {seed}+i)")
+    gpu = device.type != "cpu" if large is None else large
+    print(f"fuzz: {n} random cases from seed {seed}, {'GPU' if gpu else 'interpreter'}-sized (case i replays alone "
+          f"with --fuzz 1 --seed {seed}+i and the same --size)")
     t0 = time.perf_counter()
     counts = {"ok": 0, "n/a": 0, "MISMATCH": 0, "ERROR": 0}
     failures = []
