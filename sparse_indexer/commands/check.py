@@ -323,7 +323,7 @@ def case_ragged_mxfp4(ctx: Ctx, h: int, d: int, clean: bool) -> tuple[str, str, 
     keys = _keys(g, n, d)
     kv, ks = quantize_k_mxfp4(keys)
     m = 2 * h
-    starts = torch.randint(0, n // 2, (m,), generator=g, dtype=torch.int32)
+    starts = torch.randint(0, max(1, n // 2), (m,), generator=g, dtype=torch.int32)
     ends = torch.randint(n // 2, n + 1, (m,), generator=g, dtype=torch.int32)
     qv, qs = quantize_q_mxfp4(torch.randn(m, h, d, generator=g) + keys[ends.long() - 1].float()[:, None, :] * 0.5)
     w = torch.randn(m, h, generator=g) * h**-0.5 * d**-0.5
@@ -558,10 +558,11 @@ def _scores64(keys: torch.Tensor, q8: torch.Tensor, w: torch.Tensor, fp8) -> tor
 
 def case_step(ctx: Ctx, next_n: int, decode_lens: tuple[int, ...], prefill: tuple[tuple[int, int], ...],
               pad_rows: int, h: int = 64, d: int = 128, bs: int = 64, c: int = 1,
-              topk: int | None = None) -> tuple[str, str, bool]:
+              topk: int | None = None, split: bool = True) -> tuple[str, str, bool]:
     """One ``sparse_attn_indexer`` step: decode requests with ``decode_lens`` new tokens (contexts between a
     quarter of ``step_ctx`` and ``step_ctx``), prefill requests ``(context in thousandths of step_ctx, new
-    tokens)``, ``pad_rows`` padding tokens; the prefill logits cap splits the longest prefill along its queries.
+    tokens)``, ``pad_rows`` padding tokens; the prefill logits cap splits the longest prefill along its queries
+    (``split``: and the case insists that it did; the fuzz's drawn steps need not split).
 
     ``c > 1``: a compressed cache of one key per ``c`` tokens (DeepSeek-V4's indexer, docs/spec.md §4a): contexts
     are ``c`` times longer (``step_ctx`` keys at most, and more keys than ``topk``), a token writes a key only
@@ -603,8 +604,9 @@ def case_step(ctx: Ctx, next_n: int, decode_lens: tuple[int, ...], prefill: tupl
     k_new = torch.stack(k_rows)
     q8, w = _queries(g, n_tok, h, d, ctx.fp8, k_new)
     if pad_rows:
-        q8 = torch.cat([q8, q8[:pad_rows]])
-        w = torch.cat([w, w[:pad_rows]])
+        again = torch.arange(pad_rows) % n_tok  # padding rows: copies of real rows (as many as asked)
+        q8 = torch.cat([q8, q8[again]])
+        w = torch.cat([w, w[again]])
     slots = compressed_slot_mapping(bt_full, seq, qry, bs, compress_ratio=c)
     longest = max((s // c * q for s, q in zip(seq[len(decode_lens):], qry[len(decode_lens):])), default=0)
     lim = IndexerLimits(max_model_len=max(seq), max_num_batched_tokens=max(t, len(seq)), max_num_seqs=len(seq),
@@ -620,7 +622,7 @@ def case_step(ctx: Ctx, next_n: int, decode_lens: tuple[int, ...], prefill: tupl
         return md, out
 
     md, _ = one(CPU, "reference", ref_full)  # the reference's cache bytes are the baseline
-    if sum(ch.gather for ch in md.prefill_chunks) == len(md.prefill_chunks) and len(prefill) > 0:
+    if split and sum(ch.gather for ch in md.prefill_chunks) == len(md.prefill_chunks) and len(prefill) > 0:
         raise AssertionError("the case meant to split a prefill along its queries did not")
     _, got = one(ctx.device, ctx.op_backend, kv_full)
     ctx.sync()

@@ -117,7 +117,7 @@ def draw_case(rng: random.Random, gpu: bool, C) -> tuple[str, str, Callable]:
     topk = rng.choice((512, 1024)) if cr > 1 else None
     return op, (f"C={cr} next_n={nn} decode={decode} prefill={prefill} pad={pad} H={h} D={d} bs={bss}"
                 + (f" topk={topk}" if topk else "")), \
-        lambda c: C.case_step(c, nn, decode, prefill, pad, h, d, bss, c=cr, topk=topk)
+        lambda c: C.case_step(c, nn, decode, prefill, pad, h, d, bss, c=cr, topk=topk, split=False)
 
 
 def run_fuzz(n: int, seed: int, device: torch.device, backends: list[str], C, large: bool | None = None) -> int:
