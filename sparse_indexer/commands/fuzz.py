@@ -131,7 +131,7 @@ def run_fuzz(n: int, seed: int, device: torch.device, backends: list[str], C, la
           f"with --fuzz 1 --seed {seed}+i and the same --size)")
     t0 = time.perf_counter()
     counts = {"ok": 0, "n/a": 0, "MISMATCH": 0, "ERROR": 0}
-    failures = []
+    failures, by_op = [], {}
     every = max(1, n // 20)
     for i in range(n):
         s = seed + i
@@ -155,6 +155,7 @@ def run_fuzz(n: int, seed: int, device: torch.device, backends: list[str], C, la
         counts[status] += 1
         if status in ("MISMATCH", "ERROR"):
             failures.append(s)
+            by_op[op] = by_op.get(op, 0) + 1
             print(f"  FAILED seed {s}: {op} / {b} / {C.fp8_name(fp8)} / {name} / {sizes}: {err} (tolerance {tol})",
                   flush=True)
         if (i + 1) % every == 0 or i + 1 == n:
@@ -163,6 +164,7 @@ def run_fuzz(n: int, seed: int, device: torch.device, backends: list[str], C, la
     print(f"\nfuzz: {n} cases in {time.perf_counter() - t0:.1f} s: {counts['ok']} ok, {counts['n/a']} not "
           f"implemented by the drawn backend, {counts['MISMATCH']} mismatched, {counts['ERROR']} failed with an error")
     if failures:
+        print("failed cases by op: " + ", ".join(f"{k} {v}" for k, v in sorted(by_op.items())))
         print(f"fuzz FAILED: seeds {', '.join(map(str, failures))} (replay one with --fuzz 1 --seed <seed>)")
         return 1
     print("fuzz passed")
