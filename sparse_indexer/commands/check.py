@@ -847,7 +847,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fuzz", type=int, default=None, metavar="N",
                    help="instead of the fixed cases, N random ones drawn across the contract (shapes, formats, "
                         "lengths, values), each replayable alone from the seed it prints (sparse_indexer/commands/"
-                        "fuzz.py)")
+                        "fuzz.py) (default: %(default)s, the fixed cases)")
 
 
 def _backends(requested: str, device: torch.device) -> list[str]:
