@@ -170,7 +170,7 @@ class Buffers:
 
     @property
     def head_dim(self) -> int:
-        return self.k_fp8.shape[1] * 2 if self.k_fp8.dtype == torch.uint8 else self.k_fp8.shape[1]
+        return self.k_fp8.shape[1] * 2 if self.mxfp4 else self.k_fp8.shape[1]
 
     @property
     def k_capacity(self) -> int:

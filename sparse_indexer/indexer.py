@@ -308,23 +308,21 @@ def _check(q_fp8, weights, kv_cache, metadata, buffers, topk_out, k, prefill: bo
         raise ValueError(f"q_fp8 has H={h}, D={d} but the limits say H={lim.n_heads}, D={lim.head_dim}")
     fmt = lim.cache_format  # (None: the plain format in lim.fp8_dtype; not lim.cache, which Dynamo cannot build)
     cache_fp8 = lim.fp8_dtype if fmt is None else fmt.fp8_dtype
-    if mx:
-        pass  # (the queries and the record: _check_mxfp4_queries)
-    elif buffers.mxfp4:
-        raise TypeError("buffers hold MXFP4 keys (uint8 k_fp8) but the limits' cache format is FP8: plan the buffers "
-                        "with these limits")
-    elif buffers.fp8_dtype != cache_fp8:
-        raise TypeError(f"buffers.k_fp8 is {buffers.fp8_dtype} but the limits' cache format is {cache_fp8} (the "
-                        "prefill gather copies the cache's bytes: plan the buffers with these limits)")
-    if mx:
-        pass
-    elif fmt is None:
-        if q_fp8.dtype != buffers.fp8_dtype:
-            raise TypeError(f"q_fp8 is {q_fp8.dtype} but buffers.k_fp8 is {buffers.fp8_dtype} (a cache in another FP8 "
-                            "format than the queries must be declared: IndexerLimits(cache_format=CacheFormat(...)))")
-    elif q_fp8.dtype != lim.fp8_dtype:
-        raise TypeError(f"q_fp8 is {q_fp8.dtype} but the limits declare {lim.fp8_dtype} queries "
-                        f"(IndexerLimits.fp8_dtype) against a {fmt.fp8_dtype} cache")
+    if not mx:  # (MXFP4 queries and record: _check_mxfp4_queries)
+        if buffers.mxfp4:
+            raise TypeError("buffers hold MXFP4 keys (uint8 k_fp8) but the limits' cache format is FP8: plan the "
+                            "buffers with these limits")
+        if buffers.fp8_dtype != cache_fp8:
+            raise TypeError(f"buffers.k_fp8 is {buffers.fp8_dtype} but the limits' cache format is {cache_fp8} (the "
+                            "prefill gather copies the cache's bytes: plan the buffers with these limits)")
+        if fmt is None:
+            if q_fp8.dtype != buffers.fp8_dtype:
+                raise TypeError(f"q_fp8 is {q_fp8.dtype} but buffers.k_fp8 is {buffers.fp8_dtype} (a cache in another "
+                                "FP8 format than the queries must be declared: IndexerLimits(cache_format="
+                                "CacheFormat(...)))")
+        elif q_fp8.dtype != lim.fp8_dtype:
+            raise TypeError(f"q_fp8 is {q_fp8.dtype} but the limits declare {lim.fp8_dtype} queries "
+                            f"(IndexerLimits.fp8_dtype) against a {fmt.fp8_dtype} cache")
     if buffers.device != dev:
         raise ValueError(f"buffers live on {buffers.device} but q_fp8 is on {dev}")
     C.tensor("weights", weights, dtypes=torch.float32, device=dev, shape=(t, h), last_contiguous=True)

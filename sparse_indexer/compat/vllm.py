@@ -40,6 +40,7 @@ registers its own op).
 
 from __future__ import annotations
 
+import functools
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from collections.abc import Callable
@@ -712,10 +713,7 @@ class VllmIndexer:
         else:
             sparse_attn_indexer(q_fp8, k_step, weights, kv_cache, md, bufs, out, backend=self.backend,
                                 scale_fmt=scale_fmt)
-        if rows > q_fp8.shape[0]:  # cudagraph padding rows beyond q_fp8, as vLLM does
-            out[q_fp8.shape[0] : rows].fill_(-1)
-            if kb and candidate_write:
-                candidate_blocks[q_fp8.shape[0] : rows].fill_(-1)
+        _fill_padding_rows(out, candidate_blocks if kb and candidate_write else None, q_fp8.shape[0], rows)
         return out
 
     def rocm_mxfp4(self, hidden_states: torch.Tensor, k_cache_prefix, kv_cache: torch.Tensor, q_values: torch.Tensor,
@@ -766,11 +764,8 @@ class VllmIndexer:
         extra = {"candidates": candidate_blocks, "write_candidates": bool(candidate_write)} if kb else {}
         sparse_attn_indexer(q_values, None, weights, kv_cache, md, bufs, out, backend=self.backend, q_scale=qs,
                             **extra)
-        rows = hidden_states.shape[0]
-        if rows > q_values.shape[0]:
-            out[q_values.shape[0] : rows].fill_(-1)
-            if kb and candidate_write:
-                candidate_blocks[q_values.shape[0] : rows].fill_(-1)
+        _fill_padding_rows(out, candidate_blocks if kb and candidate_write else None, q_values.shape[0],
+                           hidden_states.shape[0])
         return out
 
     def fake_rocm_mxfp4(self, hidden_states, k_cache_prefix, kv_cache, q_values, q_scale, weights, topk_tokens,
@@ -812,6 +807,15 @@ def _compress_ratio(c) -> int:
     return c
 
 
+def _fill_padding_rows(out: torch.Tensor, candidates: torch.Tensor | None, t: int, rows: int) -> None:
+    """CUDA-graph padding rows ``[t, rows)`` beyond the queries: -1 in the top-k rows (and in the candidate rows
+    of a candidate source layer), as vLLM does."""
+    if rows > t:
+        out[t:rows].fill_(-1)
+        if candidates is not None:
+            candidates[t:rows].fill_(-1)
+
+
 def _mxfp4_q_scale(q_values: torch.Tensor, q_scale: torch.Tensor, head_dim: int) -> torch.Tensor:
     """The MXFP4 queries' scale bytes ``[T, H, D / 32]`` uint8 (a view) from vLLM's ``q_scale``: one int32 per
     head (``[T, H]``, ``D = 128``) or the bytes themselves."""
@@ -833,11 +837,12 @@ def _mxfp4_q_scale(q_values: torch.Tensor, q_scale: torch.Tensor, head_dim: int)
     return q_scale.view(torch.uint8).view(t, h, nb)
 
 
+@functools.cache
 def rocm_mxfp4_cache_format(num_heads: int, head_dim: int, page_entries: int) -> CacheFormat:
     """The :class:`buffers.CacheFormat` of vLLM's ROCm MXFP4 indexer cache: MXFP4 keys in aiter's tiled page
     order, as vLLM's ``rocm_paged_mxfp4_cache_layout`` reads it from aiter's ``cache_format`` for ``num_heads``
     query heads of ``head_dim`` and ``page_entries`` entries per page (the only place vLLM learns it, so the
-    writer and this reader cannot disagree).
+    writer and this reader cannot disagree). Cached per arguments, as vLLM caches the layout: every layer asks.
 
     Raises:
         NotImplementedError: vLLM's layout function or aiter is not importable here.

@@ -4,6 +4,8 @@ is the reference), and the host side that turns a ``cache_order`` string into th
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 
@@ -29,9 +31,11 @@ def scale_offset(t, s, BS: tl.constexpr, HALF: tl.constexpr, NB: tl.constexpr, N
     return BS * HALF + (t // N) * (N * NB) + (s % L) * (N * PER) + (t % N) * PER + s // L
 
 
+@functools.lru_cache(maxsize=64)
 def tile_constants(cache_order: str, bs: int, d: int, what: str) -> dict:
     """``{"TN": N, "TC": C, "TL": L}`` of an MXFP4 ``cache_order`` for a kernel of ``what``; ``NotImplementedError``
-    where the order does not tile ``bs``-key blocks of ``D = d`` (the public functions check it first)."""
+    where the order does not tile ``bs``-key blocks of ``D = d`` (the public functions check it first). Cached:
+    every call of the kernels asks (callers only read the dict)."""
     try:
         n, c, lanes = mxfp4_tile(cache_order)
     except ValueError as e:

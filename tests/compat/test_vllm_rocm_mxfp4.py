@@ -61,9 +61,11 @@ class _Aiter:
 @pytest.fixture(autouse=True)
 def stand_in_aiter():
     rocm_ops.rocm_paged_mxfp4_cache_layout.cache_clear()
+    rocm_mxfp4_cache_format.cache_clear()
     with mock.patch.object(rocm_ops, "_aiter", lambda: _Aiter):
         yield
     rocm_ops.rocm_paged_mxfp4_cache_layout.cache_clear()
+    rocm_mxfp4_cache_format.cache_clear()
 
 
 def _builder(eng: Engine, h: int, d: int, cr: int, block_size: int):

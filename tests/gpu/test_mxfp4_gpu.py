@@ -66,17 +66,23 @@ def test_ragged_scores(backend, h):
     assert_logits(got, want.double(), rtol_l2=1e-6)
 
 
+def _decode_inputs(g, b, nn, h, d, bs, nb, blocks):
+    """A decode step's block table (``blocks`` per request), lengths, MXFP4 queries and weights, drawn in that
+    order from ``g``."""
+    bt = torch.randperm(nb, device=DEV, generator=g)[: b * blocks].view(b, blocks).int()
+    cl = torch.randint(1, blocks * bs + 1, (b,), device=DEV, generator=g, dtype=torch.int32)
+    qv, qs = si.quantize_q_mxfp4(torch.randn(b * nn, h, d, device=DEV, generator=g))
+    w = torch.randn(b * nn, h, device=DEV, generator=g)
+    return bt, cl, qv.view(b, nn, h, d // 2), qs.view(b, nn, h, d // 32), w
+
+
 def test_paged_scores_under_auto():
     g = torch.Generator(device=DEV).manual_seed(1)
     b, nn, h, d, bs, nb = 8, 2, 64, 128, 64, 70
     kv = si.new_kv_cache(nb, bs, d, device=DEV, mxfp4=True)
     si.write_k_cache(torch.randn(nb * bs, d, device=DEV, generator=g), kv, torch.arange(nb * bs, device=DEV),
                      cache_format=MX)
-    bt = torch.randperm(nb, device=DEV, generator=g)[: b * 8].view(b, 8).int()
-    cl = torch.randint(1, 8 * bs + 1, (b,), device=DEV, generator=g, dtype=torch.int32)
-    qv, qs = si.quantize_q_mxfp4(torch.randn(b * nn, h, d, device=DEV, generator=g))
-    qv, qs = qv.view(b, nn, h, d // 2), qs.view(b, nn, h, d // 32)
-    w = torch.randn(b * nn, h, device=DEV, generator=g)
+    bt, cl, qv, qs, w = _decode_inputs(g, b, nn, h, d, bs, nb, 8)
     want = si.fp8_paged_mqa_logits(qv, kv, w, cl, bt, cache_format=MX, q_scale=qs, backend="reference")
     for backend in ("triton", None):
         got = si.fp8_paged_mqa_logits(qv, kv, w, cl, bt, cache_format=MX, q_scale=qs, backend=backend)
@@ -93,11 +99,7 @@ def test_paged_scores_tiled_equal_flat(order):
     kv = si.new_kv_cache(nb, bs, d, device=DEV, mxfp4=True)
     si.write_k_cache(keys, flat, torch.arange(nb * bs, device=DEV), cache_format=MX, backend="triton")
     si.write_k_cache(keys, kv, torch.arange(nb * bs, device=DEV), cache_format=fmt, backend="triton")
-    bt = torch.randperm(nb, device=DEV, generator=g)[: b * 4].view(b, 4).int()
-    cl = torch.randint(1, 4 * bs + 1, (b,), device=DEV, generator=g, dtype=torch.int32)
-    qv, qs = si.quantize_q_mxfp4(torch.randn(b * nn, h, d, device=DEV, generator=g))
-    qv, qs = qv.view(b, nn, h, d // 2), qs.view(b, nn, h, d // 32)
-    w = torch.randn(b * nn, h, device=DEV, generator=g)
+    bt, cl, qv, qs, w = _decode_inputs(g, b, nn, h, d, bs, nb, 4)
     want = si.fp8_paged_mqa_logits(qv, flat, w, cl, bt, cache_format=MX, q_scale=qs, backend="reference")
     got = si.fp8_paged_mqa_logits(qv, kv, w, cl, bt, cache_format=fmt, q_scale=qs, backend="triton")
     assert_logits(got, want, rtol_l2=1e-6)
