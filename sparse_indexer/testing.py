@@ -13,7 +13,10 @@ tensor-core kernel judged by float64 scores); ``threshold=True`` only asks every
 of the ``topk``-th largest.
 
 Logits: inside the windows, the relative L2 error against the expected values (float64 or the reference
-backend's); with ``clean``, the ``-inf`` mask (cells outside the windows) must match exactly.
+backend's); with ``clean``, the ``-inf`` mask (cells outside the windows) must match exactly. ``scale`` (the
+magnitudes ``sum_h |w_h| relu(q_h . k) s_k``: the scores with ``|weights|``, the sum of the terms' sizes) replaces the
+expected values in the denominator: a float32 sum's error is bounded by its terms' sizes, not by its result, so a
+window of a few keys whose heads cancel (a score near 0 from terms of size 1) is judged on what it summed.
 
 Fused ops (``fp8_paged_mqa_topk``, ``fp8_mqa_topk``; docs/spec.md §6b): the selection must be exact for the logits
 the op returned (the top-k check above with ``rtol = 0`` on them), and those logits, inside the windows, within
@@ -312,10 +315,23 @@ def ragged_inputs_for_scores(values: torch.Tensor, rows: int, *, heads: int = 64
     return q.to(fp8), k.to(fp8), v.abs(), w
 
 
-def _score_errors(actual: torch.Tensor, expected: torch.Tensor, starts, ends, rtol_l2: float) -> str | None:
+def _denominator(ei: torch.Tensor, inside: torch.Tensor, scale: torch.Tensor | None) -> float:
+    """The L2 norm a logits error is relative to: the expected cells ``ei`` (zero outside ``inside``), or the
+    magnitudes ``scale`` there (never below the expected cells' own norm)."""
+    own = float(ei.norm())
+    if scale is None:
+        return own
+    m = torch.where(inside, scale.detach().cpu().double().abs(), 0.0)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    return max(own, float(m.norm()))
+
+
+def _score_errors(actual: torch.Tensor, expected: torch.Tensor, starts, ends, rtol_l2: float,
+                  scale: torch.Tensor | None = None) -> str | None:
     """Why ``actual``'s in-window cells (``[R, W]``, any float dtype) are not ``expected``'s (same shape): a
     non-finite expected score not matched exactly (the same infinity, or NaN), or a relative L2 error of the
-    finite ones of ``rtol_l2`` or more; ``None`` when they match."""
+    finite ones of ``rtol_l2`` or more (relative to ``scale``'s cells when given: the module docstring);
+    ``None`` when they match."""
     if actual.shape != expected.shape:
         return f"logits: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}"
     a = actual.detach().cpu().double()
@@ -340,7 +356,7 @@ def _score_errors(actual: torch.Tensor, expected: torch.Tensor, starts, ends, rt
         return (f"logits: a non-finite score inside the windows at [{r}, {c}]: {float(a[r, c])!r}, want "
                 f"{float(e[r, c])!r}")
     diff = (ai - ei).abs()
-    err = float(diff.norm()) / max(float(ei.norm()), 1e-300)
+    err = float(diff.norm()) / max(_denominator(ei, fin, scale), 1e-300)
     if err >= rtol_l2 and float(diff.max()) > 0:
         r, c = (int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
         return (f"logits: relative L2 error {err:.3e} >= {rtol_l2:.0e} inside the windows; worst at [{r}, {c}]: "
@@ -349,20 +365,21 @@ def _score_errors(actual: torch.Tensor, expected: torch.Tensor, starts, ends, rt
 
 
 def fused_topk_errors(sel: torch.Tensor, logits: torch.Tensor, starts, ends, *, expected: torch.Tensor | None = None,
-                      rtol_l2: float | None = None, limit: int | None = None) -> list[str]:
+                      rtol_l2: float | None = None, limit: int | None = None,
+                      scale: torch.Tensor | None = None) -> list[str]:
     """What is wrong with the result of a fused op (docs/spec.md §6b): ``sel [R, topk]`` (int32) and the
     ``logits [R, W]`` it returned, row ``r``'s window ``[starts[r], ends[r])`` (decode rows:
     :func:`paged_windows`). ``sel`` must be exactly the top-k (docs/spec.md §6) of ``logits`` (:func:`topk_errors`
     with ``rtol = 0``: short windows ``0, ..., len - 1, -1, ...``, long ones the multiset of the window's ``topk``
     largest); with ``expected`` (the reference composition's logits, same shape), the in-window cells of
     ``logits`` within ``rtol_l2`` relative L2 of it (default :data:`FUSED_LOGITS_RTOL_L2`, for bfloat16 logits
-    :data:`FUSED_LOGITS_RTOL_L2_BF16`) and its non-finite scores matched exactly. ``[]`` when right; at most
-    ``limit`` messages."""
+    :data:`FUSED_LOGITS_RTOL_L2_BF16`; relative to ``scale``'s cells when given: the module docstring) and its
+    non-finite scores matched exactly. ``[]`` when right; at most ``limit`` messages."""
     errors = topk_errors(sel, logits, starts, ends, limit=limit)
     if rtol_l2 is None:
         rtol_l2 = FUSED_LOGITS_RTOL_L2_BF16 if logits.dtype == torch.bfloat16 else FUSED_LOGITS_RTOL_L2
     if expected is not None and (limit is None or len(errors) < limit):
-        why = _score_errors(logits, expected, starts, ends, rtol_l2)
+        why = _score_errors(logits, expected, starts, ends, rtol_l2, scale)
         if why is not None:
             errors.append(why)
     return errors
@@ -516,10 +533,11 @@ def candidate_topk_errors(sel: torch.Tensor, logits, starts, ends, candidates: t
 
 
 def logits_error(actual: torch.Tensor, expected: torch.Tensor, inside: torch.Tensor | None = None, *,
-                 clean: bool = True) -> tuple[float, int]:
+                 clean: bool = True, scale: torch.Tensor | None = None) -> tuple[float, int]:
     """``(relative L2 error inside the windows, cells whose -inf mask differs)`` of ``actual`` against
-    ``expected`` (same shape; ``inside`` defaults to ``expected != -inf``). The error is ``inf`` when a value
-    inside is not finite; the mask is compared only with ``clean`` (else 0)."""
+    ``expected`` (same shape; ``inside`` defaults to ``expected != -inf``), relative to ``scale``'s cells when
+    given (the magnitudes: the module docstring). The error is ``inf`` when a value inside is not finite; the mask
+    is compared only with ``clean`` (else 0)."""
     a = actual.detach().cpu().double()
     e = expected.detach().cpu().double()
     inside = (e != NEG_INF) if inside is None else inside.cpu()
@@ -528,7 +546,7 @@ def logits_error(actual: torch.Tensor, expected: torch.Tensor, inside: torch.Ten
     ei = torch.where(inside, e, 0.0)
     if not bool(torch.isfinite(ai).all()):
         return float("inf"), mask_bad
-    return float((ai - ei).norm()) / max(float(ei.norm()), 1e-300), mask_bad
+    return float((ai - ei).norm()) / max(_denominator(ei, inside, scale), 1e-300), mask_bad
 
 
 def _worst(diff: torch.Tensor, actual, expected, n: int = 8) -> str:

@@ -63,7 +63,7 @@ from ..testing import (
     topk_errors,
 )
 from .cli import UsageError, require_backend, resolve_device, run_command, use_triton_interpreter
-from .fuzz import run_fuzz
+from .fuzz import default_jobs, run_fuzz
 
 __all__ = ["CHECKS", "add_arguments", "run", "main"]
 
@@ -306,6 +306,7 @@ def case_ragged(ctx: Ctx, h: int, d: int, clean: bool) -> tuple[str, str, bool]:
     q8, w = _queries(g, len(starts), h, d, ctx.fp8, torch.stack(qkeys))
     st, en = torch.tensor(starts, dtype=torch.int32), torch.tensor(ends, dtype=torch.int32)
     want = fp8_mqa_logits(q8, k8, ks, w, st, en, backend="reference")
+    size = fp8_mqa_logits(q8, k8, ks, w.abs(), st, en, backend="reference")
     dev = ctx.device
     out = torch.full((len(starts), sum(seq)), float("nan"), device=dev)
     fp8_mqa_logits(q8.to(dev), k8.to(dev), ks.to(dev), w.to(dev), st.to(dev), en.to(dev), out=out, clean=clean,
@@ -313,7 +314,7 @@ def case_ragged(ctx: Ctx, h: int, d: int, clean: bool) -> tuple[str, str, bool]:
     ctx.sync()
     n = torch.arange(sum(seq))[None, :]
     inside = (n >= st.long()[:, None]) & (n < en.long()[:, None])
-    return _logits_verdict(ctx, *logits_error(out, want, inside, clean=clean))
+    return _logits_verdict(ctx, *logits_error(out, want, inside, clean=clean, scale=size))
 
 
 def case_ragged_mxfp4(ctx: Ctx, h: int, d: int, clean: bool) -> tuple[str, str, bool]:
@@ -328,6 +329,7 @@ def case_ragged_mxfp4(ctx: Ctx, h: int, d: int, clean: bool) -> tuple[str, str, 
     qv, qs = quantize_q_mxfp4(torch.randn(m, h, d, generator=g) + keys[ends.long() - 1].float()[:, None, :] * 0.5)
     w = torch.randn(m, h, generator=g) * h**-0.5 * d**-0.5
     want = fp8_mqa_logits(qv, kv, ks, w, starts, ends, q_scale=qs, backend="reference")
+    size = fp8_mqa_logits(qv, kv, ks, w.abs(), starts, ends, q_scale=qs, backend="reference")
     dev = ctx.device
     out = torch.full((m, n), float("nan"), device=dev)
     fp8_mqa_logits(qv.to(dev), kv.to(dev), ks.to(dev), w.to(dev), starts.to(dev), ends.to(dev), out=out,
@@ -335,7 +337,7 @@ def case_ragged_mxfp4(ctx: Ctx, h: int, d: int, clean: bool) -> tuple[str, str, 
     ctx.sync()
     cols = torch.arange(n)[None, :]
     inside = (cols >= starts.long()[:, None]) & (cols < ends.long()[:, None])
-    return _logits_verdict(ctx, *logits_error(out, want, inside, clean=clean))
+    return _logits_verdict(ctx, *logits_error(out, want, inside, clean=clean, scale=size))
 
 
 def case_mxfp4_cache(ctx: Ctx, d: int, bs: int) -> tuple[str, str, bool]:
@@ -435,6 +437,7 @@ def case_paged(ctx: Ctx, next_n: int, two_d: bool, h: int = 64, d: int = 128, bs
     b = q8.shape[0]
     width = bt.shape[1] * bs
     want = fp8_paged_mqa_logits(q8, ref, w, ctx_lens, bt, backend="reference", cache_fp8_dtype=ctx.fp8)
+    size = fp8_paged_mqa_logits(q8, ref, w.abs(), ctx_lens, bt, backend="reference", cache_fp8_dtype=ctx.fp8)
     dev = ctx.device
     clean = not two_d
     out = torch.full((b * next_n, width), float("nan"), device=dev)
@@ -442,17 +445,19 @@ def case_paged(ctx: Ctx, next_n: int, two_d: bool, h: int = 64, d: int = 128, bs
                          backend=ctx.op_backend, cache_fp8_dtype=ctx.fp8)
     ctx.sync()
     inside = torch.arange(width)[None, :] < lim[:, None]
-    return _logits_verdict(ctx, *logits_error(out, want, inside, clean=clean))
+    return _logits_verdict(ctx, *logits_error(out, want, inside, clean=clean, scale=size))
 
 
-def _fused_verdict(ctx: Ctx, sel: torch.Tensor, logits, want: torch.Tensor, starts, ends) -> tuple[str, str, bool]:
+def _fused_verdict(ctx: Ctx, sel: torch.Tensor, logits, want: torch.Tensor, starts, ends,
+                   size: torch.Tensor | None = None) -> tuple[str, str, bool]:
     """A fused op's result (docs/spec.md §6b): with the scores it returned (``logits``), its selection exact on them
-    and they within the logits tolerance of the reference's (``want``; bfloat16 scores: also one rounding);
-    without, its selection on the reference's scores within that tolerance of the ``topk``-th largest."""
+    and they within the logits tolerance of the reference's (``want``; bfloat16 scores: also one rounding;
+    relative to the magnitudes ``size`` when given, :mod:`sparse_indexer.testing`); without, its selection on the
+    reference's scores within that tolerance of the ``topk``-th largest."""
     bf16 = want.dtype == torch.bfloat16
     tol = max(ctx.logits_rtol, FUSED_LOGITS_RTOL_L2_BF16) if bf16 else ctx.logits_rtol
     if logits is not None:
-        errors = fused_topk_errors(sel, logits.cpu(), starts, ends, expected=want, rtol_l2=tol)
+        errors = fused_topk_errors(sel, logits.cpu(), starts, ends, expected=want, rtol_l2=tol, scale=size)
     else:
         errors = topk_errors(sel, want, starts, ends, rtol=tol * 4 if bf16 else tol, threshold=True)
     rows = sum(e.startswith("row ") for e in errors)
@@ -472,13 +477,14 @@ def case_paged_topk(ctx: Ctx, next_n: int, two_d: bool, dtype: torch.dtype, give
     want_logits = torch.zeros(rows, width, dtype=dtype)
     fp8_paged_mqa_topk(q8, ref, w, ctx_lens, bt, out=torch.empty(rows, topk, dtype=torch.int32),
                        logits=want_logits, backend="reference")
+    size = fp8_paged_mqa_logits(q8, ref, w.abs(), ctx_lens, bt, backend="reference") if given else None
     dev = ctx.device
     out = torch.full((rows, topk), -7, dtype=torch.int32, device=dev)
     logits = torch.full((rows, width), float("nan"), dtype=dtype, device=dev) if given else None
     fp8_paged_mqa_topk(q8.to(dev), kv, w.to(dev), ctx_lens.to(dev), bt.to(dev), out=out, logits=logits,
                        logits_dtype=dtype, backend=ctx.op_backend)
     ctx.sync()
-    return _fused_verdict(ctx, out.cpu(), logits, want_logits, torch.zeros_like(lim), lim)
+    return _fused_verdict(ctx, out.cpu(), logits, want_logits, torch.zeros_like(lim), lim, size)
 
 
 def case_ragged_topk(ctx: Ctx, topk: int, block_rows: int | None, dtype: torch.dtype, h: int = 32,
@@ -503,13 +509,14 @@ def case_ragged_topk(ctx: Ctx, topk: int, block_rows: int | None, dtype: torch.d
     want_logits = torch.zeros(m, n, dtype=dtype)
     fp8_mqa_topk(q8, k8, ks, w, st, en, out=torch.empty(m, topk, dtype=torch.int32), logits=want_logits,
                  backend="reference")
+    size = None if block_rows else fp8_mqa_logits(q8, k8, ks, w.abs(), st, en, backend="reference")
     dev = ctx.device
     out = torch.full((m, topk), -7, dtype=torch.int32, device=dev)
     logits = torch.full((min(block_rows, m) if block_rows else m, n), float("nan"), dtype=dtype, device=dev)
     fp8_mqa_topk(q8.to(dev), k8.to(dev), ks.to(dev), w.to(dev), st.to(dev), en.to(dev), out=out, logits=logits,
                  backend=ctx.op_backend)
     ctx.sync()
-    return _fused_verdict(ctx, out.cpu(), None if block_rows else logits, want_logits, st, en)
+    return _fused_verdict(ctx, out.cpu(), None if block_rows else logits, want_logits, st, en, size)
 
 
 def _topk_rows_wrong(sel: torch.Tensor, logits: torch.Tensor, starts, ends) -> int:
@@ -848,6 +855,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="instead of the fixed cases, N random ones drawn across the contract (shapes, formats, "
                         "lengths, values), each replayable alone from the seed it prints (sparse_indexer/commands/"
                         "fuzz.py) (default: %(default)s, the fixed cases)")
+    p.add_argument("--jobs", type=int, default=None, metavar="J",
+                   help="with --fuzz: worker processes sharing the device (default: one a CPU core, at most 8, on "
+                        "a GPU; 1 on the CPU)")
 
 
 def _backends(requested: str, device: torch.device) -> list[str]:
@@ -922,7 +932,12 @@ def run(args) -> int:
             raise UsageError("--fuzz draws its ops itself: leave --op at its default")
         print(f"sparse-indexer check --fuzz on {_device_name(device)}: {', '.join(backends)} against the reference "
               f"backend on the CPU ({_versions()})" + (f"; {note}" if note else ""))
-        return run_fuzz(args.fuzz, seed, device, backends, sys.modules[__name__], large=sizes is FULL)
+        jobs = default_jobs(device) if args.jobs is None else args.jobs
+        if jobs < 1:
+            raise UsageError(f"--jobs J needs J >= 1, got {jobs}")
+        return run_fuzz(args.fuzz, seed, device, backends, sys.modules[__name__], large=sizes is FULL, jobs=jobs)
+    if args.jobs is not None:
+        raise UsageError("--jobs goes with --fuzz (the fixed cases run in one process)")
     todo = [c for c in cases(sizes) if args.op in ("all", c[0])]
     backends = [b for b in backends if any(op in _ops_of(b) for op, _, _ in todo)]
     if not backends:

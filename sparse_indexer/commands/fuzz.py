@@ -16,13 +16,16 @@ candidate blocks, ties, ``-inf`` and NaN in the top-k's rows.
 
 from __future__ import annotations
 
+import concurrent.futures
+import multiprocessing
+import os
 import random
 import time
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["draw_case", "draw_sizes", "run_fuzz"]
+__all__ = ["default_jobs", "draw_case", "draw_sizes", "run_fuzz"]
 
 FUZZ_OPS = ("write_k_cache", "gather_k_cache", "fp8_mqa_logits", "fp8_paged_mqa_logits", "top_k_per_row",
             "fp8_mqa_topk", "fp8_paged_mqa_topk", "select_candidate_blocks", "step")
@@ -120,47 +123,90 @@ def draw_case(rng: random.Random, gpu: bool, C) -> tuple[str, str, Callable]:
         lambda c: C.case_step(c, nn, decode, prefill, pad, h, d, bss, c=cr, topk=topk, split=False)
 
 
-def run_fuzz(n: int, seed: int, device: torch.device, backends: list[str], C, large: bool | None = None) -> int:
+def _one(s: int, device: torch.device, backends: list[str], C, gpu: bool) -> tuple[str, str, str | None]:
+    """Case ``s`` (its seed): ``(status, op, failure line or None)``."""
+    rng = random.Random(s)
+    op, name, fn = draw_case(rng, gpu, C)
+    sizes = draw_sizes(rng, gpu, C)
+    usable = [b for b in backends if op in C._ops_of(b)]
+    if not usable:
+        return "n/a", op, None
+    b = rng.choice(usable)
+    fp8 = rng.choice(C.formats(b, device)[0])
+    ctx = C.Ctx(b, device, fp8, sizes, s)
+    try:
+        err, tol, ok = fn(ctx)
+        status = "ok" if ok else "MISMATCH"
+    except NotImplementedError as e:
+        err, tol, status = f"not implemented: {e}", "", "n/a"
+    except Exception as e:  # noqa: BLE001 - a crash is a failed case; the others still run
+        err, tol, status = f"{type(e).__name__}: {e}".replace("\n", " "), "", "ERROR"
+    line = None
+    if status in ("MISMATCH", "ERROR"):
+        line = f"  FAILED seed {s}: {op} / {b} / {C.fp8_name(fp8)} / {name} / {sizes}: {err} (tolerance {tol})"
+    return status, op, line
+
+
+def _chunk(seeds: range, device: str, backends: list[str], gpu: bool) -> list[tuple[int, str, str, str | None]]:
+    """A worker process's share: the cases of ``seeds``, ``(seed, status, op, failure line)`` each."""
+    from . import check as C  # imported here: the check module imports this one
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return [(s, *_one(s, dev, backends, C, gpu)) for s in seeds]
+
+
+def default_jobs(device: torch.device) -> int:
+    """Worker processes of a GPU run: the cases are small, so the host (Python, the CPU baseline, first
+    compiles) is what limits them; one process a core, at most 8 (each holds a CUDA context). 1 on the CPU."""
+    if device.type == "cpu":
+        return 1
+    return max(1, min(8, (os.cpu_count() or 1)))
+
+
+def run_fuzz(n: int, seed: int, device: torch.device, backends: list[str], C, large: bool | None = None,
+             jobs: int = 1) -> int:
     """``n`` random cases of the :mod:`.check` module ``C`` (passed in: it calls this module) on ``device``, each on
     one of ``backends`` (drawn) against the CPU reference, GPU-sized shapes when ``large`` (default: on a GPU) and
-    interpreter-sized ones otherwise (``--size``); prints
-    progress, every failure with its seed, and a summary. 0 when every case passed (or was not implemented by
-    its backend), 1 otherwise."""
+    interpreter-sized ones otherwise (``--size``), in ``jobs`` processes (the cases in chunks of consecutive seeds;
+    a case's result does not depend on the process it ran in); prints progress, every failure with its seed, and a
+    summary. 0 when every case passed (or was not implemented by its backend), 1 otherwise."""
     gpu = device.type != "cpu" if large is None else large
-    print(f"fuzz: {n} random cases from seed {seed}, {'GPU' if gpu else 'interpreter'}-sized (case i replays alone "
-          f"with --fuzz 1 --seed {seed}+i and the same --size)")
+    print(f"fuzz: {n} random cases from seed {seed}, {'GPU' if gpu else 'interpreter'}-sized, {jobs} process"
+          f"{'es' if jobs > 1 else ''} (case i replays alone with --fuzz 1 --seed {seed}+i and the same --size)")
     t0 = time.perf_counter()
     counts = {"ok": 0, "n/a": 0, "MISMATCH": 0, "ERROR": 0}
     failures, by_op = [], {}
     every = max(1, n // 20)
-    for i in range(n):
-        s = seed + i
-        rng = random.Random(s)
-        op, name, fn = draw_case(rng, gpu, C)
-        sizes = draw_sizes(rng, gpu, C)
-        usable = [b for b in backends if op in C._ops_of(b)]
-        if not usable:
-            counts["n/a"] += 1
-            continue
-        b = rng.choice(usable)
-        fp8 = rng.choice(C.formats(b, device)[0])
-        ctx = C.Ctx(b, device, fp8, sizes, s)
-        try:
-            err, tol, ok = fn(ctx)
-            status = "ok" if ok else "MISMATCH"
-        except NotImplementedError as e:
-            err, tol, status = f"not implemented: {e}", "", "n/a"
-        except Exception as e:  # noqa: BLE001 - a crash is a failed case; the others still run
-            err, tol, status = f"{type(e).__name__}: {e}".replace("\n", " "), "", "ERROR"
-        counts[status] += 1
-        if status in ("MISMATCH", "ERROR"):
-            failures.append(s)
-            by_op[op] = by_op.get(op, 0) + 1
-            print(f"  FAILED seed {s}: {op} / {b} / {C.fp8_name(fp8)} / {name} / {sizes}: {err} (tolerance {tol})",
-                  flush=True)
-        if (i + 1) % every == 0 or i + 1 == n:
-            print(f"  {i + 1}/{n} cases, {time.perf_counter() - t0:.0f} s: {counts['ok']} ok, {counts['n/a']} n/a, "
-                  f"{len(failures)} failed", flush=True)
+    done = 0
+
+    def take(results) -> None:
+        nonlocal done
+        for s, status, op, line in results:
+            counts[status] += 1
+            if line is not None:
+                failures.append(s)
+                by_op[op] = by_op.get(op, 0) + 1
+                print(line, flush=True)
+            done += 1
+            if done % every == 0 or done == n:
+                print(f"  {done}/{n} cases, {time.perf_counter() - t0:.0f} s: {counts['ok']} ok, {counts['n/a']} "
+                      f"n/a, {len(failures)} failed", flush=True)
+
+    if jobs <= 1:
+        for i in range(n):
+            s = seed + i
+            take([(s, *_one(s, device, backends, C, gpu))])
+    else:
+        size = max(1, min(25, n // (jobs * 4) or 1))
+        chunks = [range(seed + i, seed + min(n, i + size)) for i in range(0, n, size)]
+        ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+            futures = [pool.submit(_chunk, c, str(device), backends, gpu) for c in chunks]
+            for f in concurrent.futures.as_completed(futures):
+                take(f.result())
+        failures.sort()
     print(f"\nfuzz: {n} cases in {time.perf_counter() - t0:.1f} s: {counts['ok']} ok, {counts['n/a']} not "
           f"implemented by the drawn backend, {counts['MISMATCH']} mismatched, {counts['ERROR']} failed with an error")
     if failures:

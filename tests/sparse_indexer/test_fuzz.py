@@ -39,9 +39,25 @@ def test_failures_are_reported_with_their_seed(monkeypatch, capsys):
     assert rc == 1 and "FAILED seed 51" in out and "seeds 51" in out and "3 rows wrong" in out
 
 
-def test_a_short_fuzz_run_passes_on_the_cpu():
+def test_a_case_does_not_depend_on_its_process():
+    """A worker's chunk gives what the cases give one by one in this process (the pool only splits the seeds)."""
+    seeds = range(900, 904)
+    one = [(s, *fuzz._one(s, torch.device("cpu"), ["reference"], check, False)) for s in seeds]
+    assert fuzz._chunk(seeds, "cpu", ["reference"], False) == one
+    assert all(status == "ok" for _, status, _, _ in one)
+
+
+def test_fuzz_cases_on_the_cpu():
+    """200 random cases of the Triton kernels in the interpreter, in two processes, against the reference."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-m", "sparse_indexer", "check", "--device", "cpu", "--fuzz", "12",
-                        "--seed", "20261202"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run([sys.executable, "-m", "sparse_indexer", "check", "--device", "cpu", "--fuzz", "200",
+                        "--seed", "20261202", "--jobs", "2"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=1500)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert "fuzz passed" in r.stdout and "12 cases" in r.stdout
+    assert "fuzz passed" in r.stdout and "200 cases" in r.stdout and "2 processes" in r.stdout
+
+
+def test_jobs_needs_fuzz():
+    r = subprocess.run([sys.executable, "-m", "sparse_indexer", "check", "--device", "cpu", "--jobs", "2"], cwd=ROOT,
+                       env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "--jobs goes with --fuzz" in r.stderr + r.stdout

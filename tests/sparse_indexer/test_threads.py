@@ -135,3 +135,72 @@ def test_two_threads_on_one_step_keep_their_buffers_and_checks():
         return run
 
     assert _run([worker(0), worker(1)]) == []
+
+
+def test_two_threads_keep_their_own_routes(monkeypatch):
+    """The route ``auto`` picks is kept with the layout a call proved: a thread whose calls a backend's
+    ``auto_when`` accepts runs that backend, one whose calls it declines runs the next, however the two
+    interleave, and the declined thread's invalid calls (a wrong output dtype, an end past the logits) still
+    raise without writing."""
+    from sparse_indexer import backends
+    from sparse_indexer._runtime import dispatch as _dispatch
+    from tests.sparse_indexer import test_backends as toy_module
+
+    calls: list[str] = []
+
+    def toy(logits, row_starts, row_ends, *, out, workspace=None):
+        calls.append(threading.current_thread().name)
+        _dispatch.implementation("top_k_per_row", "reference")(logits, row_starts, row_ends, out=out)
+
+    toy.auto_when = lambda logits, row_starts, row_ends, *, out, workspace=None: logits.shape[1] >= 256
+    monkeypatch.setattr(toy_module, "top_k_per_row", toy)
+    backends.register(toy_module.toy_entry())
+    _dispatch._resolved.clear()
+    _dispatch._routes.cache_clear()
+    g = torch.Generator().manual_seed(4)
+    cases = {}
+    for width in (300, 200):
+        x = torch.randn(6, width, generator=g)
+        s = torch.tensor([0, 3, 0, 10, 0, 1], dtype=torch.int32)
+        e = torch.tensor([width, width - 5, 40, width, 3, width], dtype=torch.int32)
+        want = torch.empty(6, 32, dtype=torch.int32)
+        si.top_k_per_row(x, s, e, out=want, backend="reference")
+        cases[width] = (x, s, e, want)
+
+    def worker(width):
+        def run(errors):
+            x, s, e, want = cases[width]
+            for i in range(ITERS):
+                if width == 200 and i % 3 == 1:
+                    for kwargs, args in (({"out": torch.full((6, 32), 7)}, (x, s, e)),  # int64 output
+                                         ({"out": torch.full((6, 32), 7, dtype=torch.int32)},
+                                          (x, s, e + 1))):  # ends one past the logits
+                        try:
+                            si.top_k_per_row(*args, **kwargs)
+                            errors.append(f"{width}: an invalid call passed at iteration {i}")
+                        except (TypeError, ValueError):
+                            pass
+                        if not bool((kwargs["out"] == 7).all()):
+                            errors.append(f"{width}: an invalid call wrote its output")
+                    continue
+                out = torch.full((6, 32), 7, dtype=torch.int32)
+                si.top_k_per_row(x, s, e, out=out)
+                if not torch.equal(out, want):
+                    errors.append(f"{width}: wrong top-k at iteration {i}")
+        return run
+
+    def named(width):
+        fn = worker(width)
+
+        def run(errors):
+            threading.current_thread().name = f"w{width}"
+            fn(errors)
+        return run
+
+    try:
+        assert _run([named(300), named(200)]) == []
+    finally:
+        backends.unregister("toy")
+        _dispatch._resolved.clear()
+        _dispatch._routes.cache_clear()
+    assert calls == ["w300"] * ITERS, f"the toy ran {len(calls)} calls, from {sorted(set(calls))}"
