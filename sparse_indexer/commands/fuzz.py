@@ -152,7 +152,7 @@ def _chunk(seeds: range, device: str, backends: list[str], gpu: bool) -> list[tu
     from . import check as C  # imported here: the check module imports this one
 
     dev = torch.device(device)
-    if dev.type == "cuda":
+    if dev.type == "cuda" and dev.index is not None:
         torch.cuda.set_device(dev)
     return [(s, *_one(s, dev, backends, C, gpu)) for s in seeds]
 
