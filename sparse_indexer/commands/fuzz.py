@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
+import os
 import random
 import time
 from collections.abc import Callable
@@ -146,10 +147,14 @@ def _one(s: int, device: torch.device, backends: list[str], C, gpu: bool) -> tup
     return status, op, line
 
 
-def _chunk(seeds: range, device: str, backends: list[str], gpu: bool) -> list[tuple[int, str, str, str | None]]:
-    """A worker process's share: the cases of ``seeds``, ``(seed, status, op, failure line)`` each."""
+def _chunk(seeds: range, device: str, backends: list[str], gpu: bool,
+           threads: int | None = None) -> list[tuple[int, str, str, str | None]]:
+    """A worker process's share: the cases of ``seeds``, ``(seed, status, op, failure line)`` each, with at most
+    ``threads`` CPU threads for torch (the workers share the cores: unbounded, each would start one a core)."""
     from . import check as C  # imported here: the check module imports this one
 
+    if threads is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is not None:
         torch.cuda.set_device(dev)
@@ -158,9 +163,10 @@ def _chunk(seeds: range, device: str, backends: list[str], gpu: bool) -> list[tu
 
 def default_jobs(device: torch.device) -> int:
     """Worker processes by default: 1. On a GPU more processes are slower, not faster: each compiles every kernel
-    configuration again, and the GPU time-slices their contexts (measured on the H200: 8 processes did 500 cases
-    in 164 s and then stalled; one process did 9500 cases in 532 s). On the CPU, where the interpreter runs the
-    kernels, ``--jobs`` up to the core count divides the time."""
+    configuration again, and the GPU time-slices their contexts (measured on the H200: 8 processes, each with torch's
+    default of one CPU thread a core, did 500 cases in 164 s and then stalled; one process did 9500 cases in 532 s).
+    Workers now share the cores (``torch.set_num_threads``). On the CPU, where the interpreter runs the kernels,
+    ``--jobs`` up to the core count divides the time."""
     return 1
 
 
@@ -202,7 +208,8 @@ def run_fuzz(n: int, seed: int, device: torch.device, backends: list[str], C, la
         chunks = [range(seed + i, seed + min(n, i + size)) for i in range(0, n, size)]
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
         with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-            futures = [pool.submit(_chunk, c, str(device), backends, gpu) for c in chunks]
+            threads = max(1, (os.cpu_count() or 1) // jobs)
+            futures = [pool.submit(_chunk, c, str(device), backends, gpu, threads) for c in chunks]
             for f in concurrent.futures.as_completed(futures):
                 take(f.result())
         failures.sort()
