@@ -22,8 +22,10 @@ causal 0.543 ms (Triton 0.561): ahead of Triton, short of the kernel's 7.5 / 0.4
 issue-bound: ~400 instructions per warp per 64-key tile against 512 tensor-core cycles of MMA).
 
 With ``clean=True`` the cells outside each row's window are filled with ``-inf`` after the hot loop (by the
-default warps, after the partitions join). ``compressed=True`` stores key ``n`` of row ``m`` at column
-``n - ks[m]`` (docs/spec.md §5).
+default warps, after the partitions join). Windows the value checks would refuse are clamped into ``[0, N]`` once
+per row (the tile loop, the epilogue's masks and the fill alike; compressed rows store only columns ``< W``); key
+tiles past ``N`` come zero-filled from TMA and their scales are masked. ``compressed=True`` stores key ``n`` of
+row ``m`` at column ``n - ks[m]`` (docs/spec.md §5).
 
 Handles H = 64, D = 128, e4m3fn ``q``/``k_fp8`` whose rows TMA can read (16-byte aligned base, ``k_fp8`` row
 stride a multiple of 16 bytes, ``q`` contiguous in its last two dims), float32/bfloat16 ``out``; everything else
@@ -136,14 +138,16 @@ if gluon is not None:
             it += 1
 
     @gluon.jit
-    def _rows(ks_ptr, ke_ptr, w_ptr, out_ptr, r0, M, stride_w, stride_out, BT: gl.constexpr, H: gl.constexpr,
+    def _rows(ks_ptr, ke_ptr, w_ptr, out_ptr, r0, M, N, stride_w, stride_out, BT: gl.constexpr, H: gl.constexpr,
               tok_l: gl.constexpr, col_l: gl.constexpr):
-        """Windows, head weights and output rows of the ``BT`` tokens from row ``r0`` (rows past ``M``: empty)."""
+        """Windows (clamped into ``[0, N]``), head weights and output rows of the ``BT`` tokens from row ``r0``
+        (rows past ``M``: empty)."""
         rows = r0 + gl.arange(0, BT, layout=tok_l)
         rmask = rows < M
         ks = gl.load(ks_ptr + rows, mask=rmask, other=0).to(gl.int32)
         ke = gl.load(ke_ptr + rows, mask=rmask, other=0).to(gl.int32)
-        ke = gl.where(rmask, ke, 0)
+        ks = gl.minimum(gl.maximum(ks, 0), N)
+        ke = gl.minimum(gl.maximum(gl.where(rmask, ke, 0), 0), N)
         offs_c = gl.arange(0, BT * H, layout=col_l)
         crow = r0 + offs_c // H
         wts = gl.load(w_ptr + crow.to(gl.int64) * stride_w + offs_c % H, mask=crow < M, other=0.0)
@@ -192,10 +196,10 @@ if gluon is not None:
         for j in range(gl.program_id(0), nblocks, G):
             mb = _block_of(j, nblocks, G)
             t_lo, nt = _union(ks_ptr, ke_ptr, mb, M, N, BLOCK_Q, BLOCK_N, lay1)
-            ks_a, ke_a, w_a, o_a = _rows(ks_ptr, ke_ptr, w_ptr, out_ptr, mb * BLOCK_Q, M, stride_w, stride_out, BT, H,
-                                         tok_l, col_l)
+            ks_a, ke_a, w_a, o_a = _rows(ks_ptr, ke_ptr, w_ptr, out_ptr, mb * BLOCK_Q, M, N, stride_w, stride_out,
+                                         BT, H, tok_l, col_l)
             if SPLIT == 2:
-                ks_b, ke_b, w_b, o_b = _rows(ks_ptr, ke_ptr, w_ptr, out_ptr, mb * BLOCK_Q + BT, M, stride_w,
+                ks_b, ke_b, w_b, o_b = _rows(ks_ptr, ke_ptr, w_ptr, out_ptr, mb * BLOCK_Q + BT, M, N, stride_w,
                                              stride_out, BT, H, tok_l, col_l)
             qb = it % 2
             mbarrier.wait(q_ready.index(qb), (it // 2) & 1)
@@ -281,8 +285,8 @@ if gluon is not None:
             mb = _block_of(j, nblocks, G)
             rows = mb * BLOCK_Q + gl.arange(0, BLOCK_Q, layout=rl)
             rmask = rows < M
-            ks = gl.maximum(gl.load(ks_ptr + rows, mask=rmask, other=0).to(gl.int32), 0)
-            ke = gl.minimum(gl.load(ke_ptr + rows, mask=rmask, other=0).to(gl.int32), N)
+            ks = gl.minimum(gl.maximum(gl.load(ks_ptr + rows, mask=rmask, other=0).to(gl.int32), 0), N)
+            ke = gl.minimum(gl.maximum(gl.load(ke_ptr + rows, mask=rmask, other=0).to(gl.int32), 0), N)
             out_rows = out_ptr + rows.to(gl.int64) * stride_out
             if COMPRESSED:
                 ln = gl.where(rmask, gl.maximum(ke - ks, 0), W)

@@ -35,7 +35,10 @@ def fp8_mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, *, ou
     """See :func:`sparse_indexer.fp8_mqa_logits`; arguments are checked. Scores are float32; a bfloat16 ``out``
     receives them rounded once (``copy_``). ``compressed``: ``out`` is ``[M, W]``, row ``m`` from key ``ks[m]``.
     ``q_scale``: MXFP4 operands (docs/spec.md §3a; ``q``, ``k_fp8`` packed values, ``q_scale``, ``k_scale`` their
-    scale bytes), scored by :func:`sparse_indexer.mxfp4.mxfp4_scores`."""
+    scale bytes), scored by :func:`sparse_indexer.mxfp4.mxfp4_scores`.
+
+    Windows the value checks would refuse (value checks off): ``ks`` and ``ke`` are clamped into ``[0, N]``
+    (``ke <= ks``: an empty row); a compressed row keeps the first ``W`` keys of a longer window."""
     m, h, _ = q.shape
     n = k_fp8.shape[0]
     if q_scale is not None:
@@ -80,8 +83,8 @@ def _compressed(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, out, cle
         r1 = min(m, r0 + rt)
         qf = q[r0:r1].float()  # [r, H, D]
         wts = weights[r0:r1].unsqueeze(1)  # [r, 1, H]
-        ks = cu_seqlen_ks[r0:r1, None].long()
-        lens = cu_seqlen_ke[r0:r1, None].long() - ks
+        ks = cu_seqlen_ks[r0:r1, None].long().clamp(0, n)  # (windows clamped into [0, N])
+        lens = cu_seqlen_ke[r0:r1, None].long().clamp(0, n) - ks
         for c0 in range(0, w, ct):
             c1 = min(w, c0 + ct)
             j = torch.arange(c0, c1, device=q.device)[None, :]
@@ -108,8 +111,8 @@ def _mxfp4(q, q_scale, k_vals, k_scales, weights, cu_seqlen_ks, cu_seqlen_ke, ou
     rt, ct = tile_sizes(m, h * nb * 2, w)  # (float64 block products: twice the float32 elements)
     for r0 in range(0, m, rt):
         r1 = min(m, r0 + rt)
-        ks = cu_seqlen_ks[r0:r1, None].long()
-        ke = cu_seqlen_ke[r0:r1, None].long()
+        ks = cu_seqlen_ks[r0:r1, None].long().clamp(0, n)  # (windows clamped into [0, N], as the FP8 path)
+        ke = cu_seqlen_ke[r0:r1, None].long().clamp(0, n)
         for c0 in range(0, w, ct):
             c1 = min(w, c0 + ct)
             j = torch.arange(c0, c1, device=q.device)[None, :]

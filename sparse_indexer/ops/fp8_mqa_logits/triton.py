@@ -19,6 +19,9 @@ or scores below ``2**-126``), NaN for a scale byte of 255, the blocks summed in 
 head sum. Untuned (:data:`MXFP4_CONFIG`).
 
 No host synchronisation and no allocation: the grid is ``cdiv(M, BLOCK_Q)``.
+
+Windows the value checks would refuse: ``ks`` and ``ke`` are clamped into ``[0, N]`` once per row (``ke <= ks``:
+an empty row); compressed rows store only columns ``< W`` (a window longer than ``W`` keeps its first ``W`` keys).
 """
 
 from __future__ import annotations
@@ -110,8 +113,9 @@ def _mqa_logits_kernel(
     rows64 = rows.to(tl.int64)
     ks = tl.load(ks_ptr + rows64 * stride_ks, mask=rmask, other=0).to(tl.int32)
     ke = tl.load(ke_ptr + rows64 * stride_ke, mask=rmask, other=0).to(tl.int32)
-    ks = tl.maximum(ks, 0)
-    ke = tl.minimum(ke, N)
+    # windows clamped into [0, N] (values the checks would refuse: every store and -inf fill stays in its row)
+    ks = tl.minimum(tl.maximum(ks, 0), N)
+    ke = tl.minimum(tl.maximum(ke, 0), N)
     nonempty = rmask & (ke > ks)
     lo = tl.min(tl.where(nonempty, ks, N), axis=0)
     hi = tl.max(tl.where(nonempty, ke, 0), axis=0)

@@ -53,7 +53,7 @@ def fp8_mqa_topk(q: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, we
         backend: ``None``/``"auto"`` (the composition of the two ops' own ``auto``) or a backend's name
             (``sparse_indexer.backends.names()``), which composes its own logits and top-k.
         check_values: check the windows against ``N`` (reads device values: a sync on a GPU); default: on the CPU
-            only.
+            only. Unchecked windows are clamped (``ks >= 0``, ``ke <= N``; docs/spec.md §10).
         logits_dtype: the dtype of the scores the selection runs on when ``logits`` is ``None`` (float32, the
             default, or bfloat16); must match ``logits.dtype`` when both are given.
 

@@ -103,7 +103,10 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
         backend: ``None``/``"auto"`` (the best backend available on the device; the next one when it raises
             ``NotImplementedError`` for the case) or a backend's name (``sparse_indexer.backends.names()``).
         check_values: check the context lengths against ``W`` and ``block_table``, and the block ids against the
-            cache (reads device values: a sync on a GPU); default: on the CPU only.
+            cache (reads device values: a sync on a GPU); default: on the CPU only. Unchecked values never make a
+            backend read or write outside its tensors (docs/spec.md §10): each row's limit is clamped to ``[0,
+            min(W, max_blocks * block_size)]``, a block id outside ``[0, num_blocks)`` scores as a zero key (its
+            in-window cells 0), an ``indices`` entry outside ``[0, num_requests)`` gives its rows empty windows.
         qk: optional ``[H, B * next_n, W]`` float32 scratch (a :meth:`Buffers.qk_view`) for backends that
             materialise per-head scores (aiter's stage1 kernel on AMD GPUs other than gfx942/gfx950); the other
             backends ignore it. Its contents afterwards are undefined.

@@ -25,6 +25,10 @@ Each CTA is warp-specialized (``gl.warp_specialize``):
 ``config={"DIAG": True}`` is a measurement mode, not a result: the math warpgroups release every stage unread, so
 the time is the TMA stream's alone (docs/benchmarks.md).
 
+Values the checks would refuse (docs/spec.md §10): row limits are clamped to ``[0, CAP]``; a block id outside
+the cache is copied as block ``num_blocks``, wholly past both descriptors, which TMA fills with zeros (a zero key:
+in-window logits 0); an ``indices`` entry outside the block table has no tiles (empty windows).
+
 With ``clean=True`` all warps then fill the columns at or past each row's limit with ``-inf`` (chunks of
 ``FILL_N`` columns shared round-robin, the Triton kernel's pass), disjoint from the cells the tile loop writes.
 
@@ -44,6 +48,7 @@ import torch
 
 from ..._runtime.launch import Launcher
 from ..._runtime.tma import Descriptors
+from .reference import fp8_paged_mqa_logits as _reference
 
 try:  # Gluon (Triton >= 3.6); the module is imported only where the backend is available (backends.py)
     import triton
@@ -85,14 +90,18 @@ if _GLUON:
         return a + b
 
     @gluon.jit
-    def _req_tiles(cl_ptr, b, stride_clb, stride_cln, CAP, NEXT_N: gl.constexpr, CL_2D: gl.constexpr):
+    def _req_tiles(cl_ptr, idx_ptr, b, stride_clb, stride_cln, CAP, NR, NEXT_N: gl.constexpr, CL_2D: gl.constexpr,
+                   HAS_IDX: gl.constexpr):
         """Key tiles of request ``b``: ``cdiv(min(max_limit, CAP), 64)`` (the largest row limit: the last token's
-        for 1-D lengths)."""
+        for 1-D lengths); 0 for an entry whose ``indices`` value is outside ``[0, NR)`` (an empty window)."""
         m = gl.load(cl_ptr + b * stride_clb).to(gl.int32)
         if CL_2D:
             for j in gl.static_range(1, NEXT_N):
                 m = gl.maximum(m, gl.load(cl_ptr + b * stride_clb + j * stride_cln).to(gl.int32))
         m = gl.minimum(gl.maximum(m, 0), CAP)
+        if HAS_IDX:
+            row = gl.load(idx_ptr + b)
+            m = gl.where((row >= 0) & (row < NR), m, 0)
         return (m + 63) // 64
 
     @gluon.jit
@@ -102,8 +111,8 @@ if _GLUON:
         if j < NEXT_N:
             if CL_2D:
                 lim = gl.load(cl_ptr + b * stride_clb + j * stride_cln).to(gl.int32)
-            else:
-                lim = gl.load(cl_ptr + b * stride_clb).to(gl.int32) - NEXT_N + j + 1
+            else:  # (the length clamped at 0 first: no int32 overflow below)
+                lim = gl.maximum(gl.load(cl_ptr + b * stride_clb).to(gl.int32), 0) - NEXT_N + j + 1
             lim = gl.minimum(gl.maximum(lim, 0), CAP)
         else:
             lim = 0
@@ -118,11 +127,13 @@ if _GLUON:
 
     @gluon.jit
     def _producer(kv_desc, sc_desc, q_desc, bt_ptr, idx_ptr, cl_ptr, k_ring, s_ring, q_buf, ready, empty,
-                  q_ready, q_empty, start, end, b0, b_start0, stride_bt, stride_clb, stride_cln, CAP, R,
+                  q_ready, q_empty, start, end, b0, b_start0, stride_bt, stride_clb, stride_cln, CAP, R, NB, NR,
                   NEXT_N: gl.constexpr, CL_2D: gl.constexpr, HAS_IDX: gl.constexpr, STAGES: gl.constexpr,
                   CHUNK: gl.constexpr, QBUF: gl.constexpr, WIDE: gl.constexpr, DUO: gl.constexpr):
         """1 warp: block-table entries by the chunk, TMA copies of the values, scales and queries. ``DUO``: two
-        tiles of a request per ring slot (one wait, one expect and one release for both)."""
+        tiles of a request per ring slot (one wait, one expect and one release for both). A block id outside
+        ``[0, NB)`` is copied as block ``NB``, past the descriptors' rows: TMA fills its values and scales with
+        zeros (a zero key, and no int32 overflow of ``blk * R`` for a huge id)."""
         SC_COL: gl.constexpr = 64 * 128 // 4  # float32 column of a block's first scale
         chunk_l: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         offs = gl.arange(0, CHUNK, layout=chunk_l)
@@ -135,7 +146,8 @@ if _GLUON:
         it = 0
         k = 0
         while t < end:
-            b_end = b_start + _req_tiles(cl_ptr, b, stride_clb, stride_cln, CAP, NEXT_N, CL_2D)
+            b_end = b_start + _req_tiles(cl_ptr, idx_ptr, b, stride_clb, stride_cln, CAP, NR, NEXT_N, CL_2D,
+                                         HAS_IDX)
             if b_end > t:
                 qs = k % QBUF
                 mbarrier.wait(q_empty.index(qs), ((k // QBUF) & 1) ^ 1)
@@ -157,7 +169,7 @@ if _GLUON:
                 t_hi = gl.minimum(end, b_end) - b_start
                 nxt = gl.load(bt_row + t_lo + offs, mask=t_lo + offs < t_hi, other=0)
                 for c0 in range(t_lo, t_hi, CHUNK):
-                    cur = nxt
+                    cur = gl.where((nxt >= 0) & (nxt < NB), nxt, NB)  # (one entry per lane, once per chunk)
                     nxt = gl.load(bt_row + c0 + CHUNK + offs, mask=c0 + CHUNK + offs < t_hi, other=0)
                     n = gl.minimum(t_hi - c0, CHUNK)
                     if DUO:  # tiles (c0 + i, c0 + i + 1) of the request in slot s (CHUNK is even: pairs from t_lo)
@@ -256,9 +268,10 @@ if _GLUON:
             _token_epilogue(c3, w3, ksc, out_row0 + 3 * stride_out, pos, lim3)
 
     @gluon.jit
-    def _consumer(out_ptr, w_ptr, cl_ptr, k_ring, s_ring, q_buf, ready, empty, q_ready, q_empty, start, end, b0,
-                  b_start0, stride_out, stride_w, stride_clb, stride_cln, CAP, X: gl.constexpr, NCONS: gl.constexpr,
-                  NEXT_N: gl.constexpr, CL_2D: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr,
+    def _consumer(out_ptr, w_ptr, cl_ptr, idx_ptr, k_ring, s_ring, q_buf, ready, empty, q_ready, q_empty, start, end,
+                  b0, b_start0, stride_out, stride_w, stride_clb, stride_cln, CAP, NR, X: gl.constexpr,
+                  NCONS: gl.constexpr, NEXT_N: gl.constexpr, CL_2D: gl.constexpr, HAS_IDX: gl.constexpr,
+                  STAGES: gl.constexpr, QBUF: gl.constexpr,
                   DIAG: gl.constexpr, PAIR: gl.constexpr, WIDE: gl.constexpr, DUO: gl.constexpr):
         """Math warpgroup ``X`` of ``NCONS``: it takes the CTA's tiles ``X, X + NCONS, ...``; per tile the
         ``next_n`` wgmmas (issued together, one wait), the relu/weight/head-sum epilogue and a masked store.
@@ -278,7 +291,8 @@ if _GLUON:
         it = 0  # the CTA's tiles before the current request
         k = 0
         while t < end:
-            b_end = b_start + _req_tiles(cl_ptr, b, stride_clb, stride_cln, CAP, NEXT_N, CL_2D)
+            b_end = b_start + _req_tiles(cl_ptr, idx_ptr, b, stride_clb, stride_cln, CAP, NR, NEXT_N, CL_2D,
+                                         HAS_IDX)
             if b_end > t:
                 r0 = b.to(gl.int64) * NEXT_N
                 w0 = gl.load(w_ptr + r0 * stride_w + offs_h)
@@ -404,6 +418,7 @@ if _GLUON:
         bt_ptr,  # [B, max_blocks] int32/int64 (HAS_IDX: [num_requests, max_blocks])
         idx_ptr,  # [B] block-table row of each entry (read only when HAS_IDX)
         B, W, CAP, R,  # CAP = min(W, max_blocks * 64); R = block_stride / 128
+        NB, NR,  # cache blocks, block-table rows: ids outside [0, NB) score as zero keys, indices outside [0, NR) empty
         stride_out, stride_w, stride_clb, stride_cln, stride_bt,
         NUM_PROGRAMS,
         NEXT_N: gl.constexpr, CL_2D: gl.constexpr, CLEAN: gl.constexpr, HAS_IDX: gl.constexpr,
@@ -425,6 +440,9 @@ if _GLUON:
                 c = gl.load(cl_ptr + offs_b * stride_clb + j * stride_cln, mask=bmask, other=0).to(gl.int32)
                 maxlim = gl.maximum(maxlim, c)
         maxlim = gl.minimum(gl.maximum(maxlim, 0), CAP)
+        if HAS_IDX:  # an entry whose block-table row is outside the table: an empty window
+            iv = gl.load(idx_ptr + offs_b, mask=bmask, other=0)
+            maxlim = gl.where((iv >= 0) & (iv < NR), maxlim, 0)
         tiles = (maxlim + 63) // 64
         cum_end = gl.associative_scan(tiles, 0, _add)
         total = gl.sum(tiles, axis=0)
@@ -453,24 +471,24 @@ if _GLUON:
 
         if NCONS == 1:
             gl.warp_specialize([
-                (_consumer, (out_ptr, w_ptr, cl_ptr, k_ring, s_ring, q_buf, ready, empty, q_ready, q_empty, start,
-                             end, b0, b_start0, stride_out, stride_w, stride_clb, stride_cln, CAP, 0, 1, NEXT_N,
-                             CL_2D, STAGES, QBUF, DIAG, PAIR, WIDE, DUO)),
+                (_consumer, (out_ptr, w_ptr, cl_ptr, idx_ptr, k_ring, s_ring, q_buf, ready, empty, q_ready, q_empty,
+                             start, end, b0, b_start0, stride_out, stride_w, stride_clb, stride_cln, CAP, NR, 0, 1,
+                             NEXT_N, CL_2D, HAS_IDX, STAGES, QBUF, DIAG, PAIR, WIDE, DUO)),
                 (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, idx_ptr, cl_ptr, k_ring, s_ring, q_buf, ready, empty,
                              q_ready, q_empty, start, end, b0, b_start0, stride_bt, stride_clb, stride_cln, CAP, R,
-                             NEXT_N, CL_2D, HAS_IDX, STAGES, CHUNK, QBUF, WIDE, DUO)),
+                             NB, NR, NEXT_N, CL_2D, HAS_IDX, STAGES, CHUNK, QBUF, WIDE, DUO)),
             ], [1], [40])
         else:
             gl.warp_specialize([
-                (_consumer, (out_ptr, w_ptr, cl_ptr, k_ring, s_ring, q_buf, ready, empty, q_ready, q_empty, start,
-                             end, b0, b_start0, stride_out, stride_w, stride_clb, stride_cln, CAP, 0, 2, NEXT_N,
-                             CL_2D, STAGES, QBUF, DIAG, PAIR, WIDE, DUO)),
-                (_consumer, (out_ptr, w_ptr, cl_ptr, k_ring, s_ring, q_buf, ready, empty, q_ready, q_empty, start,
-                             end, b0, b_start0, stride_out, stride_w, stride_clb, stride_cln, CAP, 1, 2, NEXT_N,
-                             CL_2D, STAGES, QBUF, DIAG, PAIR, WIDE, DUO)),
+                (_consumer, (out_ptr, w_ptr, cl_ptr, idx_ptr, k_ring, s_ring, q_buf, ready, empty, q_ready, q_empty,
+                             start, end, b0, b_start0, stride_out, stride_w, stride_clb, stride_cln, CAP, NR, 0, 2,
+                             NEXT_N, CL_2D, HAS_IDX, STAGES, QBUF, DIAG, PAIR, WIDE, DUO)),
+                (_consumer, (out_ptr, w_ptr, cl_ptr, idx_ptr, k_ring, s_ring, q_buf, ready, empty, q_ready, q_empty,
+                             start, end, b0, b_start0, stride_out, stride_w, stride_clb, stride_cln, CAP, NR, 1, 2,
+                             NEXT_N, CL_2D, HAS_IDX, STAGES, QBUF, DIAG, PAIR, WIDE, DUO)),
                 (_producer, (kv_desc, sc_desc, q_desc, bt_ptr, idx_ptr, cl_ptr, k_ring, s_ring, q_buf, ready, empty,
                              q_ready, q_empty, start, end, b0, b_start0, stride_bt, stride_clb, stride_cln, CAP, R,
-                             NEXT_N, CL_2D, HAS_IDX, STAGES, CHUNK, QBUF, WIDE, DUO)),
+                             NB, NR, NEXT_N, CL_2D, HAS_IDX, STAGES, CHUNK, QBUF, WIDE, DUO)),
             ], [4, 1], [CONS_REGS, 40])
 
         if CLEAN:
@@ -486,9 +504,12 @@ if _GLUON:
                 fj = r % NEXT_N
                 if CL_2D:
                     flim = gl.load(cl_ptr + fb * stride_clb + fj * stride_cln).to(gl.int32)
-                else:
-                    flim = gl.load(cl_ptr + fb * stride_clb).to(gl.int32) - NEXT_N + fj + 1
+                else:  # (the length clamped at 0 first: no int32 overflow below)
+                    flim = gl.maximum(gl.load(cl_ptr + fb * stride_clb).to(gl.int32), 0) - NEXT_N + fj + 1
                 flim = gl.minimum(gl.maximum(flim, 0), CAP)
+                if HAS_IDX:  # an entry whose block-table row is outside the table: an empty window
+                    frow = gl.load(idx_ptr + fb)
+                    flim = gl.where((frow >= 0) & (frow < NR), flim, 0)
                 if col0 + FILL_N > flim:
                     cols = col0 + offs_f
                     gl.store(out_ptr + r.to(gl.int64) * stride_out + cols, ninf, mask=(cols >= flim) & (cols < W))
@@ -543,7 +564,7 @@ def unsupported_reason(q, kv_cache, weights, context_lens, block_table, out, ind
     if q.stride(3) != 1 or q.stride(2) != d or q.stride(1) != h * d or (b > 1 and q.stride(0) != next_n * h * d) \
             or q.data_ptr() % 16:
         return f"gluon fp8_paged_mqa_logits needs a contiguous, 16-byte aligned q, got strides {q.stride()}"
-    if nb * (stride0 // 128) >= 2**31 or b * next_n * h >= 2**31:
+    if (nb + 1) * (stride0 // 128) >= 2**31 or b * next_n * h >= 2**31:  # (block nb: the zero key's coordinate)
         return "gluon fp8_paged_mqa_logits: TMA coordinates are int32"
     return None
 
@@ -599,6 +620,9 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
     w = out.shape[1]
     if b == 0 or w == 0:
         return
+    if nb == 0:  # no key to read (every in-window cell is a zero key's); a TMA descriptor needs rows
+        _reference(q, kv_cache, weights, context_lens, block_table, out=out, clean=clean, indices=indices)
+        return
     stride0 = kv_cache.stride(0) if nb > 1 else bs * width
     rows_per_block = stride0 // 128
     l8, l32 = _layouts()
@@ -621,8 +645,9 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
     # bound launch (sparse_indexer/_runtime/launch.py): Triton's own launch path re-specializes every argument per call
     _LAUNCH.launch_with((programs,), cfg, (
         out, kv_desc, sc_desc, q_desc, weights, context_lens, block_table,
-        indices if has_idx else context_lens, b, w, min(w, max_blocks * bs), rows_per_block,
-        out.stride(0), weights.stride(0), cls[0], cls[1] if cl_2d else 0, block_table.stride(0), programs))
+        indices if has_idx else context_lens, b, w, min(w, max_blocks * bs), rows_per_block, nb,
+        block_table.shape[0], out.stride(0), weights.stride(0), cls[0], cls[1] if cl_2d else 0,
+        block_table.stride(0), programs))
 
 
 AUTO_MIN_KEY_BLOCKS = 32768

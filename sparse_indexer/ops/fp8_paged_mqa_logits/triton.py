@@ -12,6 +12,11 @@ No host synchronisation and no allocation: the grid is (multiprocessors x progra
 latter the compiled kernel's occupancy (registers, shared memory; computed once per specialization, capped by
 ``programs_per_sm``). ``SPLIT=True`` runs one ``[BLOCK_N, H]`` dot per query token instead (slower on H200).
 
+Values the checks would refuse (docs/spec.md §10) cost a scalar per tile: row limits are clamped to ``[0, CAP]``;
+a block id outside the cache reads its tile's values from block 0 and its key scales as 0 (the scale load's mask),
+so its in-window logits are 0 (with ``block_size < BLOCK_N`` the keys' loads are masked instead: a zero key); an
+``indices`` entry outside the block table has no tiles (empty windows).
+
 Triton's software pipeliner prefetches only the loads that feed a ``tl.dot`` (the keys, and the block-table entry
 their address needs); the key scales would be a plain load, a full memory round trip every tile, so with
 ``KSC_PF`` they are read one tile ahead by hand (loop-carried registers).
@@ -34,6 +39,7 @@ from ..._runtime.launch import Launcher
 from ..._runtime.triton_compat import fix_interpreter
 from .._mxfp4_triton import scale_offset, tile_constants, value_offset
 from ..fp8_mqa_logits.triton import _e2m1, _scale_factors, to_out
+from .reference import fp8_paged_mqa_logits as _reference
 
 fix_interpreter()  # Triton 3.6's interpreter under NumPy >= 2.4 (sparse_indexer/_runtime/triton_compat.py)
 
@@ -62,8 +68,8 @@ def _scales(sbase, idx, mask, MASKED: tl.constexpr, UE8M0: tl.constexpr):
     """Key scales of keys ``idx`` of a block whose scale region starts at the byte pointer ``sbase`` (``MASKED``:
     0 where ``mask`` is false): float32, or with ``UE8M0`` the first byte of each key's 4 decoded (:func:`_ue8m0`)."""
     if UE8M0:
-        if MASKED:
-            return _ue8m0(tl.load(sbase.to(tl.pointer_type(tl.int32)) + idx, mask=mask, other=0))
+        if MASKED:  # (a masked scale is 0, not the byte 0's subnormal 2 ** -127)
+            return tl.where(mask, _ue8m0(tl.load(sbase.to(tl.pointer_type(tl.int32)) + idx, mask=mask, other=0)), 0.0)
         else:
             return _ue8m0(tl.load(sbase.to(tl.pointer_type(tl.int32)) + idx))
     else:
@@ -74,27 +80,31 @@ def _scales(sbase, idx, mask, MASKED: tl.constexpr, UE8M0: tl.constexpr):
 
 
 @triton.jit
-def _tile_block(bt_row, tt, t_hi, BS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Cache block of tile ``tt`` of a request, 0 when ``tt >= t_hi`` (the read is clamped into the row)."""
+def _tile_block(bt_row, tt, t_hi, NB, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Cache block of tile ``tt`` of a request, 0 when ``tt >= t_hi`` (the table is not read then), -1 for an id
+    outside ``[0, NB)``."""
     idx = tl.maximum(tl.minimum(tt, t_hi - 1), 0) * BLOCK_N // BS
-    return tl.where(tt < t_hi, tl.load(bt_row + idx), 0)
+    blk = tl.load(bt_row + idx, mask=tt < t_hi, other=0)
+    return tl.where((blk >= 0) & (blk < NB), blk, -1)
 
 
 @triton.jit
-def _tile_scales(kv_ptr, bt_row, tt, t_hi, stride_blk, offs_n, BS: tl.constexpr, D: tl.constexpr,
+def _tile_scales(kv_ptr, bt_row, tt, t_hi, NB, stride_blk, offs_n, BS: tl.constexpr, D: tl.constexpr,
                  BLOCK_N: tl.constexpr, UE8M0: tl.constexpr):
-    """Key scales ``[BLOCK_N]`` of tile ``tt`` (unused when ``tt >= t_hi``); the tile lies inside one block."""
+    """Key scales ``[BLOCK_N]`` of tile ``tt`` (unused when ``tt >= t_hi``; 0 for a block id outside the cache);
+    the tile lies inside one block."""
     p0 = tt * BLOCK_N
-    blk = _tile_block(bt_row, tt, t_hi, BS, BLOCK_N).to(tl.int64)
-    return _scales(kv_ptr + blk * stride_blk + BS * D, p0 % BS + offs_n,
-                   offs_n < tl.where(tt < t_hi, BLOCK_N, 0), True, UE8M0)
+    blk = _tile_block(bt_row, tt, t_hi, NB, BS, BLOCK_N)
+    return _scales(kv_ptr + tl.maximum(blk, 0).to(tl.int64) * stride_blk + BS * D, p0 % BS + offs_n,
+                   offs_n < tl.where((tt < t_hi) & (blk >= 0), BLOCK_N, 0), True, UE8M0)
 
 
 @triton.jit
 def _load_token(q_ptr, w_ptr, cl_ptr, b64, j: tl.constexpr, stride_qn, stride_qh, stride_w, stride_clb, stride_cln,
-                offs_h, offs_d, NEXT_N: tl.constexpr, CL_2D: tl.constexpr, H: tl.constexpr,
+                CAP, offs_h, offs_d, NEXT_N: tl.constexpr, CL_2D: tl.constexpr, H: tl.constexpr,
                 HP: tl.constexpr):
-    """Queries ``[HP, D]``, weights ``[HP]`` (zero past ``H``) and row limit of token ``j`` of request ``b``."""
+    """Queries ``[HP, D]``, weights ``[HP]`` (zero past ``H``) and row limit (in ``[0, CAP]``) of token ``j`` of
+    request ``b``."""
     if H == HP:
         q = tl.load(q_ptr + j * stride_qn + offs_h[:, None] * stride_qh + offs_d[None, :])
         wts = tl.load(w_ptr + (b64 * NEXT_N + j) * stride_w + offs_h)
@@ -104,10 +114,10 @@ def _load_token(q_ptr, w_ptr, cl_ptr, b64, j: tl.constexpr, stride_qn, stride_qh
                     other=0.0)
         wts = tl.load(w_ptr + (b64 * NEXT_N + j) * stride_w + offs_h, mask=hmask, other=0.0)
     if CL_2D:
-        lim = tl.load(cl_ptr + b64 * stride_clb + j * stride_cln).to(tl.int32)
-    else:
-        lim = tl.load(cl_ptr + b64 * stride_clb).to(tl.int32) - NEXT_N + j + 1
-    return q, wts, tl.maximum(lim, 0)
+        lim = tl.load(cl_ptr + b64 * stride_clb + j * stride_cln)
+    else:  # (the length clamped at 0 first: no int32 overflow below)
+        lim = tl.maximum(tl.load(cl_ptr + b64 * stride_clb), 0) - NEXT_N + j + 1
+    return q, wts, tl.minimum(tl.maximum(lim, 0), CAP)
 
 
 @triton.jit(do_not_specialize=["NUM_PROGRAMS"])
@@ -120,6 +130,7 @@ def _paged_logits_kernel(
     bt_ptr,  # [B, max_blocks] int32 (HAS_IDX: [num_requests, max_blocks])
     idx_ptr,  # [B] int32 block-table row of each entry (read only when HAS_IDX)
     B, W, CAP,  # CAP = min(W, max_blocks * BS): no key position reaches it
+    NB, NR,  # cache blocks, block-table rows: ids outside [0, NB) score as zero keys, indices outside [0, NR) empty
     stride_out, stride_qb, stride_qn, stride_qh, stride_w, stride_clb, stride_cln, stride_bt, stride_blk,
     NUM_PROGRAMS,
     NEXT_N: tl.constexpr, NN_PAD: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
@@ -142,6 +153,9 @@ def _paged_logits_kernel(
     else:
         maxlim = tl.load(cl_ptr + offs_b * stride_clb, mask=bmask, other=0).to(tl.int64)
     maxlim = tl.minimum(tl.maximum(maxlim, 0), CAP)
+    if HAS_IDX:  # an entry whose block-table row is outside the table: an empty window
+        iv = tl.load(idx_ptr + offs_b, mask=bmask, other=0)
+        maxlim = tl.where((iv >= 0) & (iv < NR), maxlim, 0)
     tiles = (maxlim + BLOCK_N - 1) // BLOCK_N  # [BLOCK_B] int64
     cum_end = tl.cumsum(tiles, axis=0)
     total = tl.sum(tiles, axis=0)
@@ -166,16 +180,17 @@ def _paged_logits_kernel(
         t_lo = (t - b_start).to(tl.int32)
         t_hi = (tl.minimum(end, b_end) - b_start).to(tl.int32)
         b64 = b.to(tl.int64)
-        # Row limits of the request's next_n tokens.
+        # Row limits of the request's next_n tokens, in [0, CAP].
         if CL_2D:
-            lim = tl.load(cl_ptr + b64 * stride_clb + offs_j * stride_cln, mask=jmask, other=0).to(tl.int32)
-        else:
-            c = tl.load(cl_ptr + b64 * stride_clb).to(tl.int32)
+            lim = tl.load(cl_ptr + b64 * stride_clb + offs_j * stride_cln, mask=jmask, other=0)
+        else:  # (the length clamped at 0 first: no int32 overflow below)
+            c = tl.maximum(tl.load(cl_ptr + b64 * stride_clb), 0)
             lim = c - NEXT_N + offs_j + 1
-        lim = tl.where(jmask, tl.maximum(lim, 0), 0)
+        lim = tl.where(jmask, tl.minimum(tl.maximum(lim, 0), CAP), 0)
         b_lim = tl.sum(tl.where(sel, maxlim, 0), axis=0).to(tl.int32)
-        if HAS_IDX:
-            bt_row = bt_ptr + tl.load(idx_ptr + b64).to(tl.int64) * stride_bt
+        if HAS_IDX:  # (an index outside the table has no tiles: row 0 is never read then)
+            row = tl.load(idx_ptr + b64)
+            bt_row = bt_ptr + tl.where((row >= 0) & (row < NR), row, 0).to(tl.int64) * stride_bt
         else:
             bt_row = bt_ptr + b64 * stride_bt
         out_rows = out_ptr + (b64 * NEXT_N + offs_j).to(tl.int64) * stride_out  # [NN_PAD] pointers
@@ -184,16 +199,16 @@ def _paged_logits_kernel(
             qb = q_ptr + b64 * stride_qb
             row0 = out_ptr + (b64 * NEXT_N).to(tl.int64) * stride_out
             q0, w0, l0 = _load_token(qb, w_ptr, cl_ptr, b64, 0, stride_qn, stride_qh, stride_w, stride_clb,
-                                     stride_cln, offs_h, offs_d, NEXT_N, CL_2D, H, HP)
+                                     stride_cln, CAP, offs_h, offs_d, NEXT_N, CL_2D, H, HP)
             if NEXT_N > 1:
                 q1, w1, l1 = _load_token(qb, w_ptr, cl_ptr, b64, 1, stride_qn, stride_qh, stride_w, stride_clb,
-                                         stride_cln, offs_h, offs_d, NEXT_N, CL_2D, H, HP)
+                                         stride_cln, CAP, offs_h, offs_d, NEXT_N, CL_2D, H, HP)
             if NEXT_N > 2:
                 q2, w2, l2 = _load_token(qb, w_ptr, cl_ptr, b64, 2, stride_qn, stride_qh, stride_w, stride_clb,
-                                         stride_cln, offs_h, offs_d, NEXT_N, CL_2D, H, HP)
+                                         stride_cln, CAP, offs_h, offs_d, NEXT_N, CL_2D, H, HP)
             if NEXT_N > 3:
                 q3, w3, l3 = _load_token(qb, w_ptr, cl_ptr, b64, 3, stride_qn, stride_qh, stride_w, stride_clb,
-                                         stride_cln, offs_h, offs_d, NEXT_N, CL_2D, H, HP)
+                                         stride_cln, CAP, offs_h, offs_d, NEXT_N, CL_2D, H, HP)
         else:
             q = tl.load(q_ptr + b64 * stride_qb + (offs_r // HP)[:, None] * stride_qn
                         + (offs_r % HP)[:, None] * stride_qh + offs_d[None, :], mask=rmask[:, None], other=0.0)
@@ -201,38 +216,43 @@ def _paged_logits_kernel(
         if KSC_PF > 0:
             # Key scales read KSC_PF tiles ahead by hand: the software pipeliner only prefetches the loads that
             # feed the dot (the keys), so a plain scale load would stall every tile for a full memory round trip.
-            ksc_a = _tile_scales(kv_ptr, bt_row, t_lo, t_hi, stride_blk, offs_n, BS, D, BLOCK_N, UE8M0)
+            ksc_a = _tile_scales(kv_ptr, bt_row, t_lo, t_hi, NB, stride_blk, offs_n, BS, D, BLOCK_N, UE8M0)
             if KSC_PF == 2:
-                ksc_b = _tile_scales(kv_ptr, bt_row, t_lo + 1, t_hi, stride_blk, offs_n, BS, D, BLOCK_N, UE8M0)
-            blk_c = _tile_block(bt_row, t_lo + KSC_PF, t_hi, BS, BLOCK_N)
+                ksc_b = _tile_scales(kv_ptr, bt_row, t_lo + 1, t_hi, NB, stride_blk, offs_n, BS, D, BLOCK_N, UE8M0)
+            blk_c = _tile_block(bt_row, t_lo + KSC_PF, t_hi, NB, BS, BLOCK_N)
         for tt in range(t_lo, t_hi):
             p0 = tt * BLOCK_N
             pos = p0 + offs_n
             if KSC_PF > 0:
                 ksc = ksc_a
                 pn = (tt + KSC_PF) * BLOCK_N
-                ksc_n = _scales(kv_ptr + blk_c.to(tl.int64) * stride_blk + BS * D, pn % BS + offs_n,
-                                offs_n < tl.where(tt + KSC_PF < t_hi, BLOCK_N, 0), True, UE8M0)
-                blk_c = _tile_block(bt_row, tt + KSC_PF + 1, t_hi, BS, BLOCK_N)
+                ksc_n = _scales(kv_ptr + tl.maximum(blk_c, 0).to(tl.int64) * stride_blk + BS * D, pn % BS + offs_n,
+                                offs_n < tl.where((tt + KSC_PF < t_hi) & (blk_c >= 0), BLOCK_N, 0), True, UE8M0)
+                blk_c = _tile_block(bt_row, tt + KSC_PF + 1, t_hi, NB, BS, BLOCK_N)
                 if KSC_PF == 2:
                     # (an op, not a plain copy of a loop-carried value: the pipeliner gives up on distance-2 deps)
                     ksc_a = tl.where(tt < t_hi, ksc_b, ksc_n)
                     ksc_b = ksc_n
                 else:
                     ksc_a = ksc_n
-                blk = tl.load(bt_row + p0 // BS).to(tl.int64)
+                # a block id outside the cache: its values read from block 0 (a scalar select), its scales 0 above
+                blk = tl.load(bt_row + p0 // BS)
+                blk = tl.where((blk >= 0) & (blk < NB), blk, 0).to(tl.int64)
                 k = tl.load(kv_ptr + blk * stride_blk + (p0 % BS + offs_n)[:, None] * D + offs_d[None, :])
             elif BS >= BLOCK_N:
-                # The tile lies inside one cache block: contiguous values and scales.
-                blk = tl.load(bt_row + p0 // BS).to(tl.int64)
-                base = kv_ptr + blk * stride_blk
+                # The tile lies inside one cache block: contiguous values and scales. A block id outside the
+                # cache: values read from block 0 (a scalar select), scales 0 (a uniform mask): its logits are 0.
+                blk = tl.load(bt_row + p0 // BS)
+                ok = (blk >= 0) & (blk < NB)
+                base = kv_ptr + tl.where(ok, blk, 0).to(tl.int64) * stride_blk
                 off = p0 % BS + offs_n
                 k = tl.load(base + off[:, None] * D + offs_d[None, :])
-                ksc = _scales(base + BS * D, off, None, False, UE8M0)
+                ksc = _scales(base + BS * D, off, offs_n < tl.where(ok, BLOCK_N, 0), True, UE8M0)
             else:
                 valid = pos < b_lim
-                blk = tl.load(bt_row + pos // BS, mask=valid, other=0).to(tl.int64)
-                base = kv_ptr + blk * stride_blk
+                blk = tl.load(bt_row + pos // BS, mask=valid, other=0)
+                valid = valid & (blk >= 0) & (blk < NB)  # a block id outside the cache: a zero key
+                base = kv_ptr + tl.where(valid, blk, 0).to(tl.int64) * stride_blk
                 off = pos % BS
                 k = tl.load((base + off * D)[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
                 ksc = _scales(base + BS * D, off, valid, True, UE8M0)
@@ -266,10 +286,13 @@ def _paged_logits_kernel(
             col0 = (c % chunks) * FILL_N
             fb64 = fb.to(tl.int64)
             if CL_2D:
-                flim = tl.load(cl_ptr + fb64 * stride_clb + offs_j * stride_cln, mask=jmask, other=0).to(tl.int32)
-            else:
-                flim = tl.load(cl_ptr + fb64 * stride_clb).to(tl.int32) - NEXT_N + offs_j + 1
+                flim = tl.load(cl_ptr + fb64 * stride_clb + offs_j * stride_cln, mask=jmask, other=0)
+            else:  # (the length clamped at 0 first: no int32 overflow below)
+                flim = tl.maximum(tl.load(cl_ptr + fb64 * stride_clb), 0) - NEXT_N + offs_j + 1
             flim = tl.minimum(tl.maximum(flim, 0), CAP)
+            if HAS_IDX:  # an entry whose block-table row is outside the table: an empty window
+                frow = tl.load(idx_ptr + fb64)
+                flim = tl.where((frow >= 0) & (frow < NR), flim, 0)
             if col0 + FILL_N > tl.min(tl.where(jmask, flim, CAP), axis=0):
                 cols = col0 + offs_f
                 rows = out_ptr + (fb64 * NEXT_N + offs_j).to(tl.int64) * stride_out
@@ -377,13 +400,16 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
         raise NotImplementedError(f"triton fp8_paged_mqa_logits handles next_n <= 4, got {next_n=}")
     if b == 0 or w == 0:
         return
+    if nb == 0:  # no key to read (every in-window cell is a zero key's): nothing for a kernel to do but fill
+        _no_blocks(q, kv_cache, weights, context_lens, block_table, out, clean, indices)
+        return
     max_blocks = block_table.shape[1]
     cl_2d = context_lens.dim() == 2
     cls = context_lens.stride()
     qs = q.stride()
     has_idx = indices is not None
     args = [out, q, kv_cache, weights, context_lens, block_table,
-            indices if has_idx else context_lens, b, w, min(w, max_blocks * bs),
+            indices if has_idx else context_lens, b, w, min(w, max_blocks * bs), nb, block_table.shape[0],
             out.stride()[0], qs[0], qs[1], qs[2], weights.stride()[0], cls[0], cls[1] if cl_2d else 0,
             block_table.stride()[0], kv_cache.stride()[0] if nb > 1 else bs * width,  # CacheLayout.block_stride
             1]
@@ -401,6 +427,12 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
         LAST_LAUNCH["programs_per_sm"] = per_sm
     args[-1] = num_programs
     _LAUNCH.launch_with((num_programs,), cfg, args, 7)
+
+
+def _no_blocks(q, kv_cache, weights, context_lens, block_table, out, clean, indices, **kw) -> None:
+    """A cache of no blocks (every block id is outside it): the in-window cells 0, the others ``-inf`` with
+    ``clean`` (the reference's torch ops on the device: no key is read, no synchronisation)."""
+    _reference(q, kv_cache, weights, context_lens, block_table, out=out, clean=clean, indices=indices, **kw)
 
 
 @triton.jit
@@ -429,6 +461,7 @@ def _paged_mxfp4_kernel(
     bt_ptr,  # [B, max_blocks] int32 (HAS_IDX: [num_requests, max_blocks])
     idx_ptr,  # [B] int32 block-table row of each entry (HAS_IDX)
     W, CAP,  # CAP = min(W, max_blocks * BS)
+    NB, NR,  # cache blocks, block-table rows: ids outside [0, NB) score as zero keys, indices outside [0, NR) empty
     stride_out, stride_w, stride_clb, stride_cln, stride_bt, stride_blk,
     NEXT_N: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_N: tl.constexpr, CL_2D: tl.constexpr, CLEAN: tl.constexpr, HAS_IDX: tl.constexpr,
@@ -437,36 +470,45 @@ def _paged_mxfp4_kernel(
     """Program ``(b, t)``: key positions ``[t * BLOCK_N, (t + 1) * BLOCK_N)`` of request ``b`` against its
     ``next_n`` query tokens (each key read through the block table: a tile may span blocks); per token the
     blocks' scaled dots (:func:`_paged_mxfp4_block`, summed in order), relu, the weights, the head sum; cells at or
-    past a row's limit ``-inf`` with ``CLEAN``."""
+    past a row's limit ``-inf`` with ``CLEAN``. A block id outside the cache reads as a zero key (its in-window
+    cells 0); an ``indices`` entry outside the block table gives the entry's rows empty windows."""
     b = tl.program_id(0).to(tl.int64)
     pos = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_bt = tl.load(idx_ptr + b).to(tl.int64) if HAS_IDX else b
-    inside = pos < CAP
-    blk = tl.load(bt_ptr + row_bt * stride_bt + pos // BS, mask=inside, other=0).to(tl.int64)
-    base = blk * stride_blk
+    cap = CAP
+    if HAS_IDX:
+        row_bt = tl.load(idx_ptr + b)
+        cap = tl.where((row_bt >= 0) & (row_bt < NR), CAP, 0)  # (an empty window: the table is not read)
+        row_bt = tl.where(cap > 0, row_bt, 0).to(tl.int64)
+    else:
+        row_bt = b
+    inside = pos < cap
+    blk = tl.load(bt_ptr + row_bt * stride_bt + pos // BS, mask=inside, other=0)
+    good = inside & (blk >= 0) & (blk < NB)  # the keys read: a block id outside the cache is a zero key
+    base = tl.where(good, blk, 0).to(tl.int64) * stride_blk
     off = pos % BS
     offs_h = tl.arange(0, HP)
     hmask = offs_h < H
     offs_b = tl.arange(0, 16)
     for j in tl.static_range(NEXT_N):
         if CL_2D:
-            lim = tl.load(cl_ptr + b * stride_clb + j * stride_cln).to(tl.int32)
-        else:
-            lim = tl.load(cl_ptr + b * stride_clb).to(tl.int32) - NEXT_N + j + 1
-        lim = tl.minimum(tl.maximum(lim, 0), CAP)
+            lim = tl.load(cl_ptr + b * stride_clb + j * stride_cln)
+        else:  # (the length clamped at 0 first: no int32 overflow below)
+            lim = tl.maximum(tl.load(cl_ptr + b * stride_clb), 0) - NEXT_N + j + 1
+        lim = tl.minimum(tl.maximum(lim, 0), cap)
         rowq = (b * NEXT_N + j) * H + offs_h  # query rows of token j
         valid = pos < lim
         if tl.program_id(1) * BLOCK_N < lim:
             qrow = q_ptr + rowq * (D // 2)
             srow = qs_ptr + rowq * (D // 32)
             q0 = tl.load(qrow[:, None] + offs_b[None, :], mask=hmask[:, None], other=0)
+            kmask = valid & good
             s = _paged_mxfp4_block(kv_ptr, base, off, _e2m1(q0 & 15), _e2m1(q0 >> 4),
-                                   _scale_factors(tl.load(srow, mask=hmask, other=127).to(tl.int32)), valid, BS, D, 0,
+                                   _scale_factors(tl.load(srow, mask=hmask, other=127).to(tl.int32)), kmask, BS, D, 0,
                                    TN, TC, TL)
             for blkn in tl.static_range(1, D // 32):
                 qn = tl.load(qrow[:, None] + blkn * 16 + offs_b[None, :], mask=hmask[:, None], other=0)
                 fq = _scale_factors(tl.load(srow + blkn, mask=hmask, other=127).to(tl.int32))
-                s = s + _paged_mxfp4_block(kv_ptr, base, off, _e2m1(qn & 15), _e2m1(qn >> 4), fq, valid, BS, D,
+                s = s + _paged_mxfp4_block(kv_ptr, base, off, _e2m1(qn & 15), _e2m1(qn >> 4), fq, kmask, BS, D,
                                            blkn, TN, TC, TL)
             wts = tl.load(w_ptr + (b * NEXT_N + j) * stride_w + offs_h, mask=hmask, other=0.0)
             s = tl.maximum(s, 0.0, propagate_nan=tl.PropagateNan.ALL) * wts[None, :]
@@ -493,6 +535,10 @@ def _mxfp4(q, q_scale, kv_cache, weights, context_lens, block_table, out, clean,
     w = out.shape[1]
     if b == 0 or w == 0:
         return
+    if nb == 0:  # no key to read (every in-window cell is a zero key's)
+        _no_blocks(q, kv_cache, weights, context_lens, block_table, out, clean, indices, cache_order=order,
+                   cache_values="mxfp4", q_scale=q_scale)
+        return
     cl_2d = context_lens.dim() == 2
     cls = context_lens.stride()
     has_idx = indices is not None
@@ -503,5 +549,5 @@ def _mxfp4(q, q_scale, kv_cache, weights, context_lens, block_table, out, clean,
     _LAUNCH_MX.launch_with(
         (b, triton.cdiv(w, _MX_BLOCK_N)), cfg,
         (out, q, q_scale, kv_cache, weights, context_lens, block_table, indices if has_idx else context_lens,
-         w, min(w, block_table.shape[1] * bs), out.stride()[0], weights.stride()[0], cls[0],
+         w, min(w, block_table.shape[1] * bs), nb, block_table.shape[0], out.stride()[0], weights.stride()[0], cls[0],
          cls[1] if cl_2d else 0, block_table.stride()[0], stride_blk), 8)

@@ -63,7 +63,9 @@ def fp8_paged_mqa_topk(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.T
             the two ops' own ``auto``) or a backend's name (``sparse_indexer.backends.names()``), which runs its
             own implementation (reference, Triton and aiter: their logits then their top-k).
         check_values: check the context lengths against ``W`` and ``block_table``, and the block ids against the
-            cache (reads device values: a sync on a GPU); default: on the CPU only.
+            cache (reads device values: a sync on a GPU); default: on the CPU only. Unchecked, the limits are
+            clamped into ``[0, min(W, max_blocks * block_size)]`` and a block id outside the cache scores as a zero
+            key (docs/spec.md §10).
         logits_dtype: the dtype of the scores the selection runs on when ``logits`` is ``None`` (float32, the
             default, or bfloat16); must match ``logits.dtype`` when both are given.
 

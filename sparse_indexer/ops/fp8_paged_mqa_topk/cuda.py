@@ -16,6 +16,10 @@ the top-k instead. Also not taken (``NotImplementedError``): anything but sm_90,
 ``next_n > 4``, block size != 64, a cache in a format other than e4m3fn values with float32 scales in the flat
 order, int64 lengths or block tables, unaligned tensors.
 
+With value checks off (docs/spec.md §10) the kernel clamps every limit into ``[0, min(W, max_blocks * 64)]`` (in
+64 bits) and copies a tile whose block id lies outside ``[0, num_blocks)`` as zeros (nothing read), so its cells
+score 0, as the reference composition's zero keys do.
+
 The grid barrier's state (two words: arrivals, 0 between barriers, and a generation) is one small buffer per
 device, created at the first call; a first call inside CUDA-graph capture raises ``NotImplementedError``
 (engines warm up eagerly before they capture). Launches of this kernel on one device must not overlap
@@ -84,7 +88,8 @@ class _Params(ctypes.Structure):
                 ("out", ctypes.c_void_p), ("stride_o", ctypes.c_longlong), ("ws", ctypes.c_void_p),
                 ("stride_ws", ctypes.c_longlong), ("lg", ctypes.c_void_p), ("stride_lg", ctypes.c_longlong),
                 ("bar", ctypes.c_void_p), ("probe", ctypes.c_void_p), ("B", ctypes.c_int), ("cap", ctypes.c_int),
-                ("topk", ctypes.c_int), ("cl_2d", ctypes.c_int), ("capt", ctypes.c_int)]
+                ("topk", ctypes.c_int), ("cl_2d", ctypes.c_int), ("capt", ctypes.c_int),
+                ("num_blocks", ctypes.c_int)]
 
 
 class _Args(threading.local):
@@ -274,6 +279,7 @@ def fp8_paged_mqa_topk(q, kv_cache, weights, context_lens, block_table, *, out, 
     a.probe = None if probe is None else probe.data_ptr()
     a.B, a.cap, a.topk, a.cl_2d = b, _width(block_table, logits), out.shape[1], int(context_lens.dim() == 2)
     a.capt = capt
+    a.num_blocks = kv_cache.shape[0]  # block ids outside [0, num_blocks) score as zero keys
     _T.on_device(index, _fire, index, kern, smem, 128 * nwg)
 
 

@@ -26,6 +26,10 @@
 //            three rounds of one digit each, with a row barrier between rounds (a per-row count of the cells
 //            done: every CTA takes its pieces in row order, so this never deadlocks).
 //
+// Hostile values (docs/spec.md section 10): every limit is clamped into [0, cap], cap = min(W, max_blocks * 64), so
+// the block table is read only inside its rows; a block id outside [0, num_blocks) is copied as a zero tile
+// (cp.async zero-fill, nothing read), so its cells score 0 (relu(0) * weights, times a zero scale).
+//
 // Rows of at most topk cells are written 0..len-1, -1... without any selection (their requests are not even
 // scored unless LG_OUT). The grid barrier is a self-resetting counter (bar[0], back to 0 after each barrier) and
 // a generation word (bar[1]) in a small per-device state buffer only this kernel writes; the cooperative launch
@@ -128,6 +132,7 @@ struct Params {
     int topk;
     int cl_2d;
     int capt;                    // tiles of shared memory per CTA
+    int num_blocks;              // cache blocks: a block id outside [0, num_blocks) reads as a zero key (scores 0)
 };
 
 // ---------------------------------------------------------------- small helpers
@@ -152,9 +157,11 @@ __device__ __forceinline__ float round_cell(float x) {
 #endif
 }
 
+// Row (b, j)'s limit clamped into [0, cap] (in 64 bits: a length near INT_MIN cannot wrap to a long window).
 __device__ __forceinline__ int row_limit(const Params& p, int b, int j) {
-    int lim = p.cl_2d ? p.cl[(long long)b * p.stride_clb + j] : p.cl[(long long)b * p.stride_clb] - NEXT_N + j + 1;
-    return min(max(lim, 0), p.cap);
+    const long long cl = p.cl[(long long)b * p.stride_clb + (p.cl_2d ? j : 0)];
+    const long long lim = p.cl_2d ? cl : cl - NEXT_N + j + 1;
+    return (int)min(max(lim, 0ll), (long long)p.cap);
 }
 
 __device__ __forceinline__ int seq_max_limit(const Params& p, int b) {
@@ -164,8 +171,9 @@ __device__ __forceinline__ int seq_max_limit(const Params& p, int b) {
     return m;
 }
 
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+// 16 bytes from src, of which the first `bytes` (16 or 0: zero-filled, nothing read) are read.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
@@ -362,13 +370,15 @@ __device__ __forceinline__ void load_stage(const Params& p, const Smem& sm, int 
         const int slot = wg * STAGES + s % STAGES;
         unsigned char* vals = sm.vals + slot * TILE_BYTES;
         float* scales = sm.scales + slot * 64;
-        const unsigned char* src = p.cache + (long long)sm.blk[lt] * p.block_stride;
+        const int blk = sm.blk[lt];  // -1: outside the cache, a zero tile (values and scales 0, nothing read)
+        const u32 bytes = blk >= 0 ? 16u : 0u;
+        const unsigned char* src = p.cache + (long long)max(blk, 0) * p.block_stride;
 #pragma unroll
         for (int c = wt; c < 512; c += 128) {  // values: 16-byte chunk c & 7 of row c >> 3
             const int row = c >> 3, col = c & 7;
-            cp_async16(smem_u32(vals + row * 128 + ((col ^ (row & 7)) << 4)), src + row * 128 + col * 16);
+            cp_async16(smem_u32(vals + row * 128 + ((col ^ (row & 7)) << 4)), src + row * 128 + col * 16, bytes);
         }
-        if (wt < 16) cp_async16(smem_u32(scales + wt * 4), src + TILE_BYTES + wt * 16);
+        if (wt < 16) cp_async16(smem_u32(scales + wt * 4), src + TILE_BYTES + wt * 16, bytes);
     }
     cp_commit();
 }
@@ -626,7 +636,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) si_paged_mqa_topk(const Para
             if (sm.cum[mid] <= g) lo = mid;
             else hi = mid - 1;
         }
-        sm.blk[lt] = p.bt[(long long)lo * p.stride_bt + (g - sm.cum[lo])];
+        const int blk = p.bt[(long long)lo * p.stride_bt + (g - sm.cum[lo])];
+        sm.blk[lt] = (unsigned)blk < (unsigned)p.num_blocks ? blk : -1;  // outside the cache: a zero key
     }
 
     // Rows of at most topk cells: 0..len-1, then -1. Longer rows: their workspace row zeroed.

@@ -26,12 +26,14 @@ def compose(score, select, q, kv_cache, weights, context_lens, block_table, *, o
 
     ``logits``: ``[B * next_n, W]`` float32 or bfloat16 scratch, ``W >= max(limit)``; ``None``: allocated with
     ``W = max_blocks * block_size`` in ``logits_dtype`` (default float32). The windows' two ``[B * next_n]`` int32
-    bounds are computed on the device (no host synchronisation) and allocated here."""
+    bounds are computed on the device (no host synchronisation) and allocated here; the ends are the limits
+    clamped into ``[0, min(W, max_blocks * block_size)]``, as the paged logits clamp them (docs/spec.md §10), so a
+    limit past the block table selects among the cells the logits op wrote."""
     rows = out.shape[0]
+    capacity = block_table.shape[1] * kv_cache.shape[1]
     if logits is None:
-        logits = torch.empty(rows, block_table.shape[1] * kv_cache.shape[1], dtype=logits_dtype or torch.float32,
-                             device=q.device)
-    ends = row_limits(context_lens, q.shape[1]).to(torch.int32)
+        logits = torch.empty(rows, capacity, dtype=logits_dtype or torch.float32, device=q.device)
+    ends = row_limits(context_lens, q.shape[1]).clamp(max=min(logits.shape[1], capacity)).to(torch.int32)
     starts = torch.zeros_like(ends)
     score(q, kv_cache, weights, context_lens, block_table, out=logits, clean=False)
     select(logits, starts, ends, out=out)

@@ -4,6 +4,12 @@ The grid is ``(token tiles, requests)``: program ``(j, r)`` copies request-local
 ``[j * BLOCK_T, (j + 1) * BLOCK_T)`` of request ``r`` (when they exist; otherwise it exits at once), so the
 host never reads ``cu_seq_lens``. Values move as 32-bit words (``D / 4`` per token, 16-byte vectors), scales
 as float32; byte offsets are int64.
+
+Hostile values (value checks off) cost two scalar clamps per program and one compare per token, folded into the
+existing masks: a request's length is clamped to ``[0, max_blocks * block_size]`` (a decreasing ``cu_seq_lens``
+gives an empty request; positions past the block table's row are neither read from it nor written), output rows
+outside ``[0, N)`` are not written, and a block id outside ``[0, num_blocks)`` reads as a zero key (value bytes 0,
+scale 0; MXFP4: value and scale bytes 0).
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ def _gather_k_cache_kernel(
     cu_ptr,  # [R + 1] int32
     bt_stride,
     block_stride,  # bytes between blocks, a multiple of 4
+    num_blocks,  # a block id outside [0, num_blocks) reads as a zero key
+    cap,  # max_blocks * BS: the most keys a block table row holds
+    N,  # rows of out_k: rows outside [0, N) are never written
     BS: tl.constexpr,
     D: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -48,35 +57,38 @@ def _gather_k_cache_kernel(
     j = tl.program_id(0)
     r = tl.program_id(1)
     beg = tl.load(cu_ptr + r).to(tl.int64)
-    n = tl.load(cu_ptr + r + 1).to(tl.int64) - beg
-    if j * BLOCK_T < n:
+    # the request's positions [p_lo, n): at most the block table's row, only those landing in rows [0, N)
+    n = tl.minimum(tl.minimum(tl.load(cu_ptr + r + 1).to(tl.int64) - beg, cap), N - beg)
+    p_lo = tl.maximum(-beg, 0)
+    if (j * BLOCK_T < n) & ((j + 1) * BLOCK_T > p_lo):
         DW: tl.constexpr = VB // 4
         p = j * BLOCK_T + tl.arange(0, BLOCK_T)
-        pm = p < n
+        pm = (p < n) & (p >= p_lo)
         blk = tl.load(bt_ptr + r.to(tl.int64) * bt_stride + p // BS, mask=pm, other=0).to(tl.int64)
+        bm = pm & (blk >= 0) & (blk < num_blocks)  # (a block id outside the cache: a zero key)
         off = p % BS
         base = blk * block_stride  # bytes
         words = cache_ptr.to(tl.pointer_type(tl.int32))
         w = tl.arange(0, DW)
         if MX:  # (word w holds value bytes 4w..4w+3: one chunk, TC a multiple of 4 or TN = 1)
             vals = tl.load(words + (base[:, None] + value_offset(off[:, None], 4 * w[None, :], VB, TN, TC)) // 4,
-                           mask=pm[:, None])
+                           mask=bm[:, None], other=0)
         else:
-            vals = tl.load(words + (base // 4 + off * DW)[:, None] + w[None, :], mask=pm[:, None])
+            vals = tl.load(words + (base // 4 + off * DW)[:, None] + w[None, :], mask=bm[:, None], other=0)
         row = beg + p
         tl.store(out_k_ptr + row[:, None] * DW + w[None, :], vals, mask=pm[:, None])
         if MX:
             SB: tl.constexpr = D // 32
             sb = tl.arange(0, SB)
             sc = tl.load(cache_ptr + base[:, None] + scale_offset(off[:, None], sb[None, :], BS, VB, SB, TN, TL),
-                         mask=pm[:, None])
+                         mask=bm[:, None], other=0)
             tl.store(out_scale_ptr + row[:, None] * SB + sb[None, :], sc, mask=pm[:, None])
         elif UE8M0:
-            sw = tl.load((cache_ptr + base + BS * VB + off * 4).to(tl.pointer_type(tl.int32)), mask=pm)
-            tl.store(out_scale_ptr + row, _ue8m0(sw), mask=pm)
+            sw = tl.load((cache_ptr + base + BS * VB + off * 4).to(tl.pointer_type(tl.int32)), mask=bm, other=0)
+            tl.store(out_scale_ptr + row, tl.where(bm, _ue8m0(sw), 0.0), mask=pm)
         else:
             sptr = (cache_ptr + base + BS * VB + off * 4).to(tl.pointer_type(tl.float32))
-            tl.store(out_scale_ptr + row, tl.load(sptr, mask=pm), mask=pm)
+            tl.store(out_scale_ptr + row, tl.load(sptr, mask=bm, other=0.0), mask=pm)
 
 
 _LAUNCH = Launcher(_gather_k_cache_kernel)
@@ -115,4 +127,4 @@ def gather_k_cache(kv_cache, block_table, cu_seq_lens, *, out_k, out_scale, cach
                                              num_warps=4, **tiles)
     _LAUNCH.launch_with((triton.cdiv(max_blocks * bs, _BLOCK_T), r), cfg,
                         (out_k.view(torch.int32), out_scale, kv_cache, block_table, cu_seq_lens,
-                         block_table.stride()[0], block_stride), 5)
+                         block_table.stride()[0], block_stride, nb, max_blocks * bs, out_k.shape[0]), 5)

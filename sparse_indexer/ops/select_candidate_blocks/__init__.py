@@ -44,7 +44,8 @@ def select_candidate_blocks(logits: torch.Tensor, row_starts: torch.Tensor, row_
         out: ``[R, K_b]`` int32, written in place.
         block_size: ``b``, positions per block (DeepSeek-V4.1: 8).
         backend: ``None``/``"auto"`` or a backend's name.
-        check_values: check the windows against ``W`` (a sync on a GPU); default: on the CPU only.
+        check_values: check the windows against ``W`` (a sync on a GPU); default: on the CPU only. Unchecked
+            windows are clamped (``row_starts >= 0``, ``row_ends <= W``; docs/spec.md §10).
         workspace: optional ``[>= R, >= ceil(W / b)]`` int32 scratch for the block scores (a
             :meth:`Buffers.block_scores_view`); the Triton backend needs it and allocates one when it is not given
             (the step always passes one). Contents afterwards undefined.

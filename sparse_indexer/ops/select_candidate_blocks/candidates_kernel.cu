@@ -14,6 +14,9 @@
 // order-preserving key of its maximum otherwise, 0xFFFFFFFF = the newest block. Top-k: 0 = not eligible, 1 =
 // an eligible -inf or NaN, the order-preserving key otherwise.
 //
+// Both clamp the window first (docs/spec.md section 10): start to >= 0, end to <= width (the logits' columns);
+// end <= start is an empty row. Candidate ids below 0 or whose cells lie past the window select nothing.
+//
 // Compile-time parameters (-D): NT threads per CTA (a multiple of 32, <= 1024), BF16 (1: bfloat16 logits, read
 // as 16-bit words and widened exactly).
 
@@ -194,14 +197,14 @@ __device__ __forceinline__ int count_nonzero(int local, u32* misc) {
 extern "C" __global__ void __launch_bounds__(NT, 1)
 si_select_candidate_blocks(const elem_t* __restrict__ logits, long long stride_l, const int* __restrict__ starts,
                            const int* __restrict__ ends, int* __restrict__ out, long long stride_o, int kb,
-                           u32* __restrict__ ws, long long stride_w, int bs, int vec_ok) {
+                           u32* __restrict__ ws, long long stride_w, int bs, int vec_ok, int width) {
     extern __shared__ u32 smem[];
     u32* hist = smem;
     u32* misc = smem + OFF_MISC;
     u32* wsum = smem + OFF_WSUM;
     const int row = blockIdx.x;
-    const int s = starts[row];
-    const int n = max(ends[row] - s, 0);
+    const int s = max(starts[row], 0);  // the window clamped into [0, width): nv <= ceil(W / b) keys (their slots)
+    const int n = max(min(ends[row], width) - s, 0);
     const int nv = (n + bs - 1) / bs;
     const int newest = (n - 1) / bs;
     u32* keys = ws != nullptr ? ws + row * stride_w : smem + OFF_DATA;
@@ -284,7 +287,7 @@ si_select_candidate_blocks(const elem_t* __restrict__ logits, long long stride_l
 extern "C" __global__ void __launch_bounds__(NT, 1)
 si_candidate_topk(const elem_t* __restrict__ logits, long long stride_l, const int* __restrict__ starts,
                   const int* __restrict__ ends, const int* __restrict__ cand, long long stride_c, int kb, int bs,
-                  int* __restrict__ out, long long stride_o, int topk) {
+                  int* __restrict__ out, long long stride_o, int topk, int width) {
     extern __shared__ u32 smem[];
     u32* hist = smem;
     u32* misc = smem + OFF_MISC;
@@ -292,8 +295,8 @@ si_candidate_topk(const elem_t* __restrict__ logits, long long stride_l, const i
     int* ids = reinterpret_cast<int*>(smem + OFF_DATA);
     u32* keys = smem + OFF_DATA + kb;
     const int row = blockIdx.x;
-    const int s = starts[row];
-    const int n = max(ends[row] - s, 0);
+    const int s = max(starts[row], 0);  // the window clamped into [0, width)
+    const int n = max(min(ends[row], width) - s, 0);
     const elem_t* base = logits + row * stride_l + s;
     const int* crow = cand + row * stride_c;
     int* orow = out + row * stride_o;

@@ -42,4 +42,5 @@ def select_candidate_blocks(logits, row_starts, row_ends, *, out, block_size, wo
     a.out, a.stride_o, a.kb = out.data_ptr(), out.stride(0), out.shape[1]
     a.ws, a.stride_w = (None, 0) if workspace is None else (workspace.data_ptr(), workspace.stride(0))
     a.bs, a.vec_ok = block_size, int(logits.stride(0) * logits.element_size() % 16 == 0)
+    a.width = w  # the kernel clamps the windows into [0, W): at most ceil(W / b) block keys per row
     _T.on_device(index, _T.cand_fire, index, kern, r, smem, _T.CAND_ARGS.select_ptrs)

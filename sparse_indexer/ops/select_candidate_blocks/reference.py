@@ -3,7 +3,8 @@
 Block ``j`` of row ``r`` covers the window cells ``[s + j*b, s + (j+1)*b) ∩ [s, e)``. Its rank key: the newest
 block (the one holding ``e - 1``) ``+inf``; a block holding a NaN ``-1e300`` (below every float32, above an
 excluded block); a block whose cells are all ``-inf`` ``-inf`` (never a candidate); a block whose maximum is
-``+inf`` ``1e300`` (just below the pinned one); any other its float64 maximum.
+``+inf`` ``1e300`` (just below the pinned one); any other its float64 maximum. Windows are clamped as the
+kernels clamp them when values are not checked: starts to ``>= 0``, ends to ``<= W``.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ def block_keys(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.T
     """``[R, ceil(W / b)]`` float64 rank keys of every block of every window (``-inf`` past the window)."""
     r, w = logits.shape
     nb = -(-w // block_size)
-    s = row_starts.long()[:, None]
-    n = (row_ends.long() - row_starts.long()).clamp(min=0)[:, None]
+    s = row_starts.long().clamp(min=0)[:, None]  # windows clamped into [0, W] (the kernels' clamp, §10)
+    n = (row_ends.long().clamp(max=w)[:, None] - s).clamp(min=0)
     c = torch.arange(nb * block_size, device=logits.device)[None, :]
     inside = c < n
     x = logits.gather(1, (s + c).clamp(0, max(w - 1, 0))).double()

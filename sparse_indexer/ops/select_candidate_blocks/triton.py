@@ -18,7 +18,16 @@ import triton.language as tl
 
 from ..._runtime.launch import Launcher
 from ..._runtime.triton_compat import fix_interpreter
-from ..top_k_per_row.triton import RADIX_BINS, RADIX_BITS, _sort_key, compact_tile, fill_rest, masked_hist, radix_digit
+from ..top_k_per_row.triton import (
+    RADIX_BINS,
+    RADIX_BITS,
+    _sort_key,
+    _window,
+    compact_tile,
+    fill_rest,
+    masked_hist,
+    radix_digit,
+)
 
 fix_interpreter()
 
@@ -43,11 +52,10 @@ def _key_hist(wrow, nv, prefix, SHIFT_HI: tl.constexpr, SHIFT: tl.constexpr, NB:
 
 @triton.jit
 def _select_blocks_kernel(out_ptr, logits_ptr, starts_ptr, ends_ptr, ws_ptr, stride_l, stride_o, stride_w, kb,
-                          BS: tl.constexpr, BP: tl.constexpr, TB: tl.constexpr, NB: tl.constexpr,
+                          width, BS: tl.constexpr, BP: tl.constexpr, TB: tl.constexpr, NB: tl.constexpr,
                           KEYS: tl.constexpr, DB: tl.constexpr):
     row = tl.program_id(0)
-    start = tl.load(starts_ptr + row)
-    n = tl.maximum(tl.load(ends_ptr + row) - start, 0)
+    start, n = _window(starts_ptr, ends_ptr, row, width)  # clamped into [0, W): nv <= ceil(W / b)
     nv = (n + BS - 1) // BS
     newest = (n - 1) // BS
     base = logits_ptr + row.to(tl.int64) * stride_l + start
@@ -117,4 +125,4 @@ def select_candidate_blocks(logits, row_starts, row_ends, *, out, block_size, wo
         workspace = torch.empty(r, max(1, -(-w // block_size)), dtype=torch.int32, device=logits.device)
     _SELECT.launch_with((r,), _cfg(block_size),
                         (out, logits, row_starts, row_ends, workspace, logits.stride(0), out.stride(0),
-                         workspace.stride(0), out.shape[1]), 5)
+                         workspace.stride(0), out.shape[1], w), 5)

@@ -42,7 +42,7 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
         backend: ``None``/``"auto"`` (the best backend available on the device; the next one when it raises
             ``NotImplementedError`` for the case) or a backend's name (``sparse_indexer.backends.names()``).
         check_values: check the windows against ``W`` (reads device values: a sync on a GPU); default: on the
-            CPU only.
+            CPU only. Unchecked windows are clamped (``row_starts >= 0``, ``row_ends <= W``; docs/spec.md §10).
         workspace: optional ``[>= R, C]`` int32 scratch (unit last stride, ``C >= 34``; a
             :meth:`Buffers.topk_scratch_view`) for backends that split rows over several programs (Triton, when
             ``R`` is below twice the SM count): per row 32 counters, then positions and values of up to

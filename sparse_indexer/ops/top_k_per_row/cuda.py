@@ -309,7 +309,7 @@ class _Params(ctypes.Structure):
                 ("ends", ctypes.c_void_p), ("out", ctypes.c_void_p), ("stride_o", ctypes.c_longlong),
                 ("k", ctypes.c_int), ("cap", ctypes.c_int), ("samp", ctypes.c_int), ("small_max", ctypes.c_int),
                 ("vec_ok", ctypes.c_int), ("stop", ctypes.c_int), ("pf_bytes", ctypes.c_int),
-                ("spec_bytes", ctypes.c_int)]
+                ("spec_bytes", ctypes.c_int), ("width", ctypes.c_int)]
 
 
 def _pointers(rec: ctypes.Structure):
@@ -441,6 +441,7 @@ class _Plan:
         p.stop = stop
         p.pf_bytes = self.pf
         p.spec_bytes = self.spec
+        p.width = logits.shape[1]  # the kernel clamps the windows into [0, W)
         rc = _driver_launch()(got[1], self.handle, tp.ptrs, None)
         if rc:
             raise _launch_error(rc)
@@ -520,14 +521,14 @@ class _SelectArgs(ctypes.Structure):
     _fields_ = [("logits", ctypes.c_void_p), ("stride_l", ctypes.c_longlong), ("starts", ctypes.c_void_p),
                 ("ends", ctypes.c_void_p), ("out", ctypes.c_void_p), ("stride_o", ctypes.c_longlong),
                 ("kb", ctypes.c_int), ("ws", ctypes.c_void_p), ("stride_w", ctypes.c_longlong), ("bs", ctypes.c_int),
-                ("vec_ok", ctypes.c_int)]
+                ("vec_ok", ctypes.c_int), ("width", ctypes.c_int)]
 
 
 class _TopkArgs(ctypes.Structure):
     _fields_ = [("logits", ctypes.c_void_p), ("stride_l", ctypes.c_longlong), ("starts", ctypes.c_void_p),
                 ("ends", ctypes.c_void_p), ("cand", ctypes.c_void_p), ("stride_c", ctypes.c_longlong),
                 ("kb", ctypes.c_int), ("bs", ctypes.c_int), ("out", ctypes.c_void_p), ("stride_o", ctypes.c_longlong),
-                ("topk", ctypes.c_int)]
+                ("topk", ctypes.c_int), ("width", ctypes.c_int)]
 
 
 class _CandArgs(threading.local):
@@ -604,4 +605,5 @@ def candidate_top_k(logits, row_starts, row_ends, out, candidates, block_size) -
     a.starts, a.ends = row_starts.data_ptr(), row_ends.data_ptr()
     a.cand, a.stride_c, a.kb, a.bs = candidates.data_ptr(), candidates.stride(0), kb, block_size
     a.out, a.stride_o, a.topk = out.data_ptr(), out.stride(0), out.shape[1]
+    a.width = logits.shape[1]
     on_device(index, cand_fire, index, kern, r, smem, CAND_ARGS.topk_ptrs)

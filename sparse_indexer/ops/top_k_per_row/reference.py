@@ -2,6 +2,9 @@
 
 In-window values keep their order; in-window ``-inf``/NaN become ``-1e300`` (below every float32, above the
 ``-inf`` given to cells outside the window), so a row with more than ``topk`` cells never selects outside.
+
+Windows are clamped as the kernels clamp them when values are not checked (docs/spec.md §10): ``row_starts`` to
+``>= 0``, ``row_ends`` to ``<= W``; an end at or below its start is an empty row. Valid windows are unchanged.
 """
 
 from __future__ import annotations
@@ -25,8 +28,7 @@ def top_k_per_row(logits, row_starts, row_ends, *, out, candidates=None, candida
     ar = torch.arange(topk, device=logits.device)
     for r0 in range(0, r, rt):
         r1 = min(r, r0 + rt)
-        s = row_starts[r0:r1, None].long()
-        e = row_ends[r0:r1, None].long()
+        s, e = clamped_windows(row_starts[r0:r1], row_ends[r0:r1], w)
         n = (e - s).clamp(min=0)
         short = torch.where(ar[None, :] < n, ar[None, :], -1)  # [rows, topk]
         if w >= topk:
@@ -35,6 +37,11 @@ def top_k_per_row(logits, row_starts, row_ends, *, out, candidates=None, candida
         else:  # every window is shorter than topk
             res = short
         out[r0:r1] = res.to(torch.int32)
+
+
+def clamped_windows(row_starts, row_ends, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, e)`` int64 ``[R, 1]``: the windows clamped into ``[0, w]`` (starts ``>= 0``, ends ``<= w``)."""
+    return row_starts.long().clamp(min=0)[:, None], row_ends.long().clamp(max=w)[:, None]
 
 
 def _top_inside(x: torch.Tensor, inside: torch.Tensor, topk: int) -> torch.Tensor:
@@ -49,15 +56,15 @@ def _top_inside(x: torch.Tensor, inside: torch.Tensor, topk: int) -> torch.Tenso
 
 def eligible_cells(w: int, row_starts, row_ends, candidates, block_size: int) -> torch.Tensor:
     """``[R, W]`` bool: the window cells of each row that lie in one of its candidate blocks (block ``j`` is
-    ``[s + j*b, s + (j+1)*b)``; ids outside ``[0, ceil(W / b))`` and negative ids select nothing)."""
+    ``[s + j*b, s + (j+1)*b)``, the window clamped into ``[0, W]``; ids outside ``[0, ceil(W / b))`` and negative
+    ids select nothing)."""
     r = row_starts.shape[0]
     dev = row_starts.device
     nb = -(-w // block_size)
     c = candidates.long()
     flags = torch.zeros(r, nb + 1, dtype=torch.bool, device=dev)
     flags.scatter_(1, torch.where((c >= 0) & (c < nb), c, nb), True)
-    s = row_starts.long()[:, None]
-    e = row_ends.long()[:, None]
+    s, e = clamped_windows(row_starts, row_ends, w)
     cols = torch.arange(w, device=dev)[None, :]
     inside = (cols >= s) & (cols < e)
     blk = ((cols - s).clamp(min=0) // block_size).clamp(max=nb)
@@ -76,7 +83,7 @@ def _candidate_top_k(logits, row_starts, row_ends, out, candidates, block_size) 
     cols = torch.arange(w, device=logits.device)
     for r0 in range(0, r, rt):
         r1 = min(r, r0 + rt)
-        s = row_starts[r0:r1, None].long()
+        s = clamped_windows(row_starts[r0:r1], row_ends[r0:r1], w)[0]
         elig = eligible_cells(w, row_starts[r0:r1], row_ends[r0:r1], candidates[r0:r1], block_size)
         n = elig.sum(dim=1, keepdim=True)
         k = min(topk, w)

@@ -34,7 +34,8 @@
 // bits cover its 16).
 // Before the bounds arrive, each CTA may ask L2 for its share of the row's first CS x spec_bytes bytes (a launch
 // argument, 0 for none: few rows whose windows start at the row's first column then find their cells in L2).
-// Output positions are relative to the window start, in no particular order.
+// Output positions are relative to the window start, in no particular order. The bounds are clamped first (docs/spec.md
+// section 10): start to >= 0, end to <= width (the logits' columns, a launch argument); end <= start is an empty row.
 //
 // Compile-time parameters (-D): NT threads per CTA (a multiple of 32, 256..1024), CS CTAs per row (a cluster when
 // > 1, needs sm_90+), SMAX sample cells at most, BF16 (1: the logits are bfloat16, read as raw 16-bit words and
@@ -463,7 +464,7 @@ __device__ void small_list_select(int n, int k, u32 d1, u32 kr1, u32 cnt1, const
 extern "C" __global__ void __launch_bounds__(NT, MINB)
 si_top_k_per_row(const elem_t* __restrict__ logits, long long stride_l, const int* __restrict__ starts,
                  const int* __restrict__ ends, int* __restrict__ out, long long stride_o, int k, int cap,
-                 int samp_words, int small_max, int vec_ok, int stop, int pf_bytes, int spec_bytes) {
+                 int samp_words, int small_max, int vec_ok, int stop, int pf_bytes, int spec_bytes, int width) {
     extern __shared__ __align__(16) u32 sm[];
     u32* ctr = sm + OFF_CTR;
     u32* hist = sm + OFF_HIST;
@@ -475,8 +476,8 @@ si_top_k_per_row(const elem_t* __restrict__ logits, long long stride_l, const in
 
     const int row = blockIdx.x / CS;
     const u32 rank = cluster_rank();
-    const int start = starts[row];
-    const int end = ends[row];
+    const int start = max(starts[row], 0);  // the window clamped into [0, width): hostile bounds never move a read
+    const int end = min(ends[row], width);    // outside the row, and end - start cannot overflow
     if (spec_bytes > 0) {  // while the bounds load: ask L2 for this CTA's share of the row's first cells
         const char* p0 = reinterpret_cast<const char*>(logits + (long long)row * stride_l) +
                          (long long)rank * spec_bytes;
@@ -488,7 +489,7 @@ si_top_k_per_row(const elem_t* __restrict__ logits, long long stride_l, const in
     const elem_t* base = logits + (long long)row * stride_l + start;  // window cell i at base[i]
 
     if (stop == 3) {  // (timing) the bounds read, nothing written
-        if (start == -2147483647 && end == start) orow[0] = 0;
+        if (start == 2147483647 && end == -2147483647 - 1) orow[0] = 0;
         return;
     }
 #if PROBE

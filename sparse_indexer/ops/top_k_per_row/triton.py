@@ -19,7 +19,9 @@ One program per row. Row ``r`` with window ``[start, end)`` of length ``n``:
   3. **compaction**: one last read writes cells with ``key >= hi`` and the first ``topk - count(key >= hi)``
      cells with ``lo <= key < hi`` (one packed cumulative sum per tile).
 
-Loads are 16-byte vectors over the 4-aligned middle of the window, the (at most 6) edge cells are loaded once.
+Every kernel first clamps its row's window (:func:`_window`, docs/spec.md §10): ``start >= 0``, ``end <= W``, an end
+at or below the start an empty row; a candidate id below 0 or past the window selects nothing. Loads are 16-byte
+vectors over the 4-aligned middle of the window, the (at most 6) edge cells are loaded once.
 Nothing is allocated and nothing leaves the program besides ``out``; rows never cooperate. bfloat16 logits are
 widened to float32 as they are loaded (exactly), so every path selects on the values given.
 
@@ -109,6 +111,16 @@ def _thr_f32(t):
 @triton.jit
 def _pick(v, jm, j: tl.constexpr):
     return tl.sum(tl.where(jm == j, v, 0), 0)
+
+
+@triton.jit
+def _window(starts_ptr, ends_ptr, row, width):
+    """Row ``row``'s window as ``(start, n)``: its start clamped to ``>= 0``, its end to ``<= width`` (the logits'
+    columns), ``n = max(end - start, 0)`` (an end below the start is an empty row). Hostile bounds (past ``W``,
+    negative, 2**30) therefore never move a read outside the row, and ``n`` never overflows."""
+    start = tl.maximum(tl.load(starts_ptr + row), 0)
+    end = tl.minimum(tl.load(ends_ptr + row), width)
+    return start, tl.maximum(end - start, 0)
 
 
 @triton.jit
@@ -254,6 +266,7 @@ def _top_k_per_row_kernel(
     stride_l,
     stride_o,
     topk,
+    width,  # W: the logits' columns (windows are clamped to [0, W))
     BLOCK: tl.constexpr,
     M: tl.constexpr,
     SAMPLE: tl.constexpr,
@@ -262,8 +275,7 @@ def _top_k_per_row_kernel(
     WIN: tl.constexpr,
 ):
     row = tl.program_id(0)
-    start = tl.load(starts_ptr + row)
-    n = tl.maximum(tl.load(ends_ptr + row) - start, 0)
+    start, n = _window(starts_ptr, ends_ptr, row, width)
     orow = out_ptr + row.to(tl.int64) * stride_o
     if n <= topk:
         _short_row(orow, n, topk, BLOCK)
@@ -276,13 +288,12 @@ def _top_k_per_row_kernel(
 # ---------------------------------------------------------------- split-row path (global workspace)
 @triton.jit
 def _split_sample_kernel(
-    out_ptr, logits_ptr, starts_ptr, ends_ptr, ws_ptr, stride_l, stride_o, stride_w, topk,
+    out_ptr, logits_ptr, starts_ptr, ends_ptr, ws_ptr, stride_l, stride_o, stride_w, topk, width,
     BLOCK: tl.constexpr, SAMPLE: tl.constexpr, QBITS: tl.constexpr, SPREAD: tl.constexpr,
 ):
     """Per row: short rows written; else counters zeroed and the bracket ``[f_lo, f_hi)`` stored (float bits)."""
     row = tl.program_id(0)
-    start = tl.load(starts_ptr + row)
-    n = tl.maximum(tl.load(ends_ptr + row) - start, 0)
+    start, n = _window(starts_ptr, ends_ptr, row, width)
     orow = out_ptr + row.to(tl.int64) * stride_o
     wrow = ws_ptr + row.to(tl.int64) * stride_w
     if n <= topk:
@@ -332,14 +343,13 @@ def _collect_tile(x, pos, valid, f_lo, f_hi, wrow, orow, cpos, cval, topk, cap):
 
 @triton.jit
 def _split_collect_kernel(
-    out_ptr, logits_ptr, starts_ptr, ends_ptr, ws_ptr, stride_l, stride_o, stride_w, topk, cap, chunk,
+    out_ptr, logits_ptr, starts_ptr, ends_ptr, ws_ptr, stride_l, stride_o, stride_w, topk, width, cap, chunk,
     BLOCK: tl.constexpr, CTR: tl.constexpr,
 ):
     """Grid (rows, splits): split ``s`` reads ``chunk`` cells of the row's 4-aligned middle (split 0 the edges)."""
     row = tl.program_id(0)
     sp = tl.program_id(1)
-    start = tl.load(starts_ptr + row)
-    n = tl.maximum(tl.load(ends_ptr + row) - start, 0)
+    start, n = _window(starts_ptr, ends_ptr, row, width)
     end = start + n
     s4 = (start + 3) // 4 * 4
     e4 = end // 4 * 4
@@ -371,15 +381,14 @@ def _split_collect_kernel(
 
 @triton.jit
 def _split_finish_kernel(
-    out_ptr, logits_ptr, starts_ptr, ends_ptr, ws_ptr, stride_l, stride_o, stride_w, topk, cap,
+    out_ptr, logits_ptr, starts_ptr, ends_ptr, ws_ptr, stride_l, stride_o, stride_w, topk, width, cap,
     CTR: tl.constexpr, CBLOCK: tl.constexpr, BLOCK: tl.constexpr, M: tl.constexpr, SAMPLE: tl.constexpr,
     QBITS: tl.constexpr, SPREAD: tl.constexpr, WIN: tl.constexpr,
 ):
     """Per row: exact selection of the missing ``topk - count(>= f_hi)`` among the candidates (4 radix passes
     of 8 bits), or the whole row by :func:`_row_topk` when the bracket missed or the candidates overflowed."""
     row = tl.program_id(0)
-    start = tl.load(starts_ptr + row)
-    n = tl.maximum(tl.load(ends_ptr + row) - start, 0)
+    start, n = _window(starts_ptr, ends_ptr, row, width)
     if n > topk:
         orow = out_ptr + row.to(tl.int64) * stride_o
         wrow = ws_ptr + row.to(tl.int64) * stride_w
@@ -465,7 +474,8 @@ def _launch(logits, row_starts, row_ends, out, *, block=BLOCK, num_warps=NUM_WAR
     if block >= 1 << 16:
         raise NotImplementedError(f"{block=} must be < 2**16 (packed counters)")
     _ROW.launch_with((r,), _row_cfg(block, num_warps, sample, qbits, spread, win),
-                     (out, logits, row_starts, row_ends, logits.stride(0), out.stride(0), out.shape[1]), 4)
+                     (out, logits, row_starts, row_ends, logits.stride(0), out.stride(0), out.shape[1],
+                      logits.shape[1]), 4)
 
 
 @functools.cache
@@ -490,7 +500,7 @@ def _launch_split(logits, row_starts, row_ends, out, workspace, *, block=SPLIT_B
     chunk = max(1, triton.cdiv(triton.cdiv(w, splits), block)) * block
     splits = max(1, triton.cdiv(w, chunk))
     args = (out, logits, row_starts, row_ends, workspace, logits.stride(0), out.stride(0), workspace.stride(0),
-            out.shape[1])
+            out.shape[1], w)
     c_sample, c_collect, c_finish = _split_cfgs(block, num_warps, sample, spread, sample_warps, finish_warps)
     _SAMPLE.launch_with((r,), c_sample, args, 5)
     _COLLECT.launch_with((r, splits), c_collect, args + (cap, chunk), 5)
@@ -596,13 +606,12 @@ def _cand_hist(base, crow, n, kb, prefix, SHIFT_HI: tl.constexpr, SHIFT: tl.cons
 
 @triton.jit
 def _candidate_topk_kernel(out_ptr, logits_ptr, starts_ptr, ends_ptr, cand_ptr, stride_l, stride_o, stride_c, topk,
-                           kb, BS: tl.constexpr, BP: tl.constexpr, TC: tl.constexpr, NB: tl.constexpr,
+                           kb, width, BS: tl.constexpr, BP: tl.constexpr, TC: tl.constexpr, NB: tl.constexpr,
                            DB: tl.constexpr):
     """One program per row: the ``topk`` largest eligible cells of the row's candidate blocks (all of them when
     there are at most ``topk``), by an exact radix select over keys recomputed from the candidate cells."""
     row = tl.program_id(0)
-    start = tl.load(starts_ptr + row)
-    n = tl.maximum(tl.load(ends_ptr + row) - start, 0)
+    start, n = _window(starts_ptr, ends_ptr, row, width)
     base = logits_ptr + row.to(tl.int64) * stride_l + start
     crow = cand_ptr + row.to(tl.int64) * stride_c
     orow = out_ptr + row.to(tl.int64) * stride_o
@@ -654,4 +663,4 @@ def candidate_top_k(logits, row_starts, row_ends, out, candidates, block_size) -
                                   f"{CAND_CELLS})")
     _CAND.launch_with((r,), _cand_cfg(block_size),
                       (out, logits, row_starts, row_ends, candidates, logits.stride(0), out.stride(0),
-                       candidates.stride(0), out.shape[1], candidates.shape[1]), 5)
+                       candidates.stride(0), out.shape[1], candidates.shape[1], logits.shape[1]), 5)

@@ -14,22 +14,20 @@ def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.T
     """See :func:`sparse_indexer.write_k_cache`; ``kv_cache`` is the 3-D view, arguments are checked.
     ``cache_scale``, ``cache_order``: the scale encoding and byte order to store (``buffers.CacheFormat``;
     ``"ue8m0x4"`` only with power-of-two scales, checked by the public function); ``cache_values="mxfp4"``: MXFP4
-    keys (docs/spec.md §3a; ``scale_fmt`` and ``fp8_dtype`` do not apply)."""
+    keys (docs/spec.md §3a; ``scale_fmt`` and ``fp8_dtype`` do not apply). A slot outside ``[0, num_blocks *
+    block_size)`` skips its row (with value checks off, one past the cache is the caller's bug, not a write)."""
     s = slot_mapping.shape[0]
     if s == 0:
         return
+    slots = slot_mapping.long()
+    nb, bs = kv_cache.shape[:2]
+    keep = (slots >= 0) & (slots < nb * bs)
     if cache_values == "mxfp4":
-        slots = slot_mapping.long()
-        keep = slots >= 0
-        bs = kv_cache.shape[1]
         vals, scales = quantize_k_mxfp4(k[:s])
         write_keys_mxfp4(kv_cache, slots[keep] // bs, slots[keep] % bs, vals[keep], scales[keep], cache_order)
         return
     values, scales = cache_views(kv_cache, fp8_dtype)
-    bs = values.shape[1]
     k_fp8, k_scale = quantize_k(k[:s], fp8_dtype=fp8_dtype, scale_fmt=scale_fmt)
-    slots = slot_mapping.long()
-    keep = slots >= 0
     slots = slots[keep]
     blk, off = slots // bs, slots % bs
     if cache_scale == "float32" and cache_order == "flat":

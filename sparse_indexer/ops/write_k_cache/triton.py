@@ -6,6 +6,9 @@ One program quantizes ``BLOCK_T`` rows of ``k`` (a ``[BLOCK_T, D]`` tile in regi
 ``clamp(k / scale)`` cast round-to-nearest-even. e4m3fnuz bytes are produced through the e4m3fn cast of
 ``2 * v`` (the same byte decodes to half the value in fnuz; ``-0`` becomes ``+0``, as fnuz has no negative zero),
 which is exact and keeps the kernel free of fnuz support in the compiler. Bit-exact with the reference.
+
+A slot outside ``[0, num_blocks * block_size)`` (any negative one, or one past the cache: a caller's bug when value
+checks are off) skips its row: folded into the row mask, so nothing outside the written slots is touched.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ def _write_k_cache_kernel(
     k_ptr,  # [T, D] bf16/fp16/fp32, row stride stride_k
     slot_ptr,  # [S] int64/int32
     S,
+    num_slots,  # num_blocks * block_size: a slot outside [0, num_slots) is skipped
     stride_k,
     block_stride,  # bytes between blocks
     BS: tl.constexpr,  # block_size
@@ -78,7 +82,7 @@ def _write_k_cache_kernel(
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < S
     slot = tl.load(slot_ptr + t, mask=tmask, other=-1).to(tl.int64)
-    ok = tmask & (slot >= 0)
+    ok = tmask & (slot >= 0) & (slot < num_slots)
     d = tl.arange(0, D)
     x = tl.load(k_ptr + t.to(tl.int64)[:, None] * stride_k + d[None, :], mask=ok[:, None], other=0.0)
     x = x.to(tl.float32)
@@ -130,6 +134,7 @@ def _write_mxfp4_kernel(
     k_ptr,  # [T, D] bf16/fp16/fp32, row stride stride_k
     slot_ptr,  # [S] int64/int32
     S,
+    num_slots,  # num_blocks * block_size: a slot outside [0, num_slots) is skipped
     stride_k,
     block_stride,  # bytes between blocks
     BS: tl.constexpr,  # block_size
@@ -150,7 +155,7 @@ def _write_mxfp4_kernel(
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < S
     slot = tl.load(slot_ptr + t, mask=tmask, other=-1).to(tl.int64)
-    ok = tmask & (slot >= 0)
+    ok = tmask & (slot >= 0) & (slot < num_slots)
     j = tl.arange(0, HALF)
     row = k_ptr + t.to(tl.int64)[:, None] * stride_k
     if BF16:
@@ -221,7 +226,7 @@ def write_k_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.T
         return
     block_stride = kv_cache.stride()[0] if nb > 1 else bs * width  # CacheLayout.block_stride of the checked view
     _LAUNCH.launch_with(((s + _BLOCK_T - 1) // _BLOCK_T,), _config(bs, d, fp8_dtype, scale_fmt == "ue8m0"),
-                        (kv_cache, k, slot_mapping, s, k.stride()[0], block_stride), 3)
+                        (kv_cache, k, slot_mapping, s, nb * bs, k.stride()[0], block_stride), 3)
 
 
 def _write_mxfp4(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, order: str) -> None:
@@ -240,4 +245,4 @@ def _write_mxfp4(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Te
     if cfg is None:
         cfg = _CONFIGS[key] = _LAUNCH_MX.config(BS=bs, D=d, BLOCK_T=_BLOCK_T, BF16=bf16, num_warps=4, **tiles)
     _LAUNCH_MX.launch_with(((s + _BLOCK_T - 1) // _BLOCK_T,), cfg,
-                           (kv_cache, k, slot_mapping, s, k.stride()[0], block_stride), 3)
+                           (kv_cache, k, slot_mapping, s, nb * bs, k.stride()[0], block_stride), 3)
