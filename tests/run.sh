@@ -21,7 +21,9 @@ run env TRITON_INTERPRET=1 SPARSE_INDEXER_TEST_BACKENDS=triton "$PY" -m pytest -
   tests/sparse_indexer/ops tests/sparse_indexer/test_indexer.py tests/sparse_indexer/test_decode_budget.py \
   tests/sparse_indexer/test_compressed.py tests/sparse_indexer/test_cache_format.py \
   tests/sparse_indexer/test_candidates_step.py tests/sparse_indexer/test_fused_topk.py \
-  tests/sparse_indexer/test_indexer_mxfp4.py tests/sparse_indexer/test_mxfp4_tiled.py
+  tests/sparse_indexer/test_indexer_mxfp4.py tests/sparse_indexer/test_mxfp4_tiled.py \
+  tests/sparse_indexer/test_hostile_cache_ragged.py tests/sparse_indexer/test_hostile_paged.py \
+  tests/sparse_indexer/test_hostile_topk.py
 # the vLLM shim on metadata from vLLM's own builder, for DeepSeek-V3.2, V4 and V4.1 (candidate blocks) indexer
 # caches (its Triton metadata kernels in the interpreter; vLLM imports triton without a GPU driver only when
 # CUDA_VISIBLE_DEVICES is set and empty); skips where vLLM is absent
