@@ -123,14 +123,16 @@ def draw_case(rng: random.Random, gpu: bool, C) -> tuple[str, str, Callable]:
         lambda c: C.case_step(c, nn, decode, prefill, pad, h, d, bss, c=cr, topk=topk, split=False)
 
 
-def _one(s: int, device: torch.device, backends: list[str], C, gpu: bool) -> tuple[str, str, str | None]:
-    """Case ``s`` (its seed): ``(status, op, failure line or None)``."""
+def _one(s: int, device: torch.device, backends: list[str], C,
+         gpu: bool) -> tuple[str, str, str | None, str, float]:
+    """Case ``s`` (its seed): ``(status, op, failure line or None, "op / backend", seconds)``."""
+    t0 = time.perf_counter()
     rng = random.Random(s)
     op, name, fn = draw_case(rng, gpu, C)
     sizes = draw_sizes(rng, gpu, C)
     usable = [b for b in backends if op in C._ops_of(b)]
     if not usable:
-        return "n/a", op, None
+        return "n/a", op, None, f"{op} / -", 0.0
     b = rng.choice(usable)
     fp8 = rng.choice(C.formats(b, device)[0])
     ctx = C.Ctx(b, device, fp8, sizes, s)
@@ -144,12 +146,12 @@ def _one(s: int, device: torch.device, backends: list[str], C, gpu: bool) -> tup
     line = None
     if status in ("MISMATCH", "ERROR"):
         line = f"  FAILED seed {s}: {op} / {b} / {C.fp8_name(fp8)} / {name} / {sizes}: {err} (tolerance {tol})"
-    return status, op, line
+    return status, op, line, f"{op} / {b}", time.perf_counter() - t0
 
 
 def _chunk(seeds: range, device: str, backends: list[str], gpu: bool,
-           threads: int | None = None) -> list[tuple[int, str, str, str | None]]:
-    """A worker process's share: the cases of ``seeds``, ``(seed, status, op, failure line)`` each, with at most
+           threads: int | None = None) -> list[tuple[int, str, str, str | None, str, float]]:
+    """A worker process's share: the cases of ``seeds``, ``(seed, *_one(seed))`` each, with at most
     ``threads`` CPU threads for torch (the workers share the cores: unbounded, each would start one a core)."""
     from . import check as C  # imported here: the check module imports this one
 
@@ -170,6 +172,18 @@ def default_jobs(device: torch.device) -> int:
     return 1
 
 
+def _report_time(spent: dict[str, list[float]], slowest: list[tuple[float, int, str]]) -> None:
+    """Where a run's time went: the op/backend pairs that took the most (cases, total, median, worst: a worst far
+    above the median is a first compile), and the slowest cases with their seeds."""
+    rows = sorted(spent.items(), key=lambda kv: -sum(kv[1]))[:8]
+    print("\ntime by op / backend (cases, total, median, worst):")
+    for where, xs in rows:
+        xs = sorted(xs)
+        print(f"  {where:40s} {len(xs):6d} {sum(xs):8.1f} s {1e3 * xs[len(xs) // 2]:8.1f} ms {xs[-1]:7.2f} s")
+    top = sorted(slowest, reverse=True)[:5]
+    print("slowest cases: " + ", ".join(f"seed {s} {where} {secs:.2f} s" for secs, s, where in top))
+
+
 def run_fuzz(n: int, seed: int, device: torch.device, backends: list[str], C, large: bool | None = None,
              jobs: int = 1) -> int:
     """``n`` random cases of the :mod:`.check` module ``C`` (passed in: it calls this module) on ``device``, each on
@@ -183,13 +197,17 @@ def run_fuzz(n: int, seed: int, device: torch.device, backends: list[str], C, la
     t0 = time.perf_counter()
     counts = {"ok": 0, "n/a": 0, "MISMATCH": 0, "ERROR": 0}
     failures, by_op = [], {}
+    spent: dict[str, list[float]] = {}  # "op / backend" -> seconds of its cases
+    slowest: list[tuple[float, int, str]] = []
     every = max(1, n // 20)
     done = 0
 
     def take(results) -> None:
         nonlocal done
-        for s, status, op, line in results:
+        for s, status, op, line, where, secs in results:
             counts[status] += 1
+            spent.setdefault(where, []).append(secs)
+            slowest.append((secs, s, where))
             if line is not None:
                 failures.append(s)
                 by_op[op] = by_op.get(op, 0) + 1
@@ -213,6 +231,7 @@ def run_fuzz(n: int, seed: int, device: torch.device, backends: list[str], C, la
             for f in concurrent.futures.as_completed(futures):
                 take(f.result())
         failures.sort()
+    _report_time(spent, slowest)
     print(f"\nfuzz: {n} cases in {time.perf_counter() - t0:.1f} s: {counts['ok']} ok, {counts['n/a']} not "
           f"implemented by the drawn backend, {counts['MISMATCH']} mismatched, {counts['ERROR']} failed with an error")
     if failures:

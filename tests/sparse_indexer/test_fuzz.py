@@ -42,9 +42,9 @@ def test_failures_are_reported_with_their_seed(monkeypatch, capsys):
 def test_a_case_does_not_depend_on_its_process():
     """A worker's chunk gives what the cases give one by one in this process (the pool only splits the seeds)."""
     seeds = range(900, 904)
-    one = [(s, *fuzz._one(s, torch.device("cpu"), ["reference"], check, False)) for s in seeds]
-    assert fuzz._chunk(seeds, "cpu", ["reference"], False) == one
-    assert all(status == "ok" for _, status, _, _ in one)
+    one = [(s, *fuzz._one(s, torch.device("cpu"), ["reference"], check, False)[:4]) for s in seeds]
+    assert [r[:5] for r in fuzz._chunk(seeds, "cpu", ["reference"], False)] == one  # (the times differ)
+    assert all(status == "ok" for _, status, _, _, _ in one)
 
 
 def test_fuzz_cases_on_the_cpu():
