@@ -15,9 +15,9 @@ latter the compiled kernel's occupancy (registers, shared memory; computed once 
 Values the checks would refuse (docs/spec.md §10) cost a scalar per tile: row limits are clamped to ``[0, CAP]``;
 a block id outside the cache reads its tile's values from block 0 and its key scales as 0 (the scale load's mask),
 so its in-window logits are 0 (with ``block_size < BLOCK_N`` the keys' loads are masked instead: a zero key), except
-in the scales-ahead configuration (``KSC_PF``, next_n = 1), which clamps the id into the cache (a masked look-ahead
-cost 4% there on the H200; the clamp costs nothing measurable); an ``indices`` entry outside the block table has no
-tiles (empty windows).
+in the scales-ahead configuration (``KSC_PF``: by default next_n 1, 3 and 4), which clamps the id into the cache
+(a masked look-ahead cost 4% there on the H200; the clamp costs nothing measurable); an ``indices`` entry outside
+the block table has no tiles (empty windows).
 
 Triton's software pipeliner prefetches only the loads that feed a ``tl.dot`` (the keys, and the block-table entry
 their address needs); the key scales would be a plain load, a full memory round trip every tile, so with
