@@ -17,6 +17,7 @@ candidate blocks, ties, ``-inf`` and NaN in the top-k's rows.
 from __future__ import annotations
 
 import concurrent.futures
+import importlib
 import multiprocessing
 import os
 import random
@@ -149,12 +150,12 @@ def _one(s: int, device: torch.device, backends: list[str], C,
     return status, op, line, f"{op} / {b}", time.perf_counter() - t0
 
 
-def _chunk(seeds: range, device: str, backends: list[str], gpu: bool,
+def _chunk(seeds: range, device: str, backends: list[str], gpu: bool, checks: str,
            threads: int | None = None) -> list[tuple[int, str, str, str | None, str, float]]:
-    """A worker process's share: the cases of ``seeds``, ``(seed, *_one(seed))`` each, with at most
-    ``threads`` CPU threads for torch (the workers share the cores: unbounded, each would start one a core)."""
-    from . import check as C  # imported here: the check module imports this one
-
+    """A worker process's share: the cases of ``seeds``, ``(seed, *_one(seed))`` each, from the check module
+    named ``checks`` (a name: a worker imports it itself), with at most ``threads`` CPU threads for torch (the
+    workers share the cores: unbounded, each would start one a core)."""
+    C = importlib.import_module(checks)
     if threads is not None and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     dev = torch.device(device)
@@ -227,7 +228,7 @@ def run_fuzz(n: int, seed: int, device: torch.device, backends: list[str], C, la
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
         with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
             threads = max(1, (os.cpu_count() or 1) // jobs)
-            futures = [pool.submit(_chunk, c, str(device), backends, gpu, threads) for c in chunks]
+            futures = [pool.submit(_chunk, c, str(device), backends, gpu, C.__name__, threads) for c in chunks]
             for f in concurrent.futures.as_completed(futures):
                 take(f.result())
         failures.sort()
