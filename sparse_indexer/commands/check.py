@@ -63,7 +63,7 @@ from ..testing import (
     topk_errors,
 )
 from .cli import UsageError, require_backend, resolve_device, run_command, use_triton_interpreter
-from .fuzz import default_jobs, run_fuzz
+from .fuzz import run_fuzz
 
 __all__ = ["CHECKS", "add_arguments", "run", "main"]
 
@@ -944,7 +944,7 @@ def run(args) -> int:
             raise UsageError("--fuzz draws its ops itself: leave --op at its default")
         print(f"sparse-indexer check --fuzz on {_device_name(device)}: {', '.join(backends)} against the reference "
               f"backend on the CPU ({_versions()})" + (f"; {note}" if note else ""))
-        jobs = default_jobs(device) if args.jobs is None else args.jobs
+        jobs = 1 if args.jobs is None else args.jobs
         if jobs < 1:
             raise UsageError(f"--jobs J needs J >= 1, got {jobs}")
         return run_fuzz(args.fuzz, seed, device, backends, sys.modules[__name__], large=sizes is FULL, jobs=jobs)

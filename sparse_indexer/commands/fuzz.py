@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["default_jobs", "draw_case", "draw_sizes", "run_fuzz"]
+__all__ = ["draw_case", "draw_sizes", "run_fuzz"]
 
 FUZZ_OPS = ("write_k_cache", "gather_k_cache", "fp8_mqa_logits", "fp8_paged_mqa_logits", "top_k_per_row",
             "fp8_mqa_topk", "fp8_paged_mqa_topk", "select_candidate_blocks", "step")
@@ -164,15 +164,6 @@ def _chunk(seeds: range, device: str, backends: list[str], gpu: bool, checks: st
     return [(s, *_one(s, dev, backends, C, gpu)) for s in seeds]
 
 
-def default_jobs(device: torch.device) -> int:
-    """Worker processes by default: 1. On a GPU more processes are slower, not faster: each compiles every kernel
-    configuration again, and the GPU time-slices their contexts (measured on the H200: 8 processes, each with torch's
-    default of one CPU thread a core, did 500 cases in 164 s and then stalled; one process did 9500 cases in 532 s).
-    Workers now share the cores (``torch.set_num_threads``). On the CPU, where the interpreter runs the kernels,
-    ``--jobs`` up to the core count divides the time."""
-    return 1
-
-
 def _report_time(spent: dict[str, list[float]], slowest: list[tuple[float, int, str]]) -> None:
     """Where a run's time went: the op/backend pairs that took the most (cases, total, median, worst: a worst far
     above the median is a first compile), and the slowest cases with their seeds."""
@@ -190,8 +181,12 @@ def run_fuzz(n: int, seed: int, device: torch.device, backends: list[str], C, la
     """``n`` random cases of the :mod:`.check` module ``C`` (passed in: it calls this module) on ``device``, each on
     one of ``backends`` (drawn) against the CPU reference, GPU-sized shapes when ``large`` (default: on a GPU) and
     interpreter-sized ones otherwise (``--size``), in ``jobs`` processes (the cases in chunks of consecutive seeds;
-    a case's result does not depend on the process it ran in); prints progress, every failure with its seed, and a
-    summary. 0 when every case passed (or was not implemented by its backend), 1 otherwise."""
+    a case's result does not depend on the process it ran in). Several processes help on the CPU, where the
+    interpreter runs the kernels; on a GPU they are slower, not faster: each compiles every kernel configuration
+    again and the GPU time-slices their contexts (H200: 8 processes, each with torch's default of one CPU thread a
+    core, did 500 cases in 164 s and then stalled; one process did 9500 in 532 s), hence ``--jobs`` defaults to 1.
+    Prints progress, every failure with its seed, and a summary. 0 when every case passed (or was not implemented
+    by its backend), 1 otherwise."""
     gpu = device.type != "cpu" if large is None else large
     print(f"fuzz: {n} random cases from seed {seed}, {'GPU' if gpu else 'interpreter'}-sized, {jobs} process"
           f"{'es' if jobs > 1 else ''} (case i replays alone with --fuzz 1 --seed {seed}+i and the same --size)")

@@ -36,14 +36,14 @@ def test_the_judge_fails_wrong_results():
     out = torch.full((q.shape[0], lim.topk), -7, dtype=torch.int32)
     si.sparse_attn_indexer(q, k, w, world.kv, md, allocate(lim), out, backend="reference")
     args = (world, before, q, k, w, md, table, seq, qry)
-    assert soak.check_step(*args, out, md.num_tokens, 1e-6) == []
+    assert soak.check_step(*args, out, 1e-6) == []
     bad = out.clone()
     unused = sorted(set(range(299)) - set(bad[0].tolist()))  # row 0: 299 keys in its window, 32 selected
     bad[0, 0] = unused[0]  # a key the selection left out in place of one it took
-    errs = soak.check_step(*args, bad, md.num_tokens, 1e-6)
+    errs = soak.check_step(*args, bad, 1e-6)
     assert errs and "request 0" in errs[0], errs
     pad = out.clone()
     pad[-1, 0] = 3
-    assert any("padding rows" in e for e in soak.check_step(*args, pad, md.num_tokens, 1e-6))
+    assert any("padding rows" in e for e in soak.check_step(*args, pad, 1e-6))
     world.kv.view(-1)[7] ^= 1
-    assert any("cache" in e for e in soak.check_step(*args, out, md.num_tokens, 1e-6))
+    assert any("cache" in e for e in soak.check_step(*args, out, 1e-6))
