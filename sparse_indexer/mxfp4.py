@@ -115,6 +115,13 @@ def _unpack(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return _magnitudes(codes, dtype)
 
 
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """``2 ** e`` as float64, exactly, for int exponents in float64's normal range ([-1022, 1023]; the scale bytes'
+    exponents and their sums stay within [-254, 256]): the exponent field written directly, a multiply cheaper
+    than ``torch.ldexp``'s power."""
+    return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
 def _scale_exponents(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(s - 127 as int32, whether s is the NaN byte)``."""
     return scales.to(torch.int32) - 127, scales == NAN_SCALE
@@ -129,7 +136,7 @@ def dequantize_mxfp4(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
         raise TypeError(f"dtype must be float32 or float64, got {dtype}")
     x = _unpack(values, torch.float64).reshape(*values.shape[:-1], d // BLOCK, BLOCK)
     e, nan = _scale_exponents(scales)
-    x = torch.ldexp(x, e.unsqueeze(-1).to(torch.float64))
+    x = x * _pow2(e).unsqueeze(-1)
     x = torch.where(nan.unsqueeze(-1), float("nan"), x)
     return x.reshape(*values.shape[:-1], d).to(dtype)
 
@@ -167,7 +174,7 @@ def mxfp4_scores(q_values: torch.Tensor, q_scales: torch.Tensor, k_values: torch
     eq, nq = _scale_exponents(q_scales)
     ek, nk = _scale_exponents(k_scales)
     shift = eq[:, :, None, :] + ek[None, None, :, :]  # [M, H, N, nb]
-    t = torch.ldexp(dots.double(), shift.double()).float()  # one rounding per block
+    t = (dots.double() * _pow2(shift)).float()  # exact product, one rounding per block
     nan = nq[:, :, None, :] | nk[None, None, :, :]
     t = torch.where(nan, float("nan"), t)
     acc = t[..., 0]

@@ -87,7 +87,7 @@ def _mxfp4_tile(k_ptr, ksc_ptr, n, nmask, stride_k, stride_ksc, qlo, qhi, fq, b:
     return dot * _scale_factors(sk)[:, None] * fq[None, :]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "N"])
 def _mqa_logits_kernel(
     out_ptr,  # [M, W] float32 or bfloat16 (W = N, or the compressed width), row stride stride_out
     q_ptr,  # [M, H, D] fp8

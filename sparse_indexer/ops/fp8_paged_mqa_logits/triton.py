@@ -123,7 +123,7 @@ def _load_token(q_ptr, w_ptr, cl_ptr, b64, j: tl.constexpr, stride_qn, stride_qh
     return q, wts, tl.minimum(tl.maximum(lim, 0), CAP)
 
 
-@triton.jit(do_not_specialize=["NUM_PROGRAMS"])
+@triton.jit(do_not_specialize=["B", "CAP", "NB", "NR", "NUM_PROGRAMS"])
 def _paged_logits_kernel(
     out_ptr,  # [B * next_n, W] float32 or bfloat16, row stride stride_out
     q_ptr,  # [B, next_n, H, D] fp8
