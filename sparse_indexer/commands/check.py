@@ -63,7 +63,7 @@ from ..testing import (
     topk_errors,
 )
 from .cli import UsageError, require_backend, resolve_device, run_command, use_triton_interpreter
-from .fuzz import run_fuzz
+from .fuzz import default_jobs, run_fuzz
 
 __all__ = ["CHECKS", "add_arguments", "run", "main"]
 
@@ -868,8 +868,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "lengths, values), each replayable alone from the seed it prints (sparse_indexer/commands/"
                         "fuzz.py) (default: %(default)s, the fixed cases)")
     p.add_argument("--jobs", type=int, default=None, metavar="J",
-                   help="with --fuzz: worker processes (default: 1; on the CPU, where Triton's "
-                        "interpreter runs the kernels, up to the core count helps; on a GPU one process is fastest)")
+                   help="with --fuzz: worker processes (default: 4, or the core count where smaller; a cold run "
+                        "on a GPU is bound by Triton's first compiles, which the processes share)")
 
 
 def _backends(requested: str, device: torch.device) -> list[str]:
@@ -944,7 +944,7 @@ def run(args) -> int:
             raise UsageError("--fuzz draws its ops itself: leave --op at its default")
         print(f"sparse-indexer check --fuzz on {_device_name(device)}: {', '.join(backends)} against the reference "
               f"backend on the CPU ({_versions()})" + (f"; {note}" if note else ""))
-        jobs = 1 if args.jobs is None else args.jobs
+        jobs = default_jobs() if args.jobs is None else args.jobs
         if jobs < 1:
             raise UsageError(f"--jobs J needs J >= 1, got {jobs}")
         return run_fuzz(args.fuzz, seed, device, backends, sys.modules[__name__], large=sizes is FULL, jobs=jobs)

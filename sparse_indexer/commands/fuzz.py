@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["draw_case", "draw_sizes", "run_fuzz"]
+__all__ = ["default_jobs", "draw_case", "draw_sizes", "run_fuzz"]
 
 FUZZ_OPS = ("write_k_cache", "gather_k_cache", "fp8_mqa_logits", "fp8_paged_mqa_logits", "top_k_per_row",
             "fp8_mqa_topk", "fp8_paged_mqa_topk", "select_candidate_blocks", "step")
@@ -176,15 +176,22 @@ def _report_time(spent: dict[str, list[float]], slowest: list[tuple[float, int, 
     print("slowest cases: " + ", ".join(f"seed {s} {where} {secs:.2f} s" for secs, s, where in top))
 
 
+def default_jobs() -> int:
+    """Worker processes of a run without ``--jobs``: 4, or the core count where that is smaller. On a GPU a cold run
+    is bound by first compiles (Triton's, each on one CPU core), which the processes share through Triton's disk
+    cache; the cases themselves take milliseconds. H200 with 16 cores, 10^4 GPU-sized cases cold: 251 s in 4
+    processes, 532 s for 9500 in one. Each worker gets ``cores / jobs`` torch threads (8 workers with torch's
+    default of a thread a core each stalled after 500 cases). On the CPU, where the interpreter runs the kernels,
+    every core helps."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
 def run_fuzz(n: int, seed: int, device: torch.device, backends: list[str], C, large: bool | None = None,
              jobs: int = 1) -> int:
     """``n`` random cases of the :mod:`.check` module ``C`` (passed in: it calls this module) on ``device``, each on
     one of ``backends`` (drawn) against the CPU reference, GPU-sized shapes when ``large`` (default: on a GPU) and
     interpreter-sized ones otherwise (``--size``), in ``jobs`` processes (the cases in chunks of consecutive seeds;
-    a case's result does not depend on the process it ran in). Several processes help on the CPU, where the
-    interpreter runs the kernels; on a GPU they are slower, not faster: each compiles every kernel configuration
-    again and the GPU time-slices their contexts (H200: 8 processes, each with torch's default of one CPU thread a
-    core, did 500 cases in 164 s and then stalled; one process did 9500 in 532 s), hence ``--jobs`` defaults to 1.
+    a case's result does not depend on the process it ran in; :func:`default_jobs` for ``--jobs``' default).
     Prints progress, every failure with its seed, and a summary. 0 when every case passed (or was not implemented
     by its backend), 1 otherwise."""
     gpu = device.type != "cpu" if large is None else large
