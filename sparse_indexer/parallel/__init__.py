@@ -172,7 +172,7 @@ def shard_metadata(metadata: IndexerMetadata, rank: int, world_size: int) -> Ind
         num_decodes=metadata.num_decodes, num_decode_tokens=metadata.num_decode_tokens,
         num_prefills=metadata.num_prefills, num_prefill_tokens=metadata.num_prefill_tokens,
         slot_mapping=metadata.slot_mapping, decode=local_dm, prefill_chunks=tuple(chunks), limits=metadata.limits,
-        num_blocks=metadata.num_blocks)
+        num_blocks=metadata.num_blocks, empty_rows=metadata.empty_rows)
 
 
 def check_group(group, buffers: Buffers, topk: int) -> tuple[int, int]:
@@ -445,6 +445,8 @@ def cp_sparse_attn_indexer(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache:
     n, t = metadata.num_tokens, q_fp8.shape[0]
     if t > n:
         topk_out[n:t].fill_(-1)
+    for a, b in metadata.empty_rows:  # prefill rows of chunks without keys (compressed caches): all -1 on every rank
+        topk_out[a:b].fill_(-1)
     cp_prefill(q_fp8, weights, kv_cache, metadata, local, buffers, topk_out, group=group, backend=backend,
                _checked=True)
     cp_decode(q_fp8, weights, kv_cache, metadata, local, buffers, topk_out, group=group, backend=backend,

@@ -1,6 +1,6 @@
 """Context parallel (sparse_indexer.parallel) on the CPU: 2 and 3 gloo processes against the single-process step
 on the whole cache (multisets of the selected values), decode and prefill, short windows, ties across ranks,
-ranks without keys, sub-batches, split prefill chunks and non-uniform decode."""
+ranks without keys, sub-batches, split prefill chunks, non-uniform decode and compressed caches."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from buffers import BufferTooSmall, IndexerLimits, allocate
 from sparse_indexer import parallel as cp
 from sparse_indexer.testing import assert_topk, rank_key
 
+from .test_compressed import Compressed
 from .test_indexer import Scenario
 
 BS, TOPK, L = 4, 8, 48
@@ -33,6 +34,13 @@ CASES = [
     ("ties", [3, 20, 45, 9], [1, 1, 12, 5], {}, True),
     # next_n = 2, one decode request with a single token (packed decode), ragged lengths
     ("packed", [2, 30, 17, 40], [2, 1, 2, 9], dict(next_n=2), False),
+]
+# compressed caches (docs/spec.md §4a: one key per 4 tokens, blocks of BS keys): a decode request, prefill windows
+# past topk, and a last request of 2 tokens whose chunk has no key (its rows are the step's empty_rows: all -1)
+COMPRESSED = [
+    ("compressed", [45, 47, 33, 2], [1, 12, 9, 2],
+     dict(compress_ratio=4, max_decode_logits_bytes=2 * L * 4, max_logits_bytes=256)),
+    ("compressed-next_n=2", [46, 30, 41, 7], [2, 1, 11, 3], dict(compress_ratio=4, next_n=2)),
 ]
 
 
@@ -62,7 +70,25 @@ def _case(name, seq, qry, kw, ties):
     dense = si.fp8_paged_mqa_logits(sc.q[:t, None].contiguous(), sc.kv, sc.w[:t], ends_t,
                                     sc.block_table[reqs].contiguous(), backend="reference")
     return dict(name=name, seq=seq, qry=qry, kw=kw, q=sc.q, w=sc.w, kv=sc.kv, block_table=sc.block_table,
-                slot_mapping=sc.slot_mapping, ref=ref, dense=dense, ends=ends_t)
+                slot_mapping=sc.slot_mapping, ref=ref, dense=dense, ends=ends_t, keys=seq, empty=md.empty_rows)
+
+
+def _compressed_case(name, seq, qry, kw):
+    """:func:`_case` on a compressed cache holding every key of the step (the model's compressor wrote them:
+    ``k=None``); windows and positions in keys."""
+    sc = Compressed(seq, qry, lim=_limits(1, **kw), seed=5)
+    kv = sc.all_keys_written()
+    md = sc.metadata()
+    t = sum(qry)
+    ref = torch.full((t + 2, TOPK), -7, dtype=torch.int32)
+    si.sparse_attn_indexer(sc.q, None, sc.w, kv, md, allocate(sc.lim), ref, backend="reference")
+    reqs = [r for r, q in enumerate(qry) for _ in range(q)]
+    ends_t = torch.tensor(sc.windows(), dtype=torch.int32)
+    dense = si.fp8_paged_mqa_logits(sc.q[:, None].contiguous(), kv, sc.w, ends_t,
+                                    sc.block_table[reqs].contiguous(), backend="reference")
+    return dict(name=name, seq=seq, qry=qry, kw=kw, q=sc.q, w=sc.w, kv=kv, block_table=sc.block_table,
+                slot_mapping=sc.slot_mapping, ref=ref, dense=dense, ends=ends_t,
+                keys=[s // kw["compress_ratio"] for s in seq], empty=md.empty_rows)
 
 
 def _worker(rank, world, port, cases, out):
@@ -75,7 +101,7 @@ def _worker(rank, world, port, cases, out):
             kv = c["kv"].clone()
             # this rank's cache: the blocks of other ranks hold garbage (reading one would show)
             mine = torch.zeros(kv.shape[0], dtype=torch.bool)
-            for r, s in enumerate(c["seq"]):
+            for r, s in enumerate(c["keys"]):
                 nb = (s + BS - 1) // BS
                 mine[c["block_table"][r, :nb][rank::world].long()] = True
             kv[~mine] = torch.randint(0, 256, kv[~mine].shape, dtype=torch.uint8, generator=g)
@@ -87,6 +113,7 @@ def _worker(rank, world, port, cases, out):
             read = cp.shard_metadata(bare, rank, world)
             counts = [x.num_k_tokens for x in local.prefill_chunks]
             assert counts == [x.num_k_tokens for x in read.prefill_chunks] and counts, counts
+            assert local.empty_rows == md.empty_rows
             for x in local.prefill_chunks:  # the local chunks carry their requests' local key counts
                 assert sum(x.seq_lens) == x.num_k_tokens == int(x.cu_seq_lens[-1])
                 assert list(x.seq_lens) == (x.cu_seq_lens[1:] - x.cu_seq_lens[:-1]).tolist()
@@ -125,7 +152,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def cases():
-    return [_case(*c) for c in CASES]
+    return [_case(*c) for c in CASES] + [_compressed_case(*c) for c in COMPRESSED]
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -152,6 +179,9 @@ def test_context_parallel_matches_single_process(world, cases):
     assert (out[("mixed", 0)][0] == -1).sum() == TOPK - 3
     ties = cases[1]
     assert ties["dense"][2, 0] == ties["dense"][2, BS]  # block 0 (rank 0) and block 1 (rank 1): the same keys
+    comp = next(c for c in cases if c["name"] == "compressed")
+    assert comp["empty"] and all((out[("compressed", 0)][a:b] == -1).all() for a, b in comp["empty"])
+    assert int(comp["ends"].max()) > TOPK  # windows past topk: the merge selects
 
 
 def test_local_lens_partition_every_key():
