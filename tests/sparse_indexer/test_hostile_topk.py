@@ -119,24 +119,33 @@ TOPK_CASES = [
 ]
 
 
+def _guarded_run(rows: int, w: int, k: int, dtype, salt: int, ws_shape, call):
+    """``call(logits, starts, ends, out, workspace)`` on hostile windows of ``[rows, w]`` logits with an ``[rows,
+    k]`` output (and a workspace of ``ws_shape``, or none) inside guard buffers: the guards and the inputs are
+    checked unchanged; returns ``(logits, starts, ends, out)``."""
+    g = gen(salt)
+    logits = _logits(rows, w, dtype, g)
+    starts, ends = _windows(rows, w, k, g)
+    inputs = {"logits": logits, "row_starts": starts, "row_ends": ends}
+    before = _snapshot(inputs)
+    out = Guarded((rows, k), torch.int32, -7)
+    ws = Guarded(ws_shape, torch.int32, 5) if ws_shape is not None else None
+    call(logits, starts, ends, out.view, None if ws is None else ws.view)
+    out.check("out")
+    if ws is not None:
+        ws.check("workspace")
+    _unchanged(inputs, before)
+    return logits, starts, ends, out
+
+
 @pytest.mark.uses_ops("top_k_per_row")
 @pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("rows, w, topk, with_ws", TOPK_CASES)
 def test_top_k_per_row_hostile_windows(backend, rows, w, topk, with_ws, dtype):
     _skip(backend)
-    g = gen(rows + w + topk)
-    logits = _logits(rows, w, dtype, g)
-    starts, ends = _windows(rows, w, topk, g)
-    inputs = {"logits": logits, "row_starts": starts, "row_ends": ends}
-    before = _snapshot(inputs)
-    out = Guarded((rows, topk), torch.int32, -7)
-    ws = Guarded(workspace_shape(rows, w, topk), torch.int32, 5) if with_ws else None
-    si.top_k_per_row(logits, starts, ends, out=out.view, workspace=None if ws is None else ws.view,
-                     backend=backend, check_values=False)
-    out.check("out")
-    if ws is not None:
-        ws.check("workspace")
-    _unchanged(inputs, before)
+    logits, starts, ends, out = _guarded_run(
+        rows, w, topk, dtype, rows + w + topk, workspace_shape(rows, w, topk) if with_ws else None,
+        lambda x, s, e, o, ws: si.top_k_per_row(x, s, e, out=o, workspace=ws, backend=backend, check_values=False))
     cs, ce = _clamped(starts, ends, w)
     assert topk_errors(out.view, logits, cs, ce, limit=3) == []
     want = torch.full((rows, topk), -7, dtype=torch.int32, device=DEV)
@@ -197,19 +206,10 @@ SELECT_CASES = [
 @pytest.mark.parametrize("rows, w, b, kb, with_ws", SELECT_CASES)
 def test_select_candidate_blocks_hostile(backend, rows, w, b, kb, with_ws, dtype):
     _skip(backend)
-    g = gen(rows + w + b)
-    logits = _logits(rows, w, dtype, g)
-    starts, ends = _windows(rows, w, kb, g)
-    inputs = {"logits": logits, "row_starts": starts, "row_ends": ends}
-    before = _snapshot(inputs)
-    out = Guarded((rows, kb), torch.int32, -7)
-    ws = Guarded((rows, -(-w // b)), torch.int32, 5) if with_ws else None
-    si.select_candidate_blocks(logits, starts, ends, out=out.view, block_size=b,
-                               workspace=None if ws is None else ws.view, backend=backend, check_values=False)
-    out.check("out")
-    if ws is not None:
-        ws.check("workspace")
-    _unchanged(inputs, before)
+    logits, starts, ends, out = _guarded_run(
+        rows, w, kb, dtype, rows + w + b, (rows, -(-w // b)) if with_ws else None,
+        lambda x, s, e, o, ws: si.select_candidate_blocks(x, s, e, out=o, block_size=b, workspace=ws,
+                                                          backend=backend, check_values=False))
     cs, ce = _clamped(starts, ends, w)
     assert candidate_errors(out.view, logits, cs, ce, b, limit=3) == []
     want = torch.full((rows, kb), -7, dtype=torch.int32, device=DEV)
