@@ -4,11 +4,14 @@ decode step.
 GPU (NCCL, one process per GPU):
     python scripts/cp_bench.py --world 2 --batch 64 --context 131072 --graph
     python scripts/cp_bench.py --world 2 --batch 64 --context 1048576 --graph --profile DIR
+    python scripts/cp_bench.py --world 2 --batch 64 --context 131072 --compress-ratio 4 --topk 512 --graph  # V4-Flash
 CPU smoke (gloo, reference backend, tiny shapes):
     python scripts/cp_bench.py --device cpu --smoke
 
-Each of ``--world`` processes holds its blocks of ``--batch`` requests of ``--context`` keys (block-interleaved,
-docs/spec.md §11) in a cache of its own, written from the same seeded keys as a one-device cache on rank 0.
+Each of ``--world`` processes holds its blocks of ``--batch`` requests of ``--context`` tokens (block-interleaved,
+docs/spec.md §11) in a cache of its own, written from the same seeded keys as a one-device cache on rank 0. With
+``--compress-ratio C`` (DeepSeek-V4's compressed caches, docs/spec.md §4a: ``C = 4`` with ``--topk 512`` and the
+default blocks of 64 keys are V4-Flash's indexer layers) a request holds ``context // C`` keys.
 
 Timing: every callable is first called ``--warmup`` times (after one all-reduce and one all-gather of the
 candidates' size at start-up, so NCCL's communicator setup and first-call work are never timed), then ``--reps``
@@ -66,22 +69,25 @@ from sparse_indexer.testing import capture_cuda_graph, topk_errors  # noqa: E402
 
 def limits(a, world: int) -> IndexerLimits:
     return IndexerLimits(max_model_len=a.context, max_num_batched_tokens=a.batch, max_num_seqs=a.batch,
-                         n_heads=a.heads, head_dim=a.dim, topk=a.topk, block_size=a.block_size, world_size=world)
+                         n_heads=a.heads, head_dim=a.dim, topk=a.topk, block_size=a.block_size, world_size=world,
+                         compress_ratio=a.compress_ratio)
 
 
 def write_cache(a, dev, world: int, rank: int):
     """(cache, block table) of ``rank`` among ``world`` ranks (``world == 1``: the whole cache): request ``b``'s
-    block ``j`` lives on rank ``j % world`` at id ``b * blocks_per_rank + j // world``."""
+    ``context // compress_ratio`` keys, its block ``j`` on rank ``j % world`` at id ``b * blocks_per_rank + j //
+    world``."""
     bs = a.block_size
-    nblk = -(-a.context // bs)
+    n = a.context // a.compress_ratio
+    nblk = -(-n // bs)
     per = -(-nblk // world)
     j = torch.arange(nblk, device=dev)
     table = (torch.arange(a.batch, device=dev)[:, None] * per + j[None, :] // world).int()
     kv = si.new_kv_cache(a.batch * per, bs, a.dim, device=dev)
-    pos = torch.arange(a.context, device=dev)
+    pos = torch.arange(n, device=dev)
     for b in range(a.batch):
         g = torch.Generator(device=dev).manual_seed(1000 + b)  # the same keys on every rank and in the baseline
-        keys = torch.randn(a.context, a.dim, generator=g, device=dev).to(torch.bfloat16)
+        keys = torch.randn(n, a.dim, generator=g, device=dev).to(torch.bfloat16)
         slots = table[b, pos // bs].long() * bs + pos % bs
         slots = torch.where((pos // bs) % world == rank, slots, torch.full_like(slots, -1))
         si.write_k_cache(keys, kv, slots, backend=a.backend)
@@ -368,7 +374,8 @@ def profile(a, rank, dev, merge, step) -> None:
 
 def report(a, res, allocs, bw, kv, kv1, wrong: int, dev) -> dict:
     r = lambda x: None if x is None else round(x, 4)  # noqa: E731
-    row = dict(world=a.world, batch=a.batch, context=a.context, topk=a.topk, device=str(dev),
+    row = dict(world=a.world, batch=a.batch, context=a.context, compress_ratio=a.compress_ratio, topk=a.topk,
+               device=str(dev),
                backend=a.backend or "auto", iters=a.iters, reps=a.reps, warmup=a.warmup)
     row.update({k: (v if isinstance(v, dict) else r(v)) for k, v in res.items()})
     one_g, cp_g = res.get("one_device_graph_ms"), res.get("cp_graph_ms")
@@ -393,7 +400,9 @@ def main(argv=None) -> int:
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=64, help="keys per cache block")
+    ap.add_argument("--compress-ratio", type=int, default=1,
+                    help="tokens per key (DeepSeek-V4's compressed caches: 4; --context stays in tokens)")
     ap.add_argument("--iters", type=int, default=20, help="back-to-back calls per timed repeat")
     ap.add_argument("--reps", type=int, default=5, help="timed repeats (the median is reported)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed calls before each measurement")

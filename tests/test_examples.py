@@ -100,7 +100,9 @@ def _untracked() -> set[str]:
 
 
 @pytest.mark.parametrize("script", [["scripts/memory_bench.py", "--smoke"],
-                                    ["scripts/cp_bench.py", "--device", "cpu", "--smoke"]], ids=lambda a: a[0])
+                                    ["scripts/cp_bench.py", "--device", "cpu", "--smoke"],
+                                    ["scripts/cp_bench.py", "--device", "cpu", "--smoke", "--compress-ratio", "4"]],
+                         ids=lambda a: " ".join(a))
 def test_script_smoke_runs_leave_no_untracked_file(script):
     """The scripts' smoke runs, from the repository root as a user runs them, write only where git ignores
     (memory_bench: ``--out`` defaults to ``bench-out/``)."""
