@@ -249,9 +249,10 @@ class IndexerLimits:
                 f"{self.candidate_block_size} cannot hold topk={self.topk} positions with one block partial: "
                 f"(candidate_blocks - 1) * candidate_block_size + 1 must be >= topk (docs/spec.md §6a)"
             )
-        if self.candidate_blocks and self.world_size > 1:
-            raise ValueError(f"IndexerLimits.candidate_blocks is not supported with context parallel (world_size="
-                             f"{self.world_size}): candidate blocks are chosen over a whole window")
+        if self.candidate_blocks and self.world_size > 1 and self.block_size % self.candidate_block_size:
+            raise ValueError(f"IndexerLimits.candidate_block_size={self.candidate_block_size} must divide "
+                             f"block_size={self.block_size} with context parallel (world_size={self.world_size}): "
+                             "each candidate block must lie in one cache block, on one rank (docs/spec.md §11)")
         if self.max_model_len < self.compress_ratio:
             raise ValueError(
                 f"IndexerLimits.max_model_len={self.max_model_len} must be >= compress_ratio={self.compress_ratio}: "

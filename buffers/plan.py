@@ -26,11 +26,23 @@ def _topk_scratch_shape(lim: IndexerLimits) -> tuple[int, int] | None:
     cols = topk_workspace_cols(lim)
     return None if cols is None else (lim.decode_batch_rows, cols)
 
-def cp_scratch_cols(world_size: int, topk: int) -> int:
-    """int32 columns per row of ``cp_scratch`` (context parallel, docs/spec.md §11): the local candidates
-    ``2 * topk`` (values as float32 bits, global positions), the gathered ones ``2 * world_size * topk``, the
-    merge's values and positions ``2 * world_size * topk``, and the merge's window bounds 2."""
-    return (2 + 4 * world_size) * topk + 2
+def cp_scratch_cols(world_size: int, topk: int, candidate_blocks: int = 0, block_size: int = 8) -> int:
+    """int32 columns per row of ``cp_scratch`` (context parallel, docs/spec.md §11), the most of what one merge
+    holds at a time. The top-k merge: the local candidates ``2 * topk`` (values as float32 bits, global
+    positions), the gathered ones ``2 * world_size * topk``, the merge's values and positions ``2 * world_size *
+    topk``, and its window bounds 2. With ``candidate_blocks = K_b > 0`` (blocks of ``block_size = b``
+    positions), also the candidate-block merge (``sparse_indexer.parallel.merge_candidates``): ``2 * K_b``
+    candidates (scores, global ids), then either the scores' cells (int64 positions, values, two masks:
+    ``3.5 * K_b * b``; the windows in int64: 4) or the gathered candidates ``2 * W * K_b``, the merged scores, ids
+    and selection workspace ``3 * (W * K_b + 1)``, int64 columns ``2 * K_b``, four bounds and two masks; plus
+    ``2 * b + 8`` (an arange, alignment)."""
+    cols = (2 + 4 * world_size) * topk + 2
+    if candidate_blocks:
+        kb, b, w = candidate_blocks, block_size, world_size
+        cells = 2 * kb * b + kb * b + 2 * -(-kb * b // 4) + 4
+        merged = 2 * w * kb + 3 * (w * kb + 1) + 2 * kb + 4 + -(-w * kb // 4) + -(-kb // 4)
+        cols = max(cols, 2 * kb + max(cells, merged) + 2 * b + 8)
+    return cols
 
 
 def _cp_scratch_shape(lim: IndexerLimits) -> tuple[int, int] | None:
@@ -38,7 +50,8 @@ def _cp_scratch_shape(lim: IndexerLimits) -> tuple[int, int] | None:
     ``decode_batch_rows`` rows (a decode sub-batch; prefill chunks are merged in pieces of that many tokens)."""
     if lim.world_size == 1:
         return None
-    return (lim.decode_batch_rows, cp_scratch_cols(lim.world_size, lim.topk))
+    return (lim.decode_batch_rows, cp_scratch_cols(lim.world_size, lim.topk, lim.candidate_blocks,
+                                                   lim.candidate_block_size))
 
 
 @attrs.frozen
@@ -295,7 +308,11 @@ def block_scores_elems(lim: IndexerLimits) -> int:
     ``M * N <= prefill_logits_cells`` cells ``ceil((M * N + M * (b - 1)) / b)`` with ``M <= max_num_batched_tokens``
     (an upper bound: a chunk with the most cells need not have the most rows)."""
     b = lim.candidate_block_size
-    decode = lim.decode_batch_rows * -(-lim.max_keys // b)
+    # (context parallel: a rank's decode rows are ceil(ceil(max_keys / bs) / W) * bs wide, at most one block more
+    # than max_keys / W, which exceeds max_keys only for contexts of a block or two)
+    blocks = -(-lim.max_keys // lim.block_size)
+    per_rank = -(-blocks // lim.world_size) * lim.block_size
+    decode = lim.decode_batch_rows * -(-max(lim.max_keys, per_rank) // b)
     cells = prefill_logits_cells(lim)
     rows = min(lim.max_num_batched_tokens, cells)
     return max(decode, -(-(cells + rows * (b - 1)) // b))

@@ -49,12 +49,13 @@ from buffers import Buffers, BufferTooSmall
 from buffers.plan import cp_scratch_cols
 
 from .._runtime.triton_compat import interpreting
-from ..indexer import _chunk_logits, _decode_inputs, _decode_logits, _rows, check_step, decode_batch
+from ..indexer import _check_candidates, _chunk_logits, _decode_inputs, _decode_logits, _rows, check_step, decode_batch
 from ..metadata import DecodeMetadata, IndexerMetadata, PrefillChunk
+from ..ops.select_candidate_blocks import select_candidate_blocks
 from ..ops.top_k_per_row import top_k_per_row
 
-__all__ = ["local_lens", "local_block_table", "global_positions", "shard_metadata", "merge_topk", "cp_decode",
-           "cp_prefill", "cp_sparse_attn_indexer", "check_group"]
+__all__ = ["local_lens", "local_block_table", "global_positions", "shard_metadata", "merge_topk", "merge_candidates",
+           "local_candidates", "cp_decode", "cp_prefill", "cp_sparse_attn_indexer", "check_group"]
 
 _LOW = torch.finfo(torch.float32).min
 
@@ -175,9 +176,11 @@ def shard_metadata(metadata: IndexerMetadata, rank: int, world_size: int) -> Ind
         num_blocks=metadata.num_blocks, empty_rows=metadata.empty_rows)
 
 
-def check_group(group, buffers: Buffers, topk: int) -> tuple[int, int]:
+def check_group(group, buffers: Buffers, topk: int, candidate_blocks: int = 0,
+                candidate_block_size: int = 8) -> tuple[int, int]:
     """``(rank, world_size)`` of ``group`` (``None``: the default group), after checking that ``buffers`` has a
-    ``cp_scratch`` planned for this world size and ``topk``. Raises ``ValueError``/:class:`BufferTooSmall`."""
+    ``cp_scratch`` planned for this world size, ``topk`` and the limits' candidate blocks. Raises
+    ``ValueError``/:class:`BufferTooSmall`."""
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("context parallel needs an initialised torch.distributed process group")
     world = dist.get_world_size(group)
@@ -187,10 +190,11 @@ def check_group(group, buffers: Buffers, topk: int) -> tuple[int, int]:
     if buffers.logits.dtype != torch.float32:
         raise ValueError(f"context parallel needs float32 logits buffers (the merge exchanges float32 candidates); "
                          f"buffers.logits is {buffers.logits.dtype}")
-    cols = cp_scratch_cols(world, topk)
+    cols = cp_scratch_cols(world, topk, candidate_blocks, candidate_block_size)
     if buffers.cp_scratch.shape[1] != cols:
         raise ValueError(f"buffers.cp_scratch has {buffers.cp_scratch.shape[1]} columns; world_size={world}, "
-                         f"topk={topk} need {cols} (plan with IndexerLimits(world_size={world}))")
+                         f"topk={topk}, candidate_blocks={candidate_blocks} need {cols} (plan with "
+                         f"IndexerLimits(world_size={world}) and the step's other limits)")
     return rank, world
 
 
@@ -251,13 +255,16 @@ def _use_triton(logits: torch.Tensor, backend: str | None) -> bool:
 
 def merge_topk(sel: torch.Tensor, logits: torch.Tensor, starts: torch.Tensor, global_starts: torch.Tensor,
                global_ends: torch.Tensor, buffers: Buffers, *, rank: int, world_size: int, block_size: int,
-               group=None, backend: str | None = None) -> torch.Tensor:
+               group=None, backend: str | None = None, short_rows: bool = True) -> torch.Tensor:
     """Turn ``sel [rows, topk]`` int32, this rank's local top-k (local positions relative to ``starts``, ``-1``
     padding) of ``logits [rows, *]`` float32 (unit last stride; local windows starting at ``starts [rows]``
     int32), into the global top-k, in place: request-local global positions; a row whose global window
     ``[global_starts, global_ends)`` (``[rows]`` int32) has ``n <= topk`` keys comes out as ``0..n-1, -1, ...``
     (the single-device order). Collective: every rank of ``group`` calls it with the same ``rows``.
     ``rows <= buffers.cp_scratch.shape[0]``; arguments are not checked here (the step checked them).
+    ``short_rows=False`` (a consumer layer's top-k over candidate blocks, whose eligible cells are not the whole
+    window): no row is rewritten as ``0..n-1``; the merged top-k already lists every eligible cell first when
+    there are at most ``topk``.
 
     Steps, on views of ``buffers.cp_scratch`` only (no allocation, static shapes, no host read of device values:
     CUDA-graph capturable): candidates ``(value, global position)`` ``[2, rows, topk]`` (one Triton kernel on a
@@ -289,10 +296,36 @@ def merge_topk(sel: torch.Tensor, logits: torch.Tensor, starts: torch.Tensor, gl
     col = cand[0]  # free after the all-gather: the merge's column indices
     top_k_per_row(v.mval.view(torch.float32), st, en, out=col, backend=backend, check_values=False, _checked=True)
     if triton_path:
-        K.unpack(col, gath[0, 1], global_starts, global_ends, sel)
+        K.unpack(col, gath[0, 1], global_starts, global_ends, sel, short_rows=short_rows)
     else:
-        _unpack_torch(v, col, gath, global_starts, global_ends, sel, n)
+        _unpack_torch(v, col, gath, global_starts, global_ends, sel, n, short_rows)
+    if not short_rows:
+        _valid_first(v, sel)
     return sel
+
+
+def _valid_first(v: _Views, sel: torch.Tensor) -> None:
+    """``sel``'s rows with their positions ``>= 0`` first, in order, then the ``-1`` padding (the merged top-k of
+    a row with fewer than ``topk`` eligible cells holds padding candidates anywhere): destinations from cumulative
+    counts, one scatter; torch ops on views of the merge's scratch, all free once ``sel`` is written."""
+    rows, topk = sel.shape
+    n = rows * topk
+    flat = v.flat
+    tmp = flat[:n].view(rows, topk)
+    dest = flat[2 * n : 4 * n].view(torch.int64).view(rows, topk)
+    cnt = flat[4 * n : 6 * n].view(torch.int64).view(rows, topk)
+    ar = flat[6 * n : 6 * n + 2 * topk].view(torch.int64)
+    mask = flat[6 * n + 2 * topk : 6 * n + 2 * topk + -(-n // 4)].view(torch.uint8)[:n].view(torch.bool)
+    mask = mask.view(rows, topk)
+    torch.ge(sel, 0, out=mask)
+    torch.cumsum(mask, 1, out=cnt)  # valid cells up to and with j
+    torch.arange(1, topk + 1, out=ar)
+    dest.copy_(ar.expand(rows, topk))
+    dest.sub_(cnt).add_(cnt[:, -1:]).sub_(1)  # padding j: after every valid cell, in order
+    cnt.sub_(1)
+    torch.where(mask, cnt, dest, out=dest)
+    tmp.copy_(sel)
+    sel.scatter_(1, dest, tmp)
 
 
 def _pack_torch(v: _Views, sel, logits, starts, rank: int, world: int, bs: int) -> None:
@@ -322,7 +355,7 @@ def _pack_torch(v: _Views, sel, logits, starts, rank: int, world: int, bs: int) 
     v.bounds[rows:].fill_(world * topk)
 
 
-def _unpack_torch(v: _Views, col, gath, global_starts, global_ends, sel, n: int) -> None:
+def _unpack_torch(v: _Views, col, gath, global_starts, global_ends, sel, n: int, short_rows: bool = True) -> None:
     """:func:`merge_topk`'s positions of the selected candidates and short rows as torch ops on scratch views."""
     rows, topk = sel.shape
     world = v.world
@@ -330,6 +363,8 @@ def _unpack_torch(v: _Views, col, gath, global_starts, global_ends, sel, n: int)
     idx = v.int64(v.o_mval, (rows, topk))  # the merge's values are read: free
     idx.copy_(col)
     torch.gather(v.mpos, 1, idx, out=sel)
+    if not short_rows:
+        return
     # short rows (global n <= topk): 0..n-1, -1, ...
     ar = v.cand[n : n + topk].view(1, topk)  # cand[1]: free after the all-gather
     torch.arange(topk, out=ar.view(topk))
@@ -346,73 +381,267 @@ def _unpack_torch(v: _Views, col, gath, global_starts, global_ends, sel, n: int)
     torch.where(short, fill, sel, out=sel)
 
 
+class _CandViews:
+    """Views of ``Buffers.cp_scratch`` for :func:`merge_candidates` and :func:`local_candidates` on ``rows`` rows
+    of ``K_b = kb`` candidate blocks of ``b`` positions (int32 offsets in the flat region; int64 views at even
+    offsets; bool masks in int32 cells). ``cand [2, rows, kb]`` (scores as float32 bits, global ids: the
+    all-gather's input) comes first; after it, the scores' cells (``pos`` int64 ``[rows, kb, b]``, ``vals``, two
+    masks, an ``arange(b)``), and, once those are read, the same region again for the gathered candidates
+    (``gath [W, 2, rows, kb]``), the merged scores ``mval`` and ids ``mid`` ``[rows, W * kb + 1]``, the selection's
+    workspace ``ws``, int64 indices ``idx [rows, kb]``, the bounds ``n``, ``newest``, ``zero``, ``end`` ``[rows]``
+    and two masks (sizes: :func:`buffers.plan.cp_scratch_cols`)."""
+
+    def __init__(self, scratch: torch.Tensor, rows: int, world: int, kb: int, b: int):
+        flat = scratch.view(-1)
+        self.flat, o = flat, 0
+
+        def take(n: int, even: bool = False) -> torch.Tensor:
+            nonlocal o
+            o += o & 1 if even else 0
+            t = flat[o : o + n]
+            o += n
+            return t
+
+        def mask(n: int) -> torch.Tensor:
+            return take(-(-n // 4)).view(torch.uint8)[:n].view(torch.bool)
+
+        self.cand = take(2 * rows * kb).view(2, rows, kb)
+        start = o
+        self.pos = take(2 * rows * kb * b, True).view(torch.int64).view(rows, kb, b)
+        self.vals = take(rows * kb * b).view(torch.float32).view(rows, kb * b)
+        self.bad = mask(rows * kb * b).view(rows, kb, b)
+        self.bad2 = mask(rows * kb * b).view(rows, kb, b)
+        self.ar = take(2 * b, True).view(torch.int64)
+        self.st64 = take(2 * rows, True).view(torch.int64).view(rows, 1, 1)
+        self.en64 = take(2 * rows, True).view(torch.int64).view(rows, 1, 1)
+        need, o = o, start
+        m = world * kb + 1
+        self.gath = take(2 * world * rows * kb)
+        self.mval = take(rows * m).view(torch.float32).view(rows, m)
+        self.mid = take(rows * m).view(rows, m)
+        self.ws = take(rows * m).view(rows, m)
+        self.idx = take(2 * rows * kb, True).view(torch.int64).view(rows, kb)
+        self.n, self.newest, self.zero, self.end = (take(rows) for _ in range(4))
+        self.eq = mask(rows * world * kb).view(rows, world * kb)
+        self.neg = mask(rows * kb).view(rows, kb)
+        if max(need, o) > flat.numel():
+            raise BufferTooSmall("cp_scratch", max(need, o), flat.numel(),
+                                 f"candidate-block merge of {rows} rows, K_b={kb}, world_size={world}")
+
+
+def merge_candidates(cand: torch.Tensor, logits: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
+                     global_starts: torch.Tensor, global_ends: torch.Tensor, buffers: Buffers, *, rank: int,
+                     world_size: int, block_size: int, candidate_block_size: int, group=None,
+                     backend: str | None = None) -> torch.Tensor:
+    """Turn ``cand [rows, K_b]`` int32, this rank's ``select_candidate_blocks`` of its local ``logits [rows, *]``
+    float32 (local block ids relative to ``starts [rows]``, windows ``[starts, ends)`` int32; ``-1`` padding),
+    into the candidate blocks of the global windows ``[global_starts, global_ends)`` (docs/spec.md §6a), in place:
+    global block ids relative to the global start. Collective: every rank of ``group`` calls it with the same
+    ``rows`` (``<= buffers.cp_scratch.shape[0]``).
+
+    Blocks of ``b = candidate_block_size`` positions lie in one cache block of ``block_size`` (``b`` divides it),
+    so each lives on one rank, and local block ``j`` is global block ``((j // q) * W + rank) * q + j % q`` with
+    ``q = block_size // b``. Exact: the global choice is the newest block and the ``K_b - 1`` best others, and a
+    rank's own choice (its own newest block and its ``K_b - 1`` best others) holds every block of its that the
+    global choice can take. Steps, on views of ``cp_scratch`` (no allocation, static shapes, no host read of a
+    device value): each chosen block's score, the maximum of its cells in the window (NaN if one is NaN,
+    ``-inf`` for padding); one ``all_gather_into_tensor`` of ``(score, global id)``; per row the ``W * K_b``
+    gathered candidates, the global newest block taken out of them and put last, so that
+    ``select_candidate_blocks`` with blocks of one cell ranks it first, and the other classes of §6a follow
+    from the scores (``+inf`` first, NaN after every finite score, ``-inf`` never); the chosen cells' ids into
+    ``cand``.
+    """
+    rows, kb = cand.shape
+    if rows == 0:
+        return cand
+    if logits.dtype != torch.float32:
+        raise TypeError(f"merge_candidates needs float32 logits, got {logits.dtype}")
+    w, b = world_size, candidate_block_size
+    q = block_size // b
+    v = _CandViews(buffers.cp_scratch, rows, w, kb, b)
+    score, gid = v.cand[0].view(torch.float32), v.cand[1]
+    # the chosen blocks' cells: start + id * b + t, outside the window (or padding) masked
+    torch.arange(b, out=v.ar)
+    pos = v.pos
+    pos.copy_(cand.view(rows, kb, 1).expand(rows, kb, b))
+    v.st64.copy_(starts.view(rows, 1, 1))
+    v.en64.copy_(ends.view(rows, 1, 1))
+    pos.mul_(b).add_(v.ar.view(1, 1, b)).add_(v.st64)
+    torch.lt(pos, v.st64, out=v.bad)
+    torch.ge(pos, v.en64, out=v.bad2)
+    v.bad.logical_or_(v.bad2)
+    if logits.shape[1]:
+        pos.masked_fill_(v.bad, 0)
+        torch.gather(logits, 1, pos.view(rows, kb * b), out=v.vals)
+        v.vals.masked_fill_(v.bad.view(rows, kb * b), float("-inf"))
+    else:  # no local key in any row: every block is padding
+        v.vals.fill_(float("-inf"))
+    torch.amax(v.vals.view(rows, kb, b), dim=2, out=score)  # (NaN propagates)
+    # global ids: j + (j // q) * (W - 1) * q + rank * q (padding's are never read: its score is -inf)
+    torch.div(cand, q, rounding_mode="floor", out=gid)
+    gid.mul_((w - 1) * q).add_(cand).add_(rank * q)
+    _all_gather(v.gath, v.cand.view(-1), group=group)
+    gath = v.gath.view(w, 2, rows, kb)
+    m = w * kb
+    v.mval[:, :m].view(rows, w, kb).copy_(gath[:, 0].view(torch.float32).transpose(0, 1))
+    v.mid[:, :m].view(rows, w, kb).copy_(gath[:, 1].transpose(0, 1))
+    # the global newest block, (n - 1) // b of a window of n > 0 positions: out of the candidates, pinned last
+    torch.sub(global_ends, global_starts, out=v.n)
+    torch.sub(v.n, 1, out=v.newest)
+    v.newest.div_(b, rounding_mode="floor")
+    torch.eq(v.mid[:, :m], v.newest.view(rows, 1), out=v.eq)
+    v.mval[:, :m].masked_fill_(v.eq, float("-inf"))
+    v.mval[:, m].fill_(0.0)
+    v.mid[:, m].copy_(v.newest)
+    v.zero.zero_()
+    torch.clamp(v.n, 0, 1, out=v.end)
+    v.end.mul_(m + 1)  # (an empty global window: no candidate)
+    select_candidate_blocks(v.mval, v.zero, v.end, out=cand, block_size=1, workspace=v.ws, backend=backend,
+                            check_values=False, _checked=True)
+    torch.lt(cand, 0, out=v.neg)
+    v.idx.copy_(cand)
+    v.idx.clamp_(min=0)
+    torch.gather(v.mid, 1, v.idx, out=cand)
+    cand.masked_fill_(v.neg, -1)
+    return cand
+
+
+def local_candidates(candidates: torch.Tensor, buffers: Buffers, *, rank: int, world_size: int, block_size: int,
+                     candidate_block_size: int) -> torch.Tensor:
+    """This rank's ids of the global candidate blocks ``candidates [rows, K_b]`` int32 (a consumer layer's rows:
+    global block ids relative to the global window start, ``-1`` padding), as ``[rows, K_b]`` int32 local block ids
+    relative to the local window start, ``-1`` where another rank holds the block: a view of the start of
+    ``buffers.cp_scratch``, valid until the next merge. No allocation, no collective."""
+    rows, kb = candidates.shape
+    b = candidate_block_size
+    q = block_size // b
+    v = _CandViews(buffers.cp_scratch, rows, world_size, kb, b)
+    local, blk = v.cand[0], v.cand[1]
+    torch.div(candidates, q, rounding_mode="floor", out=blk)  # the cache block (padding: -1)
+    torch.remainder(blk, world_size, out=local)  # its rank
+    torch.ne(local, rank, out=v.neg)
+    torch.lt(candidates, 0, out=v.eq[:, :kb])
+    v.neg.logical_or_(v.eq[:, :kb])
+    # local id: (blk // W) * q + id % q = (blk // W) * q + id - blk * q
+    torch.div(blk, world_size, rounding_mode="floor", out=local)
+    local.mul_(q).add_(candidates)
+    blk.mul_(q)
+    local.sub_(blk)
+    local.masked_fill_(v.neg, -1)
+    return local
+
+
 def _pieces(n: int, per: int):
     for a in range(0, n, per):
         yield a, min(n, a + per)
 
 
+def _block_scores(buffers: Buffers, rows: int, cols: int, b: int) -> torch.Tensor:
+    """The local ``select_candidate_blocks``' workspace: ``[rows, ceil(cols / b)]`` of ``buffers.block_scores``."""
+    return buffers.block_scores_view(rows, max(1, -(-cols // b)))
+
+
+def _selection(sel, logits, starts, ends, gstarts, gends, cand, buffers, write: bool, *, rank: int, world: int,
+               lim, group, backend, ws=None) -> None:
+    """The local selection and the merges of one piece of rows: a source layer (``write``) chooses its candidate
+    blocks and merges them into the global ones in ``cand``, then its top-k; a consumer layer (``cand`` given,
+    not ``write``) selects its top-k among its own cells of the global candidates; a plain layer its top-k."""
+    bs = lim.block_size
+    kw = {"rank": rank, "world_size": world, "block_size": bs, "group": group, "backend": backend}
+    b = lim.candidate_block_size
+    if cand is not None and write:
+        select_candidate_blocks(logits, starts, ends, out=cand, block_size=b, backend=backend, check_values=False,
+                                workspace=_block_scores(buffers, cand.shape[0], logits.shape[1], b), _checked=True)
+        merge_candidates(cand, logits, starts, ends, gstarts, gends, buffers, candidate_block_size=b, **kw)
+    if cand is not None and not write:
+        own = local_candidates(cand, buffers, rank=rank, world_size=world, block_size=bs, candidate_block_size=b)
+        top_k_per_row(logits, starts, ends, out=sel, backend=backend, check_values=False, candidates=own,
+                      candidate_block_size=b, _checked=True)
+        merge_topk(sel, logits, starts, gstarts, gends, buffers, short_rows=False, **kw)
+        return
+    top_k_per_row(logits, starts, ends, out=sel, backend=backend, check_values=False, workspace=ws, _checked=True)
+    merge_topk(sel, logits, starts, gstarts, gends, buffers, **kw)
+
+
 def cp_prefill(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor, metadata: IndexerMetadata,
                local: IndexerMetadata, buffers: Buffers, topk_out: torch.Tensor, *, group=None,
-               backend: str | None = None, _checked: bool = False) -> torch.Tensor:
+               backend: str | None = None, candidates: torch.Tensor | None = None, write_candidates: bool = False,
+               _checked: bool = False) -> torch.Tensor:
     """Top-k of every prefill token of a context-parallel step; writes the prefill rows of ``topk_out``.
 
     ``metadata``: the step's global metadata; ``local``: ``shard_metadata(metadata, rank, world_size)``;
     ``kv_cache``: this rank's cache (the blocks its local block tables name). Per chunk: gather the local keys,
-    local logits, local top-k into ``topk_out``'s rows, then :func:`merge_topk` in pieces of
-    ``buffers.cp_scratch.shape[0]`` tokens (the same number of collectives on every rank).
+    local logits, then in pieces of ``buffers.cp_scratch.shape[0]`` tokens (the same number of collectives on
+    every rank) the local top-k and :func:`merge_topk`. ``candidates``/``write_candidates``: the two-level
+    indexer, as :func:`cp_sparse_attn_indexer`.
     """
-    rank, world = check_group(group, buffers, topk_out.shape[1])
+    lim = metadata.limits
+    rank, world = check_group(group, buffers, topk_out.shape[1], lim.candidate_blocks, lim.candidate_block_size)
     if not _checked:
-        _check(q_fp8, weights, kv_cache, metadata, local, buffers, topk_out, backend, decode=False)
-    bs = metadata.limits.block_size
+        _check(q_fp8, weights, kv_cache, metadata, local, buffers, topk_out, backend, decode=False,
+               candidates=candidates, write=write_candidates)
     per = buffers.cp_scratch.shape[0]
     for gc, c in zip(metadata.prefill_chunks, local.prefill_chunks):
         rows, logits = _chunk_logits(q_fp8, weights, kv_cache, c, buffers, backend)
         sel = topk_out[rows]
-        top_k_per_row(logits, c.cu_seqlen_ks, c.cu_seqlen_ke, out=sel, backend=backend, check_values=False,
-                      _checked=True)
+        cand = None if candidates is None else candidates[rows]
         for a, b in _pieces(c.num_tokens, per):
-            merge_topk(_rows(sel, a, b), _rows(logits, a, b), _rows(c.cu_seqlen_ks, a, b),
-                       _rows(gc.cu_seqlen_ks, a, b), _rows(gc.cu_seqlen_ke, a, b), buffers, rank=rank,
-                       world_size=world, block_size=bs, group=group, backend=backend)
+            _selection(_rows(sel, a, b), _rows(logits, a, b), _rows(c.cu_seqlen_ks, a, b),
+                       _rows(c.cu_seqlen_ke, a, b), _rows(gc.cu_seqlen_ks, a, b), _rows(gc.cu_seqlen_ke, a, b),
+                       None if cand is None else _rows(cand, a, b), buffers, write_candidates, rank=rank,
+                       world=world, lim=lim, group=group, backend=backend)
     return topk_out
 
 
 def cp_decode(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor, metadata: IndexerMetadata,
               local: IndexerMetadata, buffers: Buffers, topk_out: torch.Tensor, *, group=None,
-              backend: str | None = None, _checked: bool = False) -> torch.Tensor:
+              backend: str | None = None, candidates: torch.Tensor | None = None, write_candidates: bool = False,
+              _checked: bool = False) -> torch.Tensor:
     """Top-k of every decode token of a context-parallel step; writes ``topk_out[:num_decode_tokens]``.
 
     Like :func:`sparse_indexer.indexer_decode` on the local metadata (sub-batches, packing of non-uniform
-    steps), with :func:`merge_topk` after each sub-batch's local top-k (one all-gather per sub-batch). The
-    sub-batch loop reads host integers only, so the whole decode step is capturable in a CUDA graph.
+    steps), with :func:`merge_topk` after each sub-batch's local top-k (one all-gather per sub-batch; two in a
+    source layer of the two-level indexer, ``candidates``/``write_candidates`` as :func:`cp_sparse_attn_indexer`).
+    The sub-batch loop reads host integers only, so the whole decode step is capturable in a CUDA graph.
     """
-    rank, world = check_group(group, buffers, topk_out.shape[1])
+    lim = metadata.limits
+    rank, world = check_group(group, buffers, topk_out.shape[1], lim.candidate_blocks, lim.candidate_block_size)
     if not _checked:
-        _check(q_fp8, weights, kv_cache, metadata, local, buffers, topk_out, backend, prefill=False)
+        _check(q_fp8, weights, kv_cache, metadata, local, buffers, topk_out, backend, prefill=False,
+               candidates=candidates, write=write_candidates)
     dm = local.decode
     if dm is None:
         return topk_out
-    bs = metadata.limits.block_size
     b = dm.num_reqs
     nd = local.num_decode_tokens
     q, w, sel = _decode_inputs(q_fp8, weights, dm, nd, buffers, topk_out)
+    cand = None
+    if candidates is not None:  # token rows, or packed like sel
+        if dm.uniform:
+            cand = _rows(candidates, 0, nd)
+        else:
+            cand = buffers.cand_pack_view(dm.num_rows, candidates.shape[1])
+            if not write_candidates:
+                torch.index_select(candidates, 0, dm.pack_src, out=cand)
     gdm = metadata.decode
     per = decode_batch(local)
     for b0, b1 in _pieces(b, per):
         r0, r1, logits, ws = _decode_logits(q, w, kv_cache, dm, buffers, b0, b1, backend)
-        s = _rows(sel, r0, r1)
-        starts, ends = _rows(dm.row_starts, r0, r1), _rows(dm.row_ends, r0, r1)
-        top_k_per_row(logits, starts, ends, out=s, backend=backend, check_values=False, workspace=ws, _checked=True)
-        merge_topk(s, logits, starts, _rows(gdm.row_starts, r0, r1), _rows(gdm.row_ends, r0, r1), buffers,
-                   rank=rank, world_size=world, block_size=bs, group=group, backend=backend)
+        _selection(_rows(sel, r0, r1), logits, _rows(dm.row_starts, r0, r1), _rows(dm.row_ends, r0, r1),
+                   _rows(gdm.row_starts, r0, r1), _rows(gdm.row_ends, r0, r1),
+                   None if cand is None else _rows(cand, r0, r1), buffers, write_candidates, rank=rank,
+                   world=world, lim=lim, group=group, backend=backend, ws=ws)
     if not dm.uniform:
         torch.index_select(sel, 0, dm.unpack_src, out=topk_out[:nd])
+        if cand is not None and write_candidates:
+            torch.index_select(cand, 0, dm.unpack_src, out=_rows(candidates, 0, nd))
     return topk_out
 
 
-def _check(q_fp8, weights, kv_cache, metadata, local, buffers, topk_out, backend, *, prefill=True, decode=True):
-    """Both metadata records describe the same step, and the local step fits the buffers (check_step)."""
+def _check(q_fp8, weights, kv_cache, metadata, local, buffers, topk_out, backend, *, prefill=True, decode=True,
+           candidates=None, write=False):
+    """Both metadata records describe the same step, the local step fits the buffers (check_step), and the
+    two-level indexer's candidates are what the step needs (the single-device step's checks)."""
     if not isinstance(local, IndexerMetadata):
         raise TypeError(f"local must be an IndexerMetadata (shard_metadata), got {type(local).__name__}")
     if not isinstance(metadata, IndexerMetadata):
@@ -421,6 +650,10 @@ def _check(q_fp8, weights, kv_cache, metadata, local, buffers, topk_out, backend
             metadata.num_tokens, metadata.num_decodes, len(metadata.prefill_chunks)):
         raise ValueError("local is not shard_metadata(metadata, rank, world_size): tokens, decodes or chunks differ")
     check_step(q_fp8, weights, kv_cache, local, buffers, topk_out, prefill=prefill, decode=decode, backend=backend)
+    if candidates is not None:
+        _check_candidates(candidates, write, metadata, buffers, q_fp8, weights, None, topk_out, kv_cache, backend)
+    elif write:
+        raise ValueError("write_candidates=True needs candidates= (the rows the source layer writes)")
     per = buffers.cp_scratch.shape[0]
     if decode and local.decode is not None:
         rows = min(local.decode.num_reqs, decode_batch(local)) * local.decode.next_n
@@ -430,7 +663,8 @@ def _check(q_fp8, weights, kv_cache, metadata, local, buffers, topk_out, backend
 
 def cp_sparse_attn_indexer(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor,
                            metadata: IndexerMetadata, local: IndexerMetadata, buffers: Buffers,
-                           topk_out: torch.Tensor, *, group=None, backend: str | None = None) -> torch.Tensor:
+                           topk_out: torch.Tensor, *, group=None, backend: str | None = None,
+                           candidates: torch.Tensor | None = None, write_candidates: bool = False) -> torch.Tensor:
     """One context-parallel indexer step of one layer on this rank, over ``group``: the ``topk_out`` contract of
     :func:`sparse_indexer.sparse_attn_indexer` (rows ``[0, num_tokens)`` hold request-local positions, ``-1``
     padding; rows ``[num_tokens, T)`` are filled with ``-1``; rows from ``T`` on are untouched).
@@ -438,17 +672,28 @@ def cp_sparse_attn_indexer(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache:
     ``kv_cache``: this rank's cache, already holding the step's new keys (each rank writes the new tokens of the
     blocks it owns with :func:`sparse_indexer.write_k_cache` and its own slot mapping, ``-1`` for the others'
     tokens); ``metadata``: the global metadata (the same on every rank); ``local``: :func:`shard_metadata` of it
-    for this rank. Raises before anything is written when the step does not fit (``check_step`` on ``local``).
+    for this rank. ``candidates [>= T, K_b]`` int32 and ``write_candidates``: the two-level indexer
+    (docs/spec.md §6a) as in :func:`sparse_indexer.sparse_attn_indexer`: a source layer writes every rank's copy
+    of the global candidate blocks (:func:`merge_candidates`), a consumer layer selects among them (the same
+    rows on every rank). Raises before anything is written when the step does not fit (``check_step`` on
+    ``local``).
     """
-    check_group(group, buffers, topk_out.shape[1])
-    _check(q_fp8, weights, kv_cache, metadata, local, buffers, topk_out, backend)
+    lim = metadata.limits
+    check_group(group, buffers, topk_out.shape[1], lim.candidate_blocks, lim.candidate_block_size)
+    _check(q_fp8, weights, kv_cache, metadata, local, buffers, topk_out, backend, candidates=candidates,
+           write=write_candidates)
+    write = candidates is not None and write_candidates
     n, t = metadata.num_tokens, q_fp8.shape[0]
     if t > n:
         topk_out[n:t].fill_(-1)
+        if write:
+            candidates[n:t].fill_(-1)
     for a, b in metadata.empty_rows:  # prefill rows of chunks without keys (compressed caches): all -1 on every rank
         topk_out[a:b].fill_(-1)
-    cp_prefill(q_fp8, weights, kv_cache, metadata, local, buffers, topk_out, group=group, backend=backend,
-               _checked=True)
-    cp_decode(q_fp8, weights, kv_cache, metadata, local, buffers, topk_out, group=group, backend=backend,
-              _checked=True)
+        if write:
+            candidates[a:b].fill_(-1)
+    kw = {"group": group, "backend": backend, "candidates": candidates, "write_candidates": write_candidates,
+          "_checked": True}
+    cp_prefill(q_fp8, weights, kv_cache, metadata, local, buffers, topk_out, **kw)
+    cp_decode(q_fp8, weights, kv_cache, metadata, local, buffers, topk_out, **kw)
     return topk_out

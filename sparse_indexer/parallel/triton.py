@@ -61,7 +61,7 @@ def _pack_kernel(sel_ptr, logits_ptr, starts_ptr, vals_ptr, pos_ptr, bounds_ptr,
 
 @triton.jit
 def _unpack_kernel(col_ptr, gpos_ptr, gstarts_ptr, gends_ptr, out_ptr, stride_o, topk, rank_stride,
-                   BLOCK: tl.constexpr):
+                   BLOCK: tl.constexpr, SHORT: tl.constexpr):
     r = tl.program_id(0)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inb = j < topk
@@ -69,15 +69,16 @@ def _unpack_kernel(col_ptr, gpos_ptr, gstarts_ptr, gends_ptr, out_ptr, stride_o,
     w = c // topk
     g = tl.load(gpos_ptr + w.to(tl.int64) * rank_stride + r.to(tl.int64) * topk + (c - w * topk), mask=inb,
                 other=-1)
-    n = tl.load(gends_ptr + r) - tl.load(gstarts_ptr + r)
-    g = tl.where(n <= topk, tl.where(j < n, j, -1), g)
+    if SHORT:  # (a consumer layer over candidate blocks keeps the merged selection)
+        n = tl.load(gends_ptr + r) - tl.load(gstarts_ptr + r)
+        g = tl.where(n <= topk, tl.where(j < n, j, -1), g)
     tl.store(out_ptr + r.to(tl.int64) * stride_o + j, g, mask=inb)
 
 
 _PACK = Launcher(_pack_kernel)
 _UNPACK = Launcher(_unpack_kernel)
 _PACK_CFG = _PACK.config(LOW=_LOW, BLOCK=_BLOCK, num_warps=4)
-_UNPACK_CFG = _UNPACK.config(BLOCK=_BLOCK, num_warps=4)
+_UNPACK_CFG = {short: _UNPACK.config(BLOCK=_BLOCK, SHORT=short, num_warps=4) for short in (True, False)}
 
 
 def pack(sel: torch.Tensor, logits: torch.Tensor, starts: torch.Tensor, vals: torch.Tensor, pos: torch.Tensor,
@@ -93,11 +94,11 @@ def pack(sel: torch.Tensor, logits: torch.Tensor, starts: torch.Tensor, vals: to
 
 
 def unpack(col: torch.Tensor, gathered_pos: torch.Tensor, global_starts: torch.Tensor, global_ends: torch.Tensor,
-           out: torch.Tensor) -> None:
+           out: torch.Tensor, *, short_rows: bool = True) -> None:
     """``out [rows, topk]`` int32 (unit last stride): the global position of each selected candidate ``col [rows,
     topk]`` int32 (contiguous, values in ``[0, W * topk)``), read from ``gathered_pos`` (rank 0's positions in the
     all-gather's ``[W, 2, rows, topk]`` output: rank ``w``'s are ``2 * rows * topk`` int32 further); rows with
-    ``global_ends - global_starts <= topk`` are written ``0..n-1, -1, ...``."""
+    ``global_ends - global_starts <= topk`` are written ``0..n-1, -1, ...`` (unless not ``short_rows``)."""
     rows, topk = col.shape
-    _UNPACK.launch_with((rows, triton.cdiv(topk, _BLOCK)), _UNPACK_CFG,
+    _UNPACK.launch_with((rows, triton.cdiv(topk, _BLOCK)), _UNPACK_CFG[short_rows],
                         (col, gathered_pos, global_starts, global_ends, out, out.stride(0), topk, 2 * rows * topk), 5)

@@ -130,8 +130,9 @@ def test_bad_candidate_arguments_write_nothing():
 def test_limits_reject_too_few_candidate_positions():
     with pytest.raises(ValueError, match="candidate_blocks"):
         limits(candidate_blocks=3)  # (3 - 1) * 4 + 1 = 9 < 16
-    with pytest.raises(ValueError, match="context parallel"):
-        limits(world_size=2)
+    with pytest.raises(ValueError, match="must divide block_size=6 with context parallel"):
+        limits(world_size=2, block_size=6)  # a candidate block of 4 positions would straddle two ranks' blocks
+    assert limits(world_size=2).world_size == 2  # (blocks of 8 keys: each candidate block on one rank)
     with pytest.raises(TypeError, match="candidate_blocks"):
         limits(candidate_blocks=2.0)
 

@@ -1,6 +1,7 @@
 """Context parallel (sparse_indexer.parallel) on the CPU: 2 and 3 gloo processes against the single-process step
 on the whole cache (multisets of the selected values), decode and prefill, short windows, ties across ranks,
-ranks without keys, sub-batches, split prefill chunks, non-uniform decode and compressed caches."""
+ranks without keys, sub-batches, split prefill chunks, non-uniform decode, compressed caches and the two-level
+indexer's candidate blocks (a source layer, then a consumer layer); the merges' Triton kernels and allocations."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch.multiprocessing as mp
 import sparse_indexer as si
 from buffers import BufferTooSmall, IndexerLimits, allocate
 from sparse_indexer import parallel as cp
-from sparse_indexer.testing import assert_topk, rank_key
+from sparse_indexer.testing import assert_topk, candidate_errors, candidate_topk_errors, rank_key
 
 from .test_compressed import Compressed
 from .test_indexer import Scenario
@@ -34,6 +35,16 @@ CASES = [
     ("ties", [3, 20, 45, 9], [1, 1, 12, 5], {}, True),
     # next_n = 2, one decode request with a single token (packed decode), ragged lengths
     ("packed", [2, 30, 17, 40], [2, 1, 2, 9], dict(next_n=2), False),
+]
+# the two-level indexer (docs/spec.md §6a): 5 candidate blocks of 2 positions (windows of up to 24 blocks), a
+# source layer then a consumer layer with other weights; sub-batches and merge pieces, and a non-uniform next_n = 2
+# decode (its candidate rows packed)
+CANDIDATES = [
+    ("candidates", [3, 20, 45, 9], [1, 1, 12, 5],
+     dict(candidate_blocks=5, candidate_block_size=2, max_decode_logits_bytes=2 * L * 4, max_logits_bytes=2048),
+     False),
+    ("candidates-packed", [2, 30, 17, 40], [2, 1, 2, 9], dict(candidate_blocks=5, candidate_block_size=2, next_n=2),
+     True),
 ]
 # compressed caches (docs/spec.md §4a: one key per 4 tokens, blocks of BS keys): a decode request, prefill windows
 # past topk, and a last request of 2 tokens whose chunk has no key (its rows are the step's empty_rows: all -1)
@@ -69,8 +80,14 @@ def _case(name, seq, qry, kw, ties):
     ends_t = torch.tensor(ends, dtype=torch.int32)
     dense = si.fp8_paged_mqa_logits(sc.q[:t, None].contiguous(), sc.kv, sc.w[:t], ends_t,
                                     sc.block_table[reqs].contiguous(), backend="reference")
-    return dict(name=name, seq=seq, qry=qry, kw=kw, q=sc.q, w=sc.w, kv=sc.kv, block_table=sc.block_table,
+    case = dict(name=name, seq=seq, qry=qry, kw=kw, q=sc.q, w=sc.w, kv=sc.kv, block_table=sc.block_table,
                 slot_mapping=sc.slot_mapping, ref=ref, dense=dense, ends=ends_t, keys=seq, empty=md.empty_rows)
+    if kw.get("candidate_blocks"):  # a consumer layer's weights and its dense logits
+        w2 = torch.randn(sc.w.shape, generator=torch.Generator().manual_seed(11)) * sc.w.abs().mean()
+        case["w2"] = w2
+        case["dense2"] = si.fp8_paged_mqa_logits(sc.q[:t, None].contiguous(), sc.kv, w2[:t], ends_t,
+                                                 sc.block_table[reqs].contiguous(), backend="reference")
+    return case
 
 
 def _compressed_case(name, seq, qry, kw):
@@ -134,6 +151,18 @@ def _worker(rank, world, port, cases, out):
                 assert (sel == -7).all()
             cp.cp_sparse_attn_indexer(q, w, kv, md, local, allocate(lim), sel, backend="reference")
             out[(c["name"], rank)] = sel
+            kb = c["kw"].get("candidate_blocks")
+            if kb:  # a source layer (its own top-k as sel's), then a consumer layer with other weights
+                bufs = allocate(lim)
+                cands = torch.full((t + 2, kb), -7, dtype=torch.int32)
+                src = torch.full((t + 2, TOPK), -7, dtype=torch.int32)
+                cp.cp_sparse_attn_indexer(q, w, kv, md, local, bufs, src, candidates=cands, write_candidates=True,
+                                          backend="reference")
+                cons = torch.full((t + 2, TOPK), -7, dtype=torch.int32)
+                w2 = torch.cat([c["w2"], c["w2"][:1]])
+                cp.cp_sparse_attn_indexer(q, w2, kv, md, local, bufs, cons, candidates=cands, backend="reference")
+                out[(c["name"], rank, "cands")], out[(c["name"], rank, "src")] = cands, src
+                out[(c["name"], rank, "cons")] = cons
     finally:
         dist.destroy_process_group()
 
@@ -152,7 +181,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def cases():
-    return [_case(*c) for c in CASES] + [_compressed_case(*c) for c in COMPRESSED]
+    return [_case(*c) for c in CASES + CANDIDATES] + [_compressed_case(*c) for c in COMPRESSED]
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -179,6 +208,22 @@ def test_context_parallel_matches_single_process(world, cases):
     assert (out[("mixed", 0)][0] == -1).sum() == TOPK - 3
     ties = cases[1]
     assert ties["dense"][2, 0] == ties["dense"][2, BS]  # block 0 (rank 0) and block 1 (rank 1): the same keys
+    for c in cases:  # the two-level indexer: the same rows on every rank, each row right by the contract
+        kb = c["kw"].get("candidate_blocks")
+        if not kb:
+            continue
+        t, b, name = c["q"].shape[0], c["kw"]["candidate_block_size"], c["name"]
+        cands, src, cons = (out[(name, 0, what)] for what in ("cands", "src", "cons"))
+        for r in range(1, world):
+            for what in ("cands", "src", "cons"):
+                assert torch.equal(out[(name, r, what)], out[(name, 0, what)]), f"{name}: rank {r}'s {what}"
+        zeros = torch.zeros(t, dtype=torch.int32)
+        assert candidate_errors(cands[:t], c["dense"], zeros, c["ends"], b, limit=3) == [], name
+        assert (cands[t] == -1).all() and (cands[t + 1] == -7).all(), name
+        assert torch.equal(_values(src[:t], c["dense"]), _values(c["ref"][:t], c["dense"])), name
+        assert candidate_topk_errors(cons[:t], c["dense2"], zeros, c["ends"], cands[:t], b, limit=3) == [], name
+        assert (cons[t] == -1).all() and (cons[t + 1] == -7).all(), name
+        assert int(c["ends"].max()) > kb * b  # windows of more blocks than candidates: the merge chooses
     comp = next(c for c in cases if c["name"] == "compressed")
     assert comp["empty"] and all((out[("compressed", 0)][a:b] == -1).all() for a, b in comp["empty"])
     assert int(comp["ends"].max()) > TOPK  # windows past topk: the merge selects
@@ -235,10 +280,11 @@ def _merge_inputs(rank: int, world: int, width: int, seed: int):
     return logits, starts, sel, gs, ge
 
 
-def _merge(rank, world, inputs, bufs, backend="reference"):
+def _merge(rank, world, inputs, bufs, backend="reference", short_rows=True):
     logits, starts, sel, gs, ge = inputs
     out = sel.clone()
-    cp.merge_topk(out, logits, starts, gs, ge, bufs, rank=rank, world_size=world, block_size=MBS, backend=backend)
+    cp.merge_topk(out, logits, starts, gs, ge, bufs, rank=rank, world_size=world, block_size=MBS, backend=backend,
+                  short_rows=short_rows)
     return out
 
 
@@ -258,7 +304,8 @@ def _own_allocations(fn) -> list[str]:
         while p is not None:
             chain.append(p.name)
             p = p.cpu_parent
-        if e.thread != main or any(n.startswith(("sparse_indexer::top_k_per_row", "c10d::")) for n in chain):
+        if e.thread != main or any(n.startswith(("sparse_indexer::top_k_per_row", "sparse_indexer::select_candidate",
+                                                 "c10d::")) for n in chain):
             continue
         bad.append(f"{' < '.join(chain)}: {e.self_cpu_memory_usage} bytes")
     return bad
@@ -276,21 +323,39 @@ def _merge_worker(rank, world, port, out):
         bufs = allocate(lim)
         for seed, width in ((0, 40), (1, 13), (2, 0)):
             x = _merge_inputs(rank, world, width, seed)
-            ref = _merge(rank, world, x, bufs)
-            # the Triton kernels (interpreted) with the same reference top-k in between: the same output
-            cp_triton = cp._use_triton
-            cp._use_triton = lambda logits, backend: True
-            try:
-                got = _merge(rank, world, x, bufs)
-            finally:
-                cp._use_triton = cp_triton
-            out[(rank, seed, "torch")] = ref
-            out[(rank, seed, "triton")] = got
+            for short in (True, False):  # (False: a consumer layer's merge, padding moved last)
+                ref = _merge(rank, world, x, bufs, short_rows=short)
+                # the Triton kernels (interpreted) with the same reference top-k in between: the same output
+                cp_triton = cp._use_triton
+                cp._use_triton = lambda logits, backend: True
+                try:
+                    got = _merge(rank, world, x, bufs, short_rows=short)
+                finally:
+                    cp._use_triton = cp_triton
+                out[(rank, seed, "torch", short)] = ref
+                out[(rank, seed, "triton", short)] = got
         logits, starts, sel, gs, ge = _merge_inputs(rank, world, 40, 0)
         merge = lambda: cp.merge_topk(sel, logits, starts, gs, ge, bufs, rank=rank, world_size=world,  # noqa: E731
                                       block_size=MBS, backend="reference")
         merge()
         out[(rank, "allocs")] = _own_allocations(merge)
+        # the candidate-block merge and a consumer's local ids (K_b = 5 blocks of 2 positions)
+        clim = attrs.evolve(lim, candidate_blocks=5, candidate_block_size=2)
+        cbufs = allocate(clim)
+        ends = torch.tensor([40, 40, 40, 7, 40, 40], dtype=torch.int32).clamp(max=logits.shape[1])
+        cand = torch.empty(MROWS, 5, dtype=torch.int32)
+        si.select_candidate_blocks(logits, starts, ends, out=cand, block_size=2, backend="reference")
+        gcand = cand.clone()
+        merge_c = lambda: cp.merge_candidates(gcand.copy_(cand), logits, starts, ends, gs, ge, cbufs,  # noqa: E731
+                                              rank=rank, world_size=world, block_size=MBS, candidate_block_size=2,
+                                              backend="reference")
+        merge_c()
+        out[(rank, "cand allocs")] = _own_allocations(merge_c)
+        own = lambda: cp.local_candidates(gcand, cbufs, rank=rank, world_size=world, block_size=MBS,  # noqa: E731
+                                          candidate_block_size=2)
+        own()
+        out[(rank, "local allocs")] = _own_allocations(own)
+        out[(rank, "gcand")], out[(rank, "own")] = gcand.clone(), own().clone()
         # the counter sees a rows x topk temporary (the check can fail)
         out[(rank, "probe")] = _own_allocations(lambda: sel.long())
     finally:
@@ -308,11 +373,20 @@ def test_merge_kernels_and_allocations():
         out = dict(out)
     for r in range(world):
         for seed in range(3):
-            assert torch.equal(out[(r, seed, "triton")], out[(r, seed, "torch")]), (r, seed)
-            assert torch.equal(out[(r, seed, "torch")], out[(0, seed, "torch")]), (r, seed)
+            for short in (True, False):
+                assert torch.equal(out[(r, seed, "triton", short)], out[(r, seed, "torch", short)]), (r, seed)
+                assert torch.equal(out[(r, seed, "torch", short)], out[(0, seed, "torch", short)]), (r, seed)
+            noshort = out[(r, seed, "torch", False)]  # valid positions first, then -1
+            assert torch.equal(noshort < 0, torch.sort((noshort < 0).int(), dim=1).values.bool()), (r, seed)
         assert out[(r, "allocs")] == [], out[(r, "allocs")]
+        assert out[(r, "cand allocs")] == [] and out[(r, "local allocs")] == [], (out[(r, "cand allocs")],
+                                                                                  out[(r, "local allocs")])
+        assert torch.equal(out[(r, "gcand")], out[(0, "gcand")])
+        # every global candidate is some rank's own block, at most one rank's
+        own = torch.stack([out[(x, "own")] for x in range(world)])
+        assert torch.equal((own >= 0).sum(0), (out[(0, "gcand")] >= 0).int()), own
         assert out[(r, "probe")], "the allocation counter saw nothing"
-    got = out[(0, 0, "torch")]
+    got = out[(0, 0, "torch", True)]
     assert got[0].tolist() == [0, 1, 2, -1, -1, -1, -1, -1]  # a short global window: 0..n-1, -1, ...
     assert got[3].tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
     assert (got[1] == -1).all() and (got[2] >= 0).all()  # no candidate anywhere; rank 0 without keys
