@@ -207,7 +207,8 @@ class IndexerLimits:
             ``K_b > 0`` the plan holds the block scores of the source layer's selection (``block_scores``) and,
             when ``next_n > 1``, the packed candidate rows of a non-uniform decode (``cand_pack``); the prefix
             contract of the compressed caches needs ``(K_b - 1) * candidate_block_size + 1 >= topk``.
-        candidate_block_size: ``b``, positions per candidate block (default 8, DeepSeek-V4.1's).
+        candidate_block_size: ``b``, positions per candidate block (default 8, DeepSeek-V4.1's); with
+            ``world_size > 1`` it must divide ``block_size`` (each candidate block on one rank).
     """
 
     max_model_len: int = attrs.field(validator=_positive)

@@ -105,7 +105,9 @@ class Buffers:
             which run the reference backend) has ``topk_scratch=None``.
         cp_scratch: ``[decode_batch * next_n, (2 + 4 * world_size) * topk + 2]`` int32 or ``None`` — context
             parallel only (``IndexerLimits.world_size > 1``): the local candidates, the gathered candidates and the
-            merge of one piece of rows (:mod:`sparse_indexer.parallel`). Not a pytree leaf either.
+            merge of one piece of rows (:mod:`sparse_indexer.parallel`); with ``candidate_blocks``, as many columns
+            as the candidate-block merge needs, where that is more (:func:`buffers.plan.cp_scratch_cols`). Not a
+            pytree leaf either.
         block_scores: ``[E]`` int32, flat, or ``None`` — two-level indexer only (``IndexerLimits.candidate_blocks``):
             the block scores of a source layer's ``select_candidate_blocks`` for one prefill chunk or decode
             sub-batch (``E``: :func:`buffers.plan.block_scores_elems`). Not a pytree leaf.
