@@ -38,6 +38,11 @@ writing the selected candidates' positions (read straight from the all-gather's 
 on NCCL is capturable, and :func:`cp_decode` replays from a CUDA graph (``scripts/cp_bench.py --graph``).
 :func:`shard_metadata` is per-step host planning (like ``build_metadata``) and stays outside the graph; on metadata
 from ``build_metadata`` (which records each prefill chunk's host key counts) it reads nothing from the device.
+
+Compressed caches (DeepSeek-V4) shard by blocks of keys alike. The two-level indexer (DeepSeek-V4.1's candidate
+blocks, docs/spec.md §6a and §11): a source layer merges its ranks' candidate blocks (:func:`merge_candidates`:
+one more all-gather) so that every rank holds the global ones, a consumer layer selects among its own cells of
+them (:func:`local_candidates`) and merges its top-k without the short-row rule (``merge_topk(short_rows=False)``).
 """
 
 from __future__ import annotations
