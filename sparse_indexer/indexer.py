@@ -627,14 +627,7 @@ def _run_step(plan, metadata: IndexerMetadata, buffers: Buffers, q_fp8: torch.Te
             nd = metadata.num_decode_tokens
             q, w, sel = _decode_inputs(q_fp8, weights, dm, nd, buffers, topk_out)
             qs = None if q_scale is None else _decode_q_scale(q_scale, dm, nd, buffers)
-            cand = None
-            if candidates is not None:  # the candidate rows of the decode slots: token rows, or packed like sel
-                if dm.uniform:
-                    cand = _rows(candidates, 0, nd)
-                else:
-                    cand = buffers.cand_pack_view(dm.num_rows, candidates.shape[1])
-                    if not write:
-                        torch.index_select(candidates, 0, dm.pack_src, out=cand)
+            cand = _decode_candidates(candidates, dm, nd, buffers, write)
             # Sub-batches of whole requests (one unless IndexerLimits.max_decode_logits_bytes binds): host integers
             # only, so every shape is fixed by the step's metadata and the loop captures in a CUDA graph; each
             # reuses the same region at the start of buffers.logits (and of qk, topk_scratch). Rows are
@@ -801,6 +794,21 @@ def _decode_inputs(q_fp8: torch.Tensor, weights: torch.Tensor, dm, nd: int, buff
     torch.index_select(q_fp8.view(torch.uint8), 0, dm.pack_src, out=q_pack.view(torch.uint8))
     torch.index_select(weights, 0, dm.pack_src, out=w_pack)
     return q_pack.view(b, nn, h, d), w_pack, sel
+
+
+def _decode_candidates(candidates: torch.Tensor | None, dm, nd: int, buffers: Buffers,
+                       write: bool) -> torch.Tensor | None:
+    """The candidate rows of the decode slots (two-level indexer; ``None`` without ``candidates``): the token rows
+    when uniform, else ``buffers.cand_pack`` packed like the top-k rows of :func:`_decode_inputs` (a consumer's
+    filled from ``candidates``; a source layer's written by the step, which then unpacks them)."""
+    if candidates is None:
+        return None
+    if dm.uniform:
+        return _rows(candidates, 0, nd)
+    cand = buffers.cand_pack_view(dm.num_rows, candidates.shape[1])
+    if not write:
+        torch.index_select(candidates, 0, dm.pack_src, out=cand)
+    return cand
 
 
 def _decode_q_scale(q_scale: torch.Tensor, dm, nd: int, buffers: Buffers) -> torch.Tensor:

@@ -54,7 +54,16 @@ from buffers import Buffers, BufferTooSmall
 from buffers.plan import cp_scratch_cols
 
 from .._runtime.triton_compat import interpreting
-from ..indexer import _check_candidates, _chunk_logits, _decode_inputs, _decode_logits, _rows, check_step, decode_batch
+from ..indexer import (
+    _check_candidates,
+    _chunk_logits,
+    _decode_candidates,
+    _decode_inputs,
+    _decode_logits,
+    _rows,
+    check_step,
+    decode_batch,
+)
 from ..metadata import DecodeMetadata, IndexerMetadata, PrefillChunk
 from ..ops.select_candidate_blocks import select_candidate_blocks
 from ..ops.top_k_per_row import top_k_per_row
@@ -620,14 +629,7 @@ def cp_decode(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor
     b = dm.num_reqs
     nd = local.num_decode_tokens
     q, w, sel = _decode_inputs(q_fp8, weights, dm, nd, buffers, topk_out)
-    cand = None
-    if candidates is not None:  # token rows, or packed like sel
-        if dm.uniform:
-            cand = _rows(candidates, 0, nd)
-        else:
-            cand = buffers.cand_pack_view(dm.num_rows, candidates.shape[1])
-            if not write_candidates:
-                torch.index_select(candidates, 0, dm.pack_src, out=cand)
+    cand = _decode_candidates(candidates, dm, nd, buffers, write_candidates)
     gdm = metadata.decode
     per = decode_batch(local)
     for b0, b1 in _pieces(b, per):
