@@ -37,10 +37,10 @@ CASES = [
     ("packed", [2, 30, 17, 40], [2, 1, 2, 9], dict(next_n=2), False),
 ]
 # the two-level indexer (docs/spec.md §6a): 5 candidate blocks of 2 positions (windows of up to 24 blocks), a
-# source layer then a consumer layer with other weights; sub-batches and merge pieces, and a non-uniform next_n = 2
-# decode (its candidate rows packed)
+# source layer then a consumer layer with other weights; sub-batches, merge pieces and a last chunk that ranks 1, 2
+# hold no key of (as "mixed"), and a non-uniform next_n = 2 decode (its candidate rows packed)
 CANDIDATES = [
-    ("candidates", [3, 20, 45, 9], [1, 1, 12, 5],
+    ("candidates", [3, 20, 45, 4], [1, 1, 12, 3],
      dict(candidate_blocks=5, candidate_block_size=2, max_decode_logits_bytes=2 * L * 4, max_logits_bytes=2048),
      False),
     ("candidates-packed", [2, 30, 17, 40], [2, 1, 2, 9], dict(candidate_blocks=5, candidate_block_size=2, next_n=2),
