@@ -26,19 +26,19 @@ def _topk_scratch_shape(lim: IndexerLimits) -> tuple[int, int] | None:
     cols = topk_workspace_cols(lim)
     return None if cols is None else (lim.decode_batch_rows, cols)
 
-def cp_scratch_cols(world_size: int, topk: int, candidate_blocks: int = 0, block_size: int = 8) -> int:
+def cp_scratch_cols(world_size: int, topk: int, candidate_blocks: int = 0, candidate_block_size: int = 8) -> int:
     """int32 columns per row of ``cp_scratch`` (context parallel, docs/spec.md §11), the most of what one merge
     holds at a time. The top-k merge: the local candidates ``2 * topk`` (values as float32 bits, global
     positions), the gathered ones ``2 * world_size * topk``, the merge's values and positions ``2 * world_size *
-    topk``, and its window bounds 2. With ``candidate_blocks = K_b > 0`` (blocks of ``block_size = b``
-    positions), also the candidate-block merge (``sparse_indexer.parallel.merge_candidates``): ``2 * K_b``
+    topk``, and its window bounds 2. With ``candidate_blocks = K_b > 0`` (blocks of ``candidate_block_size =
+    b`` positions), also the candidate-block merge (``sparse_indexer.parallel.merge_candidates``): ``2 * K_b``
     candidates (scores, global ids), then either the scores' cells (int64 positions, values, two masks:
     ``3.5 * K_b * b``; the windows in int64: 4) or the gathered candidates ``2 * W * K_b``, the merged scores, ids
     and selection workspace ``3 * (W * K_b + 1)``, int64 columns ``2 * K_b``, four bounds and two masks; plus
     ``2 * b + 8`` (an arange, alignment)."""
     cols = (2 + 4 * world_size) * topk + 2
     if candidate_blocks:
-        kb, b, w = candidate_blocks, block_size, world_size
+        kb, b, w = candidate_blocks, candidate_block_size, world_size
         cells = 2 * kb * b + kb * b + 2 * -(-kb * b // 4) + 4
         merged = 2 * w * kb + 3 * (w * kb + 1) + 2 * kb + 4 + -(-w * kb // 4) + -(-kb // 4)
         cols = max(cols, 2 * kb + max(cells, merged) + 2 * b + 8)

@@ -65,7 +65,7 @@ from ..indexer import (
     decode_batch,
 )
 from ..metadata import DecodeMetadata, IndexerMetadata, PrefillChunk
-from ..ops.select_candidate_blocks import select_candidate_blocks
+from ..ops.select_candidate_blocks import num_blocks, select_candidate_blocks
 from ..ops.top_k_per_row import top_k_per_row
 
 __all__ = ["local_lens", "local_block_table", "global_positions", "shard_metadata", "merge_topk", "merge_candidates",
@@ -318,6 +318,11 @@ def merge_topk(sel: torch.Tensor, logits: torch.Tensor, starts: torch.Tensor, gl
     return sel
 
 
+def _mask_view(region: torch.Tensor, n: int) -> torch.Tensor:
+    """``n`` bools in the first ``ceil(n / 4)`` int32 cells of the flat scratch ``region`` (a mask of a merge)."""
+    return region[: -(-n // 4)].view(torch.uint8)[:n].view(torch.bool)
+
+
 def _valid_first(v: _Views, sel: torch.Tensor) -> None:
     """``sel``'s rows with their positions ``>= 0`` first, in order, then the ``-1`` padding (the merged top-k of
     a row with fewer than ``topk`` eligible cells holds padding candidates anywhere): destinations from cumulative
@@ -329,8 +334,7 @@ def _valid_first(v: _Views, sel: torch.Tensor) -> None:
     dest = flat[2 * n : 4 * n].view(torch.int64).view(rows, topk)
     cnt = flat[4 * n : 6 * n].view(torch.int64).view(rows, topk)
     ar = flat[6 * n : 6 * n + 2 * topk].view(torch.int64)
-    mask = flat[6 * n + 2 * topk : 6 * n + 2 * topk + -(-n // 4)].view(torch.uint8)[:n].view(torch.bool)
-    mask = mask.view(rows, topk)
+    mask = _mask_view(flat[6 * n + 2 * topk :], n).view(rows, topk)
     torch.ge(sel, 0, out=mask)
     torch.cumsum(mask, 1, out=cnt)  # valid cells up to and with j
     torch.arange(1, topk + 1, out=ar)
@@ -342,12 +346,20 @@ def _valid_first(v: _Views, sel: torch.Tensor) -> None:
     sel.scatter_(1, dest, tmp)
 
 
+def _global_into(out: torch.Tensor, local: torch.Tensor, rank: int, world: int, unit: int) -> torch.Tensor:
+    """:func:`global_positions` in place: ``out = local + (local // unit) * (world - 1) * unit + rank * unit``, the
+    global index of rank ``rank``'s local index ``local`` in runs of ``unit`` (positions in blocks of ``unit``
+    keys, or candidate blocks in cache blocks of ``unit`` of them); a negative ``local`` comes out negative."""
+    torch.div(local, unit, rounding_mode="floor", out=out)
+    return out.mul_((world - 1) * unit).add_(local).add_(rank * unit)
+
+
 def _pack_torch(v: _Views, sel, logits, starts, rank: int, world: int, bs: int) -> None:
     """:func:`merge_topk`'s candidates and window bounds as torch ops on scratch views (no temporaries)."""
     rows, topk = sel.shape
     cand = v.cand.view(2, rows, topk)
     vals, pos = cand[0].view(torch.float32), cand[1]
-    mask = v.mpos.view(-1)[: -(-rows * topk // 4)].view(torch.uint8)[: rows * topk].view(torch.bool).view(rows, topk)
+    mask = _mask_view(v.mpos.view(-1), rows * topk).view(rows, topk)
     torch.lt(sel, 0, out=mask)
     if logits.shape[1]:
         idx = v.int64(v.o_mval, (rows, topk))
@@ -362,8 +374,7 @@ def _pack_torch(v: _Views, sel, logits, starts, rank: int, world: int, bs: int) 
         vals.nan_to_num_(nan=_LOW, posinf=float("inf"), neginf=_LOW)
     # else: no local key of any row (every sel is -1, filled with -inf below)
     vals.masked_fill_(mask, float("-inf"))
-    torch.div(sel, bs, rounding_mode="floor", out=pos)
-    pos.mul_((world - 1) * bs).add_(sel).add_(rank * bs)
+    _global_into(pos, sel, rank, world, bs)
     pos.masked_fill_(mask, -1)
     v.bounds[:rows].zero_()
     v.bounds[rows:].fill_(world * topk)
@@ -384,9 +395,8 @@ def _unpack_torch(v: _Views, col, gath, global_starts, global_ends, sel, n: int,
     torch.arange(topk, out=ar.view(topk))
     lens = v.bounds[:rows].view(rows, 1)  # free after the top-k
     torch.sub(global_ends.view(rows, 1), global_starts.view(rows, 1), out=lens)
-    past = v.gath.view(-1)[: -(-rows * topk // 4)].view(torch.uint8)[: rows * topk].view(torch.bool)
-    past = past.view(rows, topk)
-    short = v.gath[n : n + rows].view(torch.uint8)[:rows].view(torch.bool).view(rows, 1)
+    past = _mask_view(v.gath, rows * topk).view(rows, topk)
+    short = _mask_view(v.gath[n:], rows).view(rows, 1)
     torch.ge(ar, lens, out=past)
     torch.le(lens, topk, out=short)
     fill = v.mval.view(-1)[:n].view(rows, topk)  # the int64 indices are read: free
@@ -417,7 +427,7 @@ class _CandViews:
             return t
 
         def mask(n: int) -> torch.Tensor:
-            return take(-(-n // 4)).view(torch.uint8)[:n].view(torch.bool)
+            return _mask_view(take(-(-n // 4)), n)
 
         self.cand = take(2 * rows * kb).view(2, rows, kb)
         start = o
@@ -491,9 +501,7 @@ def merge_candidates(cand: torch.Tensor, logits: torch.Tensor, starts: torch.Ten
     else:  # no local key in any row: every block is padding
         v.vals.fill_(float("-inf"))
     torch.amax(v.vals.view(rows, kb, b), dim=2, out=score)  # (NaN propagates)
-    # global ids: j + (j // q) * (W - 1) * q + rank * q (padding's are never read: its score is -inf)
-    torch.div(cand, q, rounding_mode="floor", out=gid)
-    gid.mul_((w - 1) * q).add_(cand).add_(rank * q)
+    _global_into(gid, cand, rank, w, q)  # (padding's ids are never read: its score is -inf)
     _all_gather(v.gath, v.cand.view(-1), group=group)
     gath = v.gath.view(w, 2, rows, kb)
     m = w * kb
@@ -550,31 +558,37 @@ def _pieces(n: int, per: int):
         yield a, min(n, a + per)
 
 
-def _block_scores(buffers: Buffers, rows: int, cols: int, b: int) -> torch.Tensor:
-    """The local ``select_candidate_blocks``' workspace: ``[rows, ceil(cols / b)]`` of ``buffers.block_scores``."""
-    return buffers.block_scores_view(rows, max(1, -(-cols // b)))
-
-
-def _selection(sel, logits, starts, ends, gstarts, gends, cand, buffers, write: bool, *, rank: int, world: int,
-               lim, group, backend, ws=None) -> None:
-    """The local selection and the merges of one piece of rows: a source layer (``write``) chooses its candidate
-    blocks and merges them into the global ones in ``cand``, then its top-k; a consumer layer (``cand`` given,
-    not ``write``) selects its top-k among its own cells of the global candidates; a plain layer its top-k."""
-    bs = lim.block_size
-    kw = {"rank": rank, "world_size": world, "block_size": bs, "group": group, "backend": backend}
-    b = lim.candidate_block_size
-    if cand is not None and write:
-        select_candidate_blocks(logits, starts, ends, out=cand, block_size=b, backend=backend, check_values=False,
-                                workspace=_block_scores(buffers, cand.shape[0], logits.shape[1], b), _checked=True)
-        merge_candidates(cand, logits, starts, ends, gstarts, gends, buffers, candidate_block_size=b, **kw)
+def _local_selection(sel, logits, starts, ends, cand, buffers: Buffers, write: bool, lim, backend,
+                     ws=None) -> None:
+    """The local selection of a chunk or decode sub-batch, before any merge: a source layer's (``write``) candidate
+    blocks into ``cand`` and its top-k, a plain layer's top-k (``ws``: the top-k workspace). A consumer layer's
+    top-k needs its local candidate ids, which live in the merge's scratch: :func:`_merge_piece` selects it."""
     if cand is not None and not write:
-        own = local_candidates(cand, buffers, rank=rank, world_size=world, block_size=bs, candidate_block_size=b)
+        return
+    if cand is not None:
+        b = lim.candidate_block_size
+        scores = buffers.block_scores_view(cand.shape[0], max(1, num_blocks(logits.shape[1], b)))
+        select_candidate_blocks(logits, starts, ends, out=cand, block_size=b, backend=backend, check_values=False,
+                                workspace=scores, _checked=True)
+    top_k_per_row(logits, starts, ends, out=sel, backend=backend, check_values=False, workspace=ws, _checked=True)
+
+
+def _merge_piece(sel, logits, starts, ends, gstarts, gends, cand, buffers: Buffers, write: bool, *, rank: int,
+                 world: int, lim, group, backend) -> None:
+    """The merges of one piece of rows (at most ``cp_scratch``'s): a source layer's candidate blocks
+    (:func:`merge_candidates`) and top-k; a consumer layer's top-k among its own cells of the global candidates
+    (:func:`local_candidates`), merged without the short-row rule; a plain layer's top-k."""
+    kw = {"rank": rank, "world_size": world, "block_size": lim.block_size, "group": group, "backend": backend}
+    b = lim.candidate_block_size
+    consumer = cand is not None and not write
+    if cand is not None and write:
+        merge_candidates(cand, logits, starts, ends, gstarts, gends, buffers, candidate_block_size=b, **kw)
+    if consumer:
+        own = local_candidates(cand, buffers, rank=rank, world_size=world, block_size=lim.block_size,
+                               candidate_block_size=b)
         top_k_per_row(logits, starts, ends, out=sel, backend=backend, check_values=False, candidates=own,
                       candidate_block_size=b, _checked=True)
-        merge_topk(sel, logits, starts, gstarts, gends, buffers, short_rows=False, **kw)
-        return
-    top_k_per_row(logits, starts, ends, out=sel, backend=backend, check_values=False, workspace=ws, _checked=True)
-    merge_topk(sel, logits, starts, gstarts, gends, buffers, **kw)
+    merge_topk(sel, logits, starts, gstarts, gends, buffers, short_rows=not consumer, **kw)
 
 
 def cp_prefill(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor, metadata: IndexerMetadata,
@@ -585,10 +599,10 @@ def cp_prefill(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tenso
 
     ``metadata``: the step's global metadata; ``local``: ``shard_metadata(metadata, rank, world_size)``;
     ``kv_cache``: this rank's cache (the blocks its local block tables name). Per chunk: gather the local keys,
-    local logits, then in pieces of ``buffers.cp_scratch.shape[0]`` tokens (the same number of collectives on
-    every rank) the local top-k and :func:`merge_topk`. ``candidates``/``write_candidates``: the two-level
-    indexer, as :func:`cp_sparse_attn_indexer`.
-    """
+    local logits, local top-k into ``topk_out``'s rows, then :func:`merge_topk` in pieces of
+    ``buffers.cp_scratch.shape[0]`` tokens (the same number of collectives on every rank).
+    ``candidates``/``write_candidates``: the two-level indexer, as :func:`cp_sparse_attn_indexer` (a consumer
+    layer's top-k runs piece by piece: its local candidate ids live in the merge's scratch)."""
     lim = metadata.limits
     rank, world = check_group(group, buffers, topk_out.shape[1], lim.candidate_blocks, lim.candidate_block_size)
     if not _checked:
@@ -599,11 +613,12 @@ def cp_prefill(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tenso
         rows, logits = _chunk_logits(q_fp8, weights, kv_cache, c, buffers, backend)
         sel = topk_out[rows]
         cand = None if candidates is None else candidates[rows]
+        _local_selection(sel, logits, c.cu_seqlen_ks, c.cu_seqlen_ke, cand, buffers, write_candidates, lim, backend)
         for a, b in _pieces(c.num_tokens, per):
-            _selection(_rows(sel, a, b), _rows(logits, a, b), _rows(c.cu_seqlen_ks, a, b),
-                       _rows(c.cu_seqlen_ke, a, b), _rows(gc.cu_seqlen_ks, a, b), _rows(gc.cu_seqlen_ke, a, b),
-                       None if cand is None else _rows(cand, a, b), buffers, write_candidates, rank=rank,
-                       world=world, lim=lim, group=group, backend=backend)
+            _merge_piece(_rows(sel, a, b), _rows(logits, a, b), _rows(c.cu_seqlen_ks, a, b),
+                         _rows(c.cu_seqlen_ke, a, b), _rows(gc.cu_seqlen_ks, a, b), _rows(gc.cu_seqlen_ke, a, b),
+                         None if cand is None else _rows(cand, a, b), buffers, write_candidates, rank=rank,
+                         world=world, lim=lim, group=group, backend=backend)
     return topk_out
 
 
@@ -634,10 +649,11 @@ def cp_decode(q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor
     per = decode_batch(local)
     for b0, b1 in _pieces(b, per):
         r0, r1, logits, ws = _decode_logits(q, w, kv_cache, dm, buffers, b0, b1, backend)
-        _selection(_rows(sel, r0, r1), logits, _rows(dm.row_starts, r0, r1), _rows(dm.row_ends, r0, r1),
-                   _rows(gdm.row_starts, r0, r1), _rows(gdm.row_ends, r0, r1),
-                   None if cand is None else _rows(cand, r0, r1), buffers, write_candidates, rank=rank,
-                   world=world, lim=lim, group=group, backend=backend, ws=ws)
+        s, c = _rows(sel, r0, r1), None if cand is None else _rows(cand, r0, r1)
+        starts, ends = _rows(dm.row_starts, r0, r1), _rows(dm.row_ends, r0, r1)
+        _local_selection(s, logits, starts, ends, c, buffers, write_candidates, lim, backend, ws)
+        _merge_piece(s, logits, starts, ends, _rows(gdm.row_starts, r0, r1), _rows(gdm.row_ends, r0, r1), c,
+                     buffers, write_candidates, rank=rank, world=world, lim=lim, group=group, backend=backend)
     if not dm.uniform:
         torch.index_select(sel, 0, dm.unpack_src, out=topk_out[:nd])
         if cand is not None and write_candidates:
