@@ -5,13 +5,14 @@ Usage on an NVIDIA Hopper GPU (each mode may be combined):
 
 - ``python3 scripts/fused_decode_topk.py check``: the selection exact on the kernel's own scores (its test mode),
   the scores within 2e-4 relative L2 of the Gluon logits op, for next_n 1-4, H 32/64, short and long windows,
-  2-D lengths, tie-heavy, constant, all-zero and negative scores, bfloat16 scores, two and four warpgroups; also
+  2-D lengths, tie-heavy, constant, all-zero, negative and sorted scores, bfloat16 scores, and every row through
+  the exact rescoring path; also
   small enough for ``compute-sanitizer``. Exits 1 on a mismatch.
 - ``... time``: medians (``triton.testing.do_bench``, L2 flushed) of the copy floor of the same key bytes, the
   logits op alone, the composition (logits + ``top_k_per_row``) eagerly and as a CUDA graph, and the fused kernel
   eagerly, as a graph and per eager call on the host.
-- ``... probe``: a ``PROBE=1`` build's per-CTA ``%globaltimer`` marks (setup, scoring, barrier 0, round 0 and its
-  barrier, the one-pass select, the barrier after it, the end).
+- ``... probe``: a ``PROBE=1`` build's per-CTA ``%globaltimer`` marks (setup, the grid barrier, the sample tiles
+  scored, every sample of the CTA's requests complete, scoring done, the rows finished).
 """
 import sys
 import time
@@ -60,7 +61,7 @@ def make(B, nn, H, L, *, dist="normal", lens=None, cl2d=False, seed=0):
     return q4, cache, w.contiguous(), cl, bt
 
 
-def check(B, nn, H, L, topk, *, bf16=False, nwg=None, **kw):
+def check(B, nn, H, L, topk, *, bf16=False, rescore=False, **kw):
     q4, cache, w, cl, bt = make(B, nn, H, L, **kw)
     rows = B * nn
     W = bt.shape[1] * 64
@@ -68,9 +69,9 @@ def check(B, nn, H, L, topk, *, bf16=False, nwg=None, **kw):
     lg = torch.full((rows, W), float("nan"), device=dev, dtype=dt)
     out = torch.full((rows, topk), -7, dtype=torch.int32, device=dev)
     ws = torch.full((rows, COLS), 123, dtype=torch.int32, device=dev)
-    F.fp8_paged_mqa_topk(q4, cache, w, cl, bt, out=out, logits=lg, workspace=ws, nwg=nwg)
+    F.fp8_paged_mqa_topk(q4, cache, w, cl, bt, out=out, logits=lg, workspace=ws, rescore=rescore)
     out2 = torch.full((rows, topk), -7, dtype=torch.int32, device=dev)
-    F.fp8_paged_mqa_topk(q4, cache, w, cl, bt, out=out2, workspace=ws, logits_dtype=dt, nwg=nwg)
+    F.fp8_paged_mqa_topk(q4, cache, w, cl, bt, out=out2, workspace=ws, logits_dtype=dt, rescore=rescore)
     torch.cuda.synchronize()
     lim = row_limits(cl, nn).to(dev)
     ref = torch.empty(rows, W, device=dev, dtype=dt)
@@ -82,8 +83,8 @@ def check(B, nn, H, L, topk, *, bf16=False, nwg=None, **kw):
     e1 = topk_errors(out, lgm, z, lim.int(), limit=2)
     e2 = topk_errors(out2, lgm, z, lim.int(), limit=2)
     ok = err < 2e-4 and not e1 and not e2
-    print(f"{'OK ' if ok else 'BAD'} B={B} nn={nn} H={H} L={L} k={topk} bf16={bf16} {kw.get('dist', 'normal')} "
-          f"cl2d={kw.get('cl2d', False)} relL2={err:.2e} {e1[:1]} {e2[:1]}", flush=True)
+    print(f"{'OK ' if ok else 'BAD'} B={B} nn={nn} H={H} L={L} k={topk} bf16={bf16} rescore={rescore} "
+          f"{kw.get('dist', 'normal')} cl2d={kw.get('cl2d', False)} relL2={err:.2e} {e1[:1]} {e2[:1]}", flush=True)
     return ok
 
 
@@ -107,16 +108,17 @@ def checks():
         ((200, 1, 64, 2048, 512), {"lens": torch.randint(1, 2049, (200,))}),
     ]:
         bad += not check(*args, **kw)
-    # constant rows of 2049-8192 cells: threshold bins of up to 4096 cells go through the list, longer ones
-    # through the grid rounds, in one launch
+    # constant rows of 2049-8192 cells (the cells equal to the threshold), and every row through the exact
+    # rescoring path (rescore=True: the guard against thresholds missed and lists overflowed)
     bad += not check(5, 1, 64, 8192, 2048, dist="const", lens=torch.tensor([1, 2049, 4000, 5000, 8192]))
     bad += not check(4, 1, 64, 4096, 512, dist="const")
     bad += not check(2, 1, 64, 65536, 2048, dist="ties")
-    bad += not check(5, 1, 64, 8192, 2048, nwg=4, lens=torch.tensor([1, 2048, 2049, 5000, 8192]))
-    bad += not check(3, 2, 64, 4096, 512, nwg=4, cl2d=True, lens=torch.tensor([600, 4096, 300]))
-    bad += not check(64, 1, 64, 16384, 512, nwg=4, dist="ties")
-    bad += not check(16, 1, 64, 65536, 2048, nwg=4)
-    bad += not check(4, 1, 32, 8192, 512, nwg=4, dist="const")
+    bad += not check(5, 1, 64, 8192, 2048, rescore=True, lens=torch.tensor([1, 2048, 2049, 5000, 8192]))
+    bad += not check(3, 2, 64, 4096, 512, rescore=True, cl2d=True, lens=torch.tensor([600, 4096, 300]))
+    bad += not check(64, 1, 64, 16384, 512, rescore=True, dist="ties")
+    bad += not check(16, 1, 64, 65536, 2048, rescore=True)
+    bad += not check(2, 1, 64, 65536, 2048, dist="sorted")
+    bad += not check(4, 1, 32, 8192, 512, rescore=True, dist="const")
     bad += not check(4, 1, 64, 8192, 512, bf16=True)
     bad += not check(4, 2, 64, 8192, 2048, bf16=True, dist="ties")
     print("checks bad:", bad, flush=True)
@@ -176,34 +178,23 @@ def times():
 
 def probes():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for (B, nn, H, L, topk, st, diag, nwg) in [
-            (64, 1, 64, 65536, 2048, None, 0, 2), (32, 1, 64, 65536, 2048, None, 0, 4),
-            (16, 1, 64, 65536, 2048, None, 0, 4), (1, 1, 64, 65536, 2048, None, 0, 4),
-            (64, 1, 64, 16384, 512, None, 0, 4), (64, 2, 64, 16384, 512, None, 0, 4)]:
+    for (B, nn, H, L, topk) in [(64, 1, 64, 65536, 2048), (16, 1, 64, 65536, 2048), (1, 1, 64, 65536, 2048),
+                                (64, 1, 64, 16384, 512), (64, 2, 64, 16384, 512)]:
         q4, cache, w, cl, bt = make(B, nn, H, L)
         rows = B * nn
         out = torch.empty(rows, topk, dtype=torch.int32, device=dev)
         ws = torch.empty(rows, COLS, dtype=torch.int32, device=dev)
         pr = torch.zeros(sms, 8, dtype=torch.int64, device=dev)
-        try:
-            F.fp8_paged_mqa_topk(q4, cache, w, cl, bt, out=out, workspace=ws, probe=pr, stages=st,
-                                 diag=diag, nwg=nwg)
-        except NotImplementedError as e:
-            print("skip", B, nn, L, nwg, e)
-            continue
-        for _ in range(5):
-            F.fp8_paged_mqa_topk(q4, cache, w, cl, bt, out=out, workspace=ws, probe=pr, stages=st,
-                                 diag=diag, nwg=nwg)
+        for _ in range(6):
+            F.fp8_paged_mqa_topk(q4, cache, w, cl, bt, out=out, workspace=ws, probe=pr)
         torch.cuda.synchronize()
         x = (pr - pr[:, :1].min()).double() / 1e3
         med = x.median(0).values
         mx = x.max(0).values
-        t = bench(lambda: F.fp8_paged_mqa_topk(q4, cache, w, cl, bt, out=out, workspace=ws, stages=st,
-                                               diag=diag, nwg=nwg))
-        print(f"probe B={B} nn={nn} L={L} k={topk} stages={st} diag={diag} nwg={nwg}: "
-              f"time={t:.1f} marks median " +
-              " ".join(f"{v:.1f}" for v in med.tolist()) + " | max " + " ".join(f"{v:.1f}" for v in mx.tolist()),
-              flush=True)
+        t = bench(lambda: F.fp8_paged_mqa_topk(q4, cache, w, cl, bt, out=out, workspace=ws))
+        print(f"probe B={B} nn={nn} L={L} k={topk}: time={t:.1f} marks (start, setup, barrier, samples scored, "
+              "samples complete, scoring done, finished, tau) median " + " ".join(f"{v:.1f}" for v in med.tolist())
+              + " | max " + " ".join(f"{v:.1f}" for v in mx.tolist()), flush=True)
 
 
 if __name__ == "__main__":

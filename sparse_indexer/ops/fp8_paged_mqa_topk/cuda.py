@@ -2,19 +2,18 @@
 
 ``fused_kernel.cu`` beside this file (its header describes the algorithm), compiled at first use by NVRTC and
 cached by source hash and architecture through the CUDA top-k backend's loader
-(``sparse_indexer/ops/top_k_per_row/cuda.py``). One cooperative grid of one CTA per SM scores the keys with
-wgmma and keeps every logit in shared memory; a grid-wide histogram of the keys' top 11 bits (in ``workspace``)
-gives each row's threshold bin, the cells above it are written at once, and the bin's cells are listed and
-finished by the CTA that completes the row (rows whose bin holds more than 4096 cells: three more rounds among
-the row's CTAs). No ``[rows, W]`` logits are written unless ``logits`` is given (then they are, as the test mode
-that proves the selection exact for the values the kernel computed).
+(``sparse_indexer/ops/top_k_per_row/cuda.py``). One cooperative grid of one CTA per SM scores a sample of each
+request's key tiles first, takes from it a per-row threshold that at least ``topk`` cells reach (a rank of the
+sample well above the expected ``topk``-th largest's), and then scores the rest with wgmma, filing only the cells
+at or above the threshold into the row's lists in ``workspace``; the CTA that completes a row selects its
+``topk`` exactly from the lists. A threshold that too few cells reach, or a list that overflows, makes that CTA
+rescore the row alone, exactly (hostile values only). No scores are stored anywhere unless ``logits`` is given
+(then they are written, as the test mode that proves the selection exact for the values the kernel computed).
 
-The logits of a call must fit the grid's shared memory: the host checks the worst case the shapes allow
-(``B * ceil(W / 64)`` tiles of ``64 * next_n`` cells over the SMs) and raises :class:`NotImplementedError`
-before anything is written when they do not (:func:`capacity_tiles`), so ``auto`` composes the logits op and
-the top-k instead. Also not taken (``NotImplementedError``): anything but sm_90, D != 128, H not in (32, 64),
-``next_n > 4``, block size != 64, a cache in a format other than e4m3fn values with float32 scales in the flat
-order, int64 lengths or block tables, unaligned tensors.
+Not taken (``NotImplementedError``): anything but sm_90, D != 128, H not in (32, 64), ``next_n > 4``,
+``topk > 2048``, block size != 64, a cache in a format other than e4m3fn values with float32 scales in the flat
+order, int64 lengths or block tables, unaligned tensors, and shapes whose worst case lists more tiles per CTA
+than its shared memory holds beside the ring (12 bytes a tile: about 13K tiles, e.g. 256 requests x 400K keys).
 
 With value checks off (docs/spec.md §10) the kernel clamps every limit into ``[0, min(W, max_blocks * 64)]`` (in
 64 bits) and copies a tile whose block id lies outside ``[0, num_blocks)`` as zeros (nothing read), so its cells
@@ -39,57 +38,93 @@ import torch
 from ..top_k_per_row import cuda as _T
 from .workspace import FUSED_WORKSPACE_COLS
 
-__all__ = ["FUSED", "capacity_tiles", "fp8_paged_mqa_topk", "takes"]
+__all__ = ["FUSED", "capacity_tiles", "fp8_paged_mqa_topk", "takes", "warpgroups"]
 
 FUSED = True
 """Marks this backend's implementation as a fused kernel (the public function's ``auto`` tries only these)."""
 
 SOURCE = pathlib.Path(__file__).with_name("fused_kernel.cu")
-NWG = (4, 2)
-"""Warpgroups per CTA (``fused_kernel.cu``'s ``NWG``; the CTA has ``128 * NWG`` threads), in order of
-preference: four where a ring of two or more stages leaves room for the worst case's logits (on the H200,
-B = 32 x 64K keys: 144 against 190 us with two; 64 x 16K: 97 against 119), else two."""
 STAGES = (8, 7, 6, 5, 4, 3, 2)
-"""Ring depths (tiles per warpgroup's ring) in order of preference: the deepest whose shared memory leaves room for the
-worst case's logits is built (a deeper ring keeps more of the HBM latency covered)."""
+"""Ring depths (tiles per warpgroup's ring) in order of preference: the deepest whose shared memory leaves room
+for the worst case's tile list is built (a deeper ring keeps more of the HBM latency covered)."""
 TILE_KEYS = 64
 D = 128
 HEADS = (32, 64)
 MAX_NEXT_N = 4
+MAX_TOPK = 2048
+"""``fused_kernel.cu``'s ``CE``: the positions equal to a row's threshold it keeps."""
+LIST_BYTES = 2 * 6144 * 4
+"""``fused_kernel.cu``'s final select holds a row's ``CG`` listed keys and positions in the idle ring."""
+SAMPLE_TILES = 32
 KERNEL = b"si_paged_mqa_topk"
 
 
-def _fixed_smem(next_n: int, h: int, b: int, stages: int, nwg: int = 2) -> int:
-    """Shared bytes other than the per-tile ones: alignment slack, the rings, the query buffers, scales,
-    histogram, scratch words, the request table and the block list's rounding (``fused_kernel.cu``'s
-    ``carve``)."""
-    return (1024 + stages * nwg * (8192 + 256) + nwg * next_n * h * 128 + 2048 * 4 + 128 + 16
-            + ((b + 1) * 4 + 15) // 16 * 16 + 16)
+def warpgroups(next_n: int) -> int:
+    """Math warpgroups per CTA (``fused_kernel.cu``'s ``NWG``): four up to ``next_n = 2``, two beyond (four
+    warpgroups at ``next_n`` 3-4 spill at the 128-register cap of 512 threads)."""
+    return 4 if next_n <= 2 else 2
 
 
-def capacity_tiles(next_n: int, h: int, b: int, smem_optin: int, stages: int, nwg: int = 2) -> int:
-    """Key tiles (64 positions of ``next_n`` rows: their keys and cache block) one CTA holds in ``smem_optin``
-    bytes of shared memory next to a ring of ``stages``."""
-    return max(0, (smem_optin - _fixed_smem(next_n, h, b, stages, nwg)) // (next_n * TILE_KEYS * 4 + 4))
+def _fixed_smem(next_n: int, h: int, b: int, stages: int, nwg: int) -> int:
+    """Shared bytes other than the per-tile ones (``fused_kernel.cu``'s ``carve``): alignment slack, the rings,
+    the query buffers, scales, ring barriers, histogram, sample keys, staging, scratch words, the request table and the
+    thresholds, and the list's rounding."""
+    return (1024 + stages * nwg * (8192 + 256 + 8) + nwg * next_n * h * 128 + 2048 * 4 + SAMPLE_TILES * 64 * 4
+            + nwg * 4 * 64 * 8 + 128 + 32 + ((b + 1) * 4 + 15) // 16 * 16 + (b * next_n * 4 + 15) // 16 * 16
+            + 3 * 16)
 
 
-def stages_for(per_cta: int, next_n: int, h: int, b: int, smem_optin: int, nwg: int = 2) -> int | None:
-    """The deepest ring of :data:`STAGES` that leaves room for ``per_cta`` tiles, or ``None``."""
+def capacity_tiles(next_n: int, h: int, b: int, smem_optin: int, stages: int, nwg: int) -> int:
+    """Key tiles one CTA lists (request, tile, cache block: 12 bytes) in ``smem_optin`` bytes of shared memory
+    next to a ring of ``stages``."""
+    return max(0, (smem_optin - _fixed_smem(next_n, h, b, stages, nwg)) // 12)
+
+
+def stages_for(per_cta: int, next_n: int, h: int, b: int, smem_optin: int, nwg: int) -> int | None:
+    """The deepest ring of :data:`STAGES` that leaves room for ``per_cta`` listed tiles and holds the final
+    select's list, or ``None``."""
     for st in STAGES:
-        if capacity_tiles(next_n, h, b, smem_optin, st, nwg) >= per_cta:
+        if st * nwg * 8192 >= LIST_BYTES and capacity_tiles(next_n, h, b, smem_optin, st, nwg) >= per_cta:
             return st
     return None
 
 
 class _Params(ctypes.Structure):
-    _fields_ = [("cache", ctypes.c_void_p), ("block_stride", ctypes.c_longlong), ("q", ctypes.c_void_p),
+    _fields_ = [("tmap", ctypes.c_ubyte * 128),
+                ("cache", ctypes.c_void_p), ("block_stride", ctypes.c_longlong), ("q", ctypes.c_void_p),
                 ("w", ctypes.c_void_p), ("stride_w", ctypes.c_longlong), ("cl", ctypes.c_void_p),
                 ("stride_clb", ctypes.c_longlong), ("bt", ctypes.c_void_p), ("stride_bt", ctypes.c_longlong),
                 ("out", ctypes.c_void_p), ("stride_o", ctypes.c_longlong), ("ws", ctypes.c_void_p),
                 ("stride_ws", ctypes.c_longlong), ("lg", ctypes.c_void_p), ("stride_lg", ctypes.c_longlong),
                 ("bar", ctypes.c_void_p), ("probe", ctypes.c_void_p), ("B", ctypes.c_int), ("cap", ctypes.c_int),
                 ("topk", ctypes.c_int), ("cl_2d", ctypes.c_int), ("capt", ctypes.c_int),
-                ("num_blocks", ctypes.c_int)]
+                ("num_blocks", ctypes.c_int), ("_pad", ctypes.c_ubyte * 64)]
+    # (``fused_kernel.cu``'s Params is 64-byte aligned, its tensor map first; the padding covers its tail)
+
+
+_TMAPS: dict = {}
+
+
+def _tensor_map(kv_cache: torch.Tensor) -> bytes:
+    """The encoded ``CUtensorMap`` of the cache's values (``[num_blocks][64 rows][128 bytes]``, boxes of one
+    block, 128-byte swizzle, zeros outside), one per (address, blocks, block stride), encoded by the driver's
+    ``cuTensorMapEncodeTiled`` through ctypes."""
+    key = (kv_cache.data_ptr(), kv_cache.shape[0], kv_cache.stride(0))
+    got = _TMAPS.get(key)
+    if got is None:
+        fn = _T._driver_lib().cuTensorMapEncodeTiled
+        fn.restype = ctypes.c_int
+        buf = (ctypes.c_ubyte * 128)()
+        u64x3, u64x2, u32x3 = ctypes.c_uint64 * 3, ctypes.c_uint64 * 2, ctypes.c_uint32 * 3
+        rc = fn(buf, ctypes.c_int(0), ctypes.c_uint32(3), ctypes.c_void_p(kv_cache.data_ptr()),
+                u64x3(D, TILE_KEYS, kv_cache.shape[0]), u64x2(D, kv_cache.stride(0)), u32x3(D, TILE_KEYS, 1),
+                u32x3(1, 1, 1), ctypes.c_int(0), ctypes.c_int(3), ctypes.c_int(3), ctypes.c_int(0))
+        if rc:
+            raise RuntimeError(f"cuTensorMapEncodeTiled failed ({rc}) for a cache of {kv_cache.shape[0]} blocks")
+        if len(_TMAPS) >= 64:
+            _TMAPS.clear()
+        got = _TMAPS[key] = bytes(buf)
+    return got
 
 
 class _Args(threading.local):
@@ -175,21 +210,21 @@ class _Plan(NamedTuple):
     per_cta: int  # worst-case tiles per CTA
     nwg: int      # warpgroups
     stages: int   # ring depth per warpgroup
-    capt: int     # tiles of logits one CTA holds beside that ring
+    capt: int     # tiles one CTA lists beside that ring
 
 
 @functools.cache
 def _plan(b: int, next_n: int, h: int, width: int, index: int) -> _Plan | None:
     """The launch plan for ``b`` requests of up to ``width`` keys on ``cuda:index`` (``None``: the worst case's
-    logits do not fit the grid's shared memory): the first of :data:`NWG` whose ring of two or more stages fits,
-    at the deepest of :data:`STAGES` that does."""
+    tile list does not fit the shared memory beside a ring): :func:`warpgroups`, at the deepest of
+    :data:`STAGES` that fits."""
     smem = _T._smem_optin(index)
     per_cta = -(-(b * -(-width // TILE_KEYS)) // _T._sm_count(index))
-    for nwg in NWG:
-        st = stages_for(per_cta, next_n, h, b, smem, nwg)
-        if st is not None:
-            return _Plan(per_cta, nwg, st, capacity_tiles(next_n, h, b, smem, st, nwg))
-    return None
+    nwg = warpgroups(next_n)
+    st = stages_for(per_cta, next_n, h, b, smem, nwg)
+    if st is None:
+        return None
+    return _Plan(per_cta, nwg, st, capacity_tiles(next_n, h, b, smem, st, nwg))
 
 
 def takes(q, kv_cache, weights, context_lens, block_table, out, logits=None, workspace=None) -> str | None:
@@ -205,6 +240,8 @@ def takes(q, kv_cache, weights, context_lens, block_table, out, logits=None, wor
     b, next_n, h, d = q.shape
     if q.dtype != torch.float8_e4m3fn or d != D or h not in HEADS or not 1 <= next_n <= MAX_NEXT_N:
         return f"the fused kernel takes e4m3fn queries with D = {D}, H in {HEADS}, next_n <= {MAX_NEXT_N}"
+    if not 1 <= out.shape[1] <= MAX_TOPK:
+        return f"the fused kernel selects 1 to {MAX_TOPK} positions per row, not {out.shape[1]}"
     if kv_cache.dim() != 3 or kv_cache.shape[1] != TILE_KEYS or kv_cache.shape[2] != D + 4:
         return f"the fused kernel reads blocks of {TILE_KEYS} keys of {D} values"
     if (kv_cache.stride(1), kv_cache.stride(2)) != (D + 4, 1) or kv_cache.stride(0) % 16 or kv_cache.data_ptr() % 16:
@@ -226,19 +263,19 @@ def takes(q, kv_cache, weights, context_lens, block_table, out, logits=None, wor
     width = _width(block_table, logits)
     if _plan(b, next_n, h, width, index) is None:
         per_cta = -(-(b * -(-width // TILE_KEYS)) // _T._sm_count(index))
-        capt = capacity_tiles(next_n, h, b, _T._smem_optin(index), STAGES[-1])
-        return (f"the worst case of these shapes ({b} requests x {width} keys x next_n {next_n}) needs {per_cta} "
-                f"tiles of logits per CTA in shared memory; cuda:{index} holds {capt}")
+        capt = capacity_tiles(next_n, h, b, _T._smem_optin(index), STAGES[-1], warpgroups(next_n))
+        return (f"the worst case of these shapes ({b} requests x {width} keys) lists {per_cta} tiles per CTA in "
+                f"shared memory; cuda:{index} holds {capt}")
     return None
 
 
 def fp8_paged_mqa_topk(q, kv_cache, weights, context_lens, block_table, *, out, logits=None, workspace=None,
-                       logits_dtype=None, stages=None, probe=None, diag=0, nwg=None) -> None:
+                       logits_dtype=None, stages=None, probe=None, rescore=False) -> None:
     """See :func:`sparse_indexer.fp8_paged_mqa_topk`; arguments are checked. ``NotImplementedError`` (before
-    anything is written) for the cases :func:`takes` declines. Measurement knobs: ``stages`` (the ring depth
-    instead of :func:`_plan`'s), ``probe`` (an int64 ``[SMs, 8]`` tensor: a ``PROBE=1`` build writes each CTA's
-    ``%globaltimer`` at its phase marks there, ``fused_kernel.cu``), ``nwg`` (warpgroups) and ``diag`` (1: the
-    copy stream alone, 2: the math alone; results are then wrong)."""
+    anything is written) for the cases :func:`takes` declines. Measurement and test knobs: ``stages`` (the ring
+    depth instead of :func:`_plan`'s), ``probe`` (an int64 ``[SMs, 8]`` tensor: a ``PROBE=1`` build writes each
+    CTA's ``%globaltimer`` at its phase marks there, ``fused_kernel.cu``), ``rescore`` (every row takes the
+    exact rescoring path that guards against thresholds too few cells reach and overflowing lists)."""
     why = takes(q, kv_cache, weights, context_lens, block_table, out, logits, workspace)
     if why is not None:
         raise NotImplementedError(why)
@@ -254,19 +291,17 @@ def fp8_paged_mqa_topk(q, kv_cache, weights, context_lens, block_table, *, out, 
     bf16 = (logits.dtype if logits is not None else (logits_dtype or torch.float32)) == torch.bfloat16
     smem = _T._smem_optin(index)
     pl = _plan(b, next_n, h, _width(block_table, logits), index)
-    st, capt = pl.stages, pl.capt
-    if nwg is not None or stages is not None:  # (measurement knobs)
-        nwg = nwg or pl.nwg
-        st = stages or stages_for(pl.per_cta, next_n, h, b, smem, nwg)
-        if st is None:
-            raise NotImplementedError(f"no ring of {nwg} warpgroups leaves room for {pl.per_cta} tiles")
-        capt = capacity_tiles(next_n, h, b, smem, st, nwg)
-    else:
-        nwg = pl.nwg
+    nwg, st, capt = pl.nwg, pl.stages, pl.capt
+    if stages is not None:  # (measurement knob)
+        if stages * nwg * 8192 < LIST_BYTES or capacity_tiles(next_n, h, b, smem, stages, nwg) < pl.per_cta:
+            raise NotImplementedError(f"a ring of {stages} stages leaves no room for {pl.per_cta} tiles")
+        st, capt = stages, capacity_tiles(next_n, h, b, smem, stages, nwg)
     defines = (f"NEXT_N={next_n}", f"H={h}", f"STAGES={st}", f"LG_OUT={int(logits is not None)}",
-               f"PROBE={int(probe is not None)}", f"DIAG={diag}", f"NWG={nwg}")
+               f"PROBE={int(probe is not None)}", f"NWG={nwg}", f"NO_SAMPLE_FILTER={int(bool(rescore))}")
     kern = _T._kernel(index, 128 * nwg, 1, bf16, defines, KERNEL, SOURCE)[1]
+    tmap = _tensor_map(kv_cache)
     a = _ARGS.p
+    ctypes.memmove(a.tmap, tmap, 128)
     a.cache, a.block_stride = kv_cache.data_ptr(), kv_cache.stride(0)
     a.q = q.data_ptr()
     a.w, a.stride_w = weights.data_ptr(), weights.stride(0)

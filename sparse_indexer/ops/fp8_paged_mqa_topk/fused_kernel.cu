@@ -1,44 +1,50 @@
-// Fused paged decode scoring + exact top-k (docs/spec.md §5 and §6): the logits never leave shared memory.
+// Fused paged decode scoring + exact top-k (docs/spec.md §5 and §6): scores are filtered while they are computed
+// and never stored, neither in global nor in shared memory.
 //
 // One persistent cooperative grid of one CTA per SM (NT = 128 * NWG threads: NWG warpgroups). The key tiles of
 // every request that needs a selection (a row whose window is longer than topk; every request when the logits
 // are also written out) form one global range of 64-key tiles cut into P equal contiguous pieces, one per CTA,
-// as in the Gluon logits kernel. Phases:
+// as in the Gluon logits kernel. Each CTA lists its tiles with the request's *sample tiles* first: tiles
+// floor(i * nt / S), i < S = min(nt, SAMPLE_TILES), of a request of nt tiles. Phases:
 //
-//   score    each warpgroup streams its own tiles (wg, wg + NWG, ...) through its own cp.async ring of STAGES
-//            slots (the tile's 64 x 128 fp8 values stored with the 128-byte swizzle wgmma reads, and its 64
-//            float32 scales), synchronizing only its 128 threads: per query token j one wgmma chain
-//            K[64 keys, 128] x Q_j^T[128, H] (fp8 in, f32 accumulators), then relu, times the head weights, the
-//            head sum (within a thread and its quad), times the key scale. Each logit's order-preserving 32-bit
-//            key is stored in the CTA's shared memory (rows of next_n x 64 keys per tile); with LG_OUT the logit
-//            also goes to global memory (the test mode).
-//   barrier  (every workspace row zeroed)
-//   round 0  per row piece of the CTA: a shared-memory histogram of the top 11 key bits, added to the row's
-//            global histogram (workspace).
-//   barrier
-//   select   per row piece: the row's histogram gives the bin d0 of the topk-th largest key. Cells above d0 are
-//            written to out (slots claimed by one global atomic per CTA and piece, offsets from a block scan).
-//            The cells in d0 (at most LIST_CAP of them) are appended to the row's list in the workspace, and the
-//            CTA whose cells complete the row (a per-row count of the cells done) selects the ones still needed
-//            from the list in shared memory (two more digits, then tickets for the final key). A bin of equal
-//            keys (key 0: -inf and NaN) or of exactly the cells needed is taken directly, first come first
-//            served. A bin of more than LIST_CAP cells (few distinct values) is finished by the row's CTAs in
-//            three rounds of one digit each, with a row barrier between rounds (a per-row count of the cells
-//            done: every CTA takes its pieces in row order, so this never deadlocks).
+//   setup    the request table, the CTA's tile list, rows of at most topk cells written (0..len-1, -1...),
+//            every row's counters zeroed; one grid barrier.
+//   sample   the warpgroups score the CTA's sample tiles (each its own tiles wg, wg + NWG, ... through its own
+//            cp.async ring of STAGES slots, synchronizing only its 128 threads; per query token j one wgmma
+//            chain K[64 keys, 128] x Q_j^T[128, H], fp8 in, f32 accumulators; then relu, times the head weights,
+//            the head sum within a thread and its quad, times the key scale) and store the order-preserving
+//            32-bit keys in the row's workspace (cells outside the window as 0). The rings keep prefetching the
+//            tiles after the samples meanwhile.
+//   tau      each CTA counts its sample tiles done per request, waits until its requests' samples are complete
+//            (the row's other CTAs: every CTA scores its samples before it waits, and all are resident) and
+//            computes, per row, tau = the r-th largest sample key, r = m + 4 sqrt(m) + 4 for the m = topk * s / lim
+//            sample cells expected above the row's topk-th largest (s sample cells in the window): three radix
+//            digits (11, 11, 10 bits) over at most 2048 keys in shared memory. Every CTA of a row computes the
+//            same tau. It then files its own sample cells.
+//   score    the rest of the tiles, the epilogue filing each cell with key >= tau: staged per warp in shared
+//            memory (64 entries, no atomics), flushed with one atomic per row and class: cells above tau to the
+//            row's list of CG keys and positions, cells equal to tau to a list of CE positions (only the first
+//            CE are kept; they are all equal). Both counts keep counting past their capacity.
+//   finish   each CTA adds its cells to the row's done count; the CTA that completes a row, with G cells above
+//            tau and E equal to it:
+//              G + E < topk (tau missed: too few cells at or above it) or G > CG (the list overflowed): the row
+//                is rescored by this CTA alone, four passes of one radix digit each (exact, slow; a guard for
+//                hostile values, never taken on random ones);
+//              G >= topk: the topk largest of the G listed cells (three radix digits in shared memory, tickets
+//                for the final key);
+//              else: the G listed cells and the first topk - G of the equal ones.
 //
 // Hostile values (docs/spec.md section 10): every limit is clamped into [0, cap], cap = min(W, max_blocks * 64), so
 // the block table is read only inside its rows; a block id outside [0, num_blocks) is copied as a zero tile
 // (cp.async zero-fill, nothing read), so its cells score 0 (relu(0) * weights, times a zero scale).
 //
-// Rows of at most topk cells are written 0..len-1, -1... without any selection (their requests are not even
-// scored unless LG_OUT). The grid barrier is a self-resetting counter (bar[0], back to 0 after each barrier) and
-// a generation word (bar[1]) in a small per-device state buffer only this kernel writes; the cooperative launch
-// guarantees that every CTA is resident.
+// The grid barrier is a self-resetting counter (bar[0], back to 0 after each barrier) and a generation word
+// (bar[1]) in a small per-device state buffer only this kernel writes; the cooperative launch guarantees that
+// every CTA is resident.
 //
-// Workspace row r (int32, FUSED_WORKSPACE_COLS = 10248): histogram H0 [2048]; then either H1 [2048] and H2
-// [1024] (rows finished by rounds) or, over the same columns, the list (LIST_CAP keys, then LIST_CAP
-// positions); then counters at 10240: SEL (output slots taken), TIE (tickets), CNT (list entries), ARR (cells
-// done). Only H0-H2 and the counters are zeroed at the start of a call.
+// Workspace row r (int32, FUSED_WORKSPACE_COLS = 16392): sample keys [2048]; keys above tau [CG]; their positions
+// [CG]; positions equal to tau [CE]; counters at 16384: GT, EQ, SMP (sample tiles done, on the request's first
+// row), ARR (cells done). Only the counters are zeroed at the start of a call.
 
 #ifndef NEXT_N
 #define NEXT_N 1
@@ -55,6 +61,9 @@
 #ifndef LG_OUT
 #define LG_OUT 0
 #endif
+#ifndef NO_SAMPLE_FILTER
+#define NO_SAMPLE_FILTER 0  // tests only: 1 makes every row take the rescoring fallback (tau from no sample)
+#endif
 
 #ifndef PROBE
 #define PROBE 0  // 1 (measurements only): %globaltimer at phase marks, written to probe[pid, 0..8)
@@ -70,20 +79,10 @@
 #define MARK(i)
 #endif
 
-#ifndef DIAG
-#define DIAG 0  // measurements only: 1 the ring's stages consumed unread (the copy stream alone), 2 no copies
-#endif
-#ifndef CTA_BARRIERS
-#define CTA_BARRIERS 0  // racecheck triage only: each warpgroup barrier of the scoring loop made CTA-wide
-#endif
-#if CTA_BARRIERS
-#define WG_BAR() __syncthreads()
-#else
 #define WG_BAR() asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory")
-#endif
 
 #ifndef NWG
-#define NWG 2  // warpgroups (2 or 4: find_digit needs NT to divide 1024)
+#define NWG 4  // warpgroups (2 or 4: find_digit needs NT to divide 1024)
 #endif
 
 #undef NT  // (the loader passes -DNT; the block size follows NWG)
@@ -92,24 +91,25 @@
 #define FULL 0xffffffffu
 #define TILE_BYTES 8192   // 64 keys x 128 fp8 values
 #define BLOCK_KEYS 64
-#define WS_H0 0        // [2048] the row's histogram of the top 11 key bits
-#define WS_H1 2048     // [2048] rounds only: of the next 11 bits
-#define WS_H2 4096     // [1024] rounds only: of the last 10
-#define WS_LIST 2048   // one-pass rows (over H1 and H2): [LIST_CAP] keys, then [LIST_CAP] positions
-#define LIST_CAP 4096
-#define WS_SEL 10240   // output slots taken
-#define WS_TIE 10241   // tickets of a tie class
-#define WS_CNT 10242   // list entries taken
-#define WS_ARR 10243   // cells whose pieces are done (the one-pass rows' completion count)
-#define WS_COLS 10248
-#define MODE_TIES 0    // the bin's cells are all equal or all needed: the first ones still needed are taken
-#define MODE_LIST 1    // the bin's cells fit the row's list: the CTA that completes the row selects from it
-#define MODE_ROUNDS 2  // more than LIST_CAP: three more grid rounds, one digit each
-
+#define SAMPLE_TILES 32
+#define CG 6144           // listed cells above tau per row
+#define CE 2048           // listed positions equal to tau per row (>= topk)
+#define WS_SAMPLE 0       // [SAMPLE_TILES * 64] sample keys
+#define WS_GK 2048        // [CG] keys above tau
+#define WS_GP (WS_GK + CG)  // [CG] their positions
+#define WS_EP (WS_GP + CG)  // [CE] positions equal to tau
+#define WS_CTR (WS_EP + CE) // counters
+#define C_GT 0
+#define C_EQ 1
+#define C_SMP 2
+#define C_ARR 3
+#define WS_COLS (WS_CTR + 8)
+#define STG 64            // staged entries per warp
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
-struct Params {
+struct __align__(64) Params {
+    unsigned char tmap[128];     // CUtensorMap of the cache's values: [num_blocks][64 rows][128 bytes], 128-byte swizzle
     const unsigned char* cache;  // [num_blocks, block_stride] bytes: 64 x 128 fp8 values, then 64 float32 scales
     long long block_stride;
     const unsigned char* q;      // [B, NEXT_N, H, 128] fp8, contiguous
@@ -131,7 +131,7 @@ struct Params {
     int cap;                     // min(W, max_blocks * 64): limits are clamped to it
     int topk;
     int cl_2d;
-    int capt;                    // tiles of shared memory per CTA
+    int capt;                    // tiles of the CTA's list (shared memory)
     int num_blocks;              // cache blocks: a block id outside [0, num_blocks) reads as a zero key (scores 0)
 };
 
@@ -184,6 +184,29 @@ __device__ __forceinline__ u32 ld_acquire(const u32* p) {
     u32 v;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
+}
+
+__device__ __forceinline__ void mbar_init(u32 bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_expect(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred P;\nWAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 P, [%0], %1;\n"
+        "@!P bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+// The 64 x 128 bytes of cache block z (128-byte swizzle; a block outside the map reads as zeros).
+__device__ __forceinline__ void tma_tile(u32 dst, const void* tmap, int z, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+        ::"r"(dst), "l"(tmap), "r"(0), "r"(0), "r"(z), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
 // Every CTA of the (cooperative, so co-resident) grid; bar[0] is 0 on entry and on exit.
@@ -261,17 +284,6 @@ __device__ void find_digit(const int* g, u32 kr, int* wsum, u32* res) {
     __syncthreads();
 }
 
-// Adds the shared histogram h[0..NBINS) to the global one and clears it.
-template <int NBINS>
-__device__ void flush_hist(u32* h, int* g) {
-    __syncthreads();
-    for (int i = threadIdx.x; i < NBINS; i += NT) {
-        const u32 c = h[i];
-        if (c) atomicAdd(g + i, (int)c);
-        h[i] = 0;
-    }
-    __syncthreads();
-}
 
 // ---------------------------------------------------------------- wgmma
 __device__ __forceinline__ u64 smem_desc(u32 addr) {
@@ -326,11 +338,17 @@ struct Smem {
     unsigned char* qbuf;   // [NWG warpgroups][NEXT_N][H * 128], 1024-aligned
     float* scales;         // [NWG][STAGES][64]
     u32* hist;             // [2048]
+    u32* tk;               // [SAMPLE_TILES * 64] a row's sample keys
+    uint2* stg;            // [NW][STG] staged cells: key, position | j << 28
     int* wsum;             // [NW + 1] (32 words)
     u32* res;              // [4]
+    u32* ctr;              // [4] the rescoring fallback's counters
     int* cum;              // [B + 1] tiles before request b
-    int* blk;              // [capt] cache block of each local tile
-    u32* lg;               // [capt][NEXT_N][64] keys
+    u32* tau;              // [B * NEXT_N] thresholds of the CTA's rows
+    int* lb;               // [capt] request of each list entry (sample tiles first)
+    int* ltile;            // [capt] its tile within the request
+    int* blk;              // [capt] its cache block (-1: outside the cache)
+    unsigned long long* full;  // [NWG][STAGES] mbarriers: the slot's tile arrived
 };
 
 __device__ __forceinline__ Smem carve(unsigned char* raw, int B, int capt) {
@@ -342,17 +360,29 @@ __device__ __forceinline__ Smem carve(unsigned char* raw, int B, int capt) {
     p += NWG * NEXT_N * H * 128;
     s.scales = (float*)p;
     p += NWG * STAGES * 64 * 4;
+    s.full = (unsigned long long*)p;
+    p += NWG * STAGES * 8;
     s.hist = (u32*)p;
     p += 2048 * 4;
+    s.tk = (u32*)p;
+    p += SAMPLE_TILES * 64 * 4;
+    s.stg = (uint2*)p;
+    p += NW * STG * 8;
     s.wsum = (int*)p;
     p += 32 * 4;
     s.res = (u32*)p;
     p += 4 * 4;
+    s.ctr = (u32*)p;
+    p += 4 * 4;
     s.cum = (int*)p;
     p += ((B + 1) * 4 + 15) / 16 * 16;
-    s.blk = (int*)p;
+    s.tau = (u32*)p;
+    p += (B * NEXT_N * 4 + 15) / 16 * 16;
+    s.lb = (int*)p;
     p += (capt * 4 + 15) / 16 * 16;
-    s.lg = (u32*)p;
+    s.ltile = (int*)p;
+    p += (capt * 4 + 15) / 16 * 16;
+    s.blk = (int*)p;
     return s;
 }
 
@@ -362,28 +392,432 @@ __device__ __forceinline__ int seq_of(const int* cum, int g, int b) {
     return b;
 }
 
-// Issues the cp.async copies of warpgroup wg's ring stage s: its local tile wg + NWG * s of this CTA's n tiles
-// (each warpgroup streams its own tiles into its own STAGES slots; only its 128 threads copy and wait).
-__device__ __forceinline__ void load_stage(const Params& p, const Smem& sm, int wg, int wt, int s, int n) {
-    const int lt = wg + NWG * s;
-    if (lt < n && DIAG != 2) {
-        const int slot = wg * STAGES + s % STAGES;
-        unsigned char* vals = sm.vals + slot * TILE_BYTES;
-        float* scales = sm.scales + slot * 64;
-        const int blk = sm.blk[lt];  // -1: outside the cache, a zero tile (values and scales 0, nothing read)
-        const u32 bytes = blk >= 0 ? 16u : 0u;
-        const unsigned char* src = p.cache + (long long)max(blk, 0) * p.block_stride;
-#pragma unroll
-        for (int c = wt; c < 512; c += 128) {  // values: 16-byte chunk c & 7 of row c >> 3
-            const int row = c >> 3, col = c & 7;
-            cp_async16(smem_u32(vals + row * 128 + ((col ^ (row & 7)) << 4)), src + row * 128 + col * 16, bytes);
-        }
-        if (wt < 16) cp_async16(smem_u32(scales + wt * 4), src + TILE_BYTES + wt * 16, bytes);
-    }
-    cp_commit();
+__device__ __forceinline__ int n_sample(int nt) { return min(nt, SAMPLE_TILES); }
+
+// The sample index i of tile t of a request of nt tiles (t == floor(i * nt / S)), or -1.
+__device__ __forceinline__ int sample_index(int t, int nt) {
+    const int S = n_sample(nt);
+    const int i = (int)(((long long)t * S + nt - 1) / nt);
+    return (i < S && (int)((long long)i * nt / S) == t) ? i : -1;
 }
 
-// ---------------------------------------------------------------- selection
+__device__ __forceinline__ int* ws_row(const Params& p, int r) { return p.ws + (long long)r * p.stride_ws; }
+
+__device__ __forceinline__ int block_of(const Params& p, int b, int t) {
+    const int blk = p.bt[(long long)b * p.stride_bt + t];
+    return (unsigned)blk < (unsigned)p.num_blocks ? blk : -1;  // outside the cache: a zero key
+}
+
+// Warpgroup wg's ring stage s: its entry wg + NWG * s of the n tiles (the CTA's list, or with FB request fb's
+// tiles 0..n), copied by the warpgroup's first thread with TMA (values) and a bulk copy (scales) onto the slot's
+// mbarrier. A block outside the cache is a zero tile: values from outside the map, scales written as zeros.
+template <bool FB>
+__device__ __forceinline__ void load_stage(const Params& p, const Smem& sm, int wg, int wt, int s, int n, int fb) {
+    const int lt = wg + NWG * s;
+    if (wt == 0 && lt < n) {
+        const int slot = wg * STAGES + s % STAGES;
+        const u32 bar = smem_u32(sm.full + slot);
+        float* scales = sm.scales + slot * 64;
+        const int blk = FB ? block_of(p, fb, lt) : sm.blk[lt];
+        if (blk >= 0) {
+            mbar_expect(bar, TILE_BYTES + 256);
+            tma_tile(smem_u32(sm.vals + slot * TILE_BYTES), p.tmap, blk, bar);
+            bulk_copy(smem_u32(scales), p.cache + (long long)blk * p.block_stride + TILE_BYTES, 256, bar);
+        } else {
+            for (int i = 0; i < 64; ++i) scales[i] = 0.f;
+            mbar_expect(bar, TILE_BYTES);
+            tma_tile(smem_u32(sm.vals + slot * TILE_BYTES), p.tmap, p.num_blocks, bar);
+        }
+    }
+}
+
+// (Re)initializes warpgroup wg's ring barriers (phase 0); `again` after an earlier use, with no copy in flight.
+__device__ __forceinline__ void ring_init(const Smem& sm, int wg, int wt, bool again) {
+    if (wt == 0) {
+        for (int st = 0; st < STAGES; ++st) {
+            const u32 b = smem_u32(sm.full + wg * STAGES + st);
+            if (again) asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(b) : "memory");
+            mbar_init(b);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+}
+
+// ---------------------------------------------------------------- selection helpers
+// Adds n (warp-uniform) to a counter from lane 0 and returns the old value to every lane.
+__device__ __forceinline__ u32 warp_reserve(int* ctr, u32 n) {
+    u32 base = 0;
+    if (lane_id() == 0) base = (u32)atomicAdd(ctr, (int)n);
+    return __shfl_sync(FULL, base, 0);
+}
+
+__device__ __forceinline__ u32 lanes_below() { return (1u << lane_id()) - 1u; }
+
+// Warp-collective: files cells (key >= tau of their row, request b) into the rows' lists. gt / eq per lane.
+__device__ __forceinline__ void file_cell(int* ws, bool gt, bool eq, u32 key, int pos) {
+    const u32 bg = __ballot_sync(FULL, gt), be = __ballot_sync(FULL, eq);
+    if (bg) {
+        const u32 base = warp_reserve(ws + WS_CTR + C_GT, __popc(bg));
+        const u32 i = base + __popc(bg & lanes_below());
+        if (gt && i < CG) {
+            ws[WS_GK + i] = (int)key;
+            ws[WS_GP + i] = pos;
+        }
+    }
+    if (be) {
+        const u32 base = warp_reserve(ws + WS_CTR + C_EQ, __popc(be));
+        const u32 i = base + __popc(be & lanes_below());
+        if (eq && i < CE) ws[WS_EP + i] = pos;
+    }
+}
+
+// Warp-collective: the warp's cnt staged cells of request b filed, row by row.
+__device__ __forceinline__ void flush_stage(const Params& p, const Smem& sm, const uint2* st, int cnt, int b) {
+    __syncwarp();
+    const int l = lane_id();
+    const uint2 e0 = l < cnt ? st[l] : make_uint2(0u, 0xffffffffu);
+    const uint2 e1 = l + 32 < cnt ? st[l + 32] : make_uint2(0u, 0xffffffffu);
+#pragma unroll
+    for (int j = 0; j < NEXT_N; ++j) {
+        const u32 t = sm.tau[b * NEXT_N + j];
+        int* ws = ws_row(p, b * NEXT_N + j);
+        const bool m0 = (e0.y >> 28) == (u32)j, m1 = (e1.y >> 28) == (u32)j;
+        file_cell(ws, m0 && e0.x > t, m0 && e0.x == t, e0.x, (int)(e0.y & 0x0fffffffu));
+        file_cell(ws, m1 && e1.x > t, m1 && e1.x == t, e1.x, (int)(e1.y & 0x0fffffffu));
+    }
+    __syncwarp();
+}
+
+// Warp-collective: adds each lane's bin (where on) to the shared histogram h, one atomic per distinct bin of the
+// warp (the keys of a sample or of a row's list share their top bits: plain atomics would queue on a few bins).
+__device__ __forceinline__ void hist_add(u32* h, u32 bin, bool on) {
+    const u32 act = __ballot_sync(FULL, on);
+    if (on) {
+        const u32 peers = __match_any_sync(act, bin);
+        if (lane_id() == (u32)(__ffs(peers) - 1)) atomicAdd(&h[bin], (u32)__popc(peers));
+    }
+}
+
+// The r-th largest (1-based, r <= cnt) of keys[0..cnt) in shared memory: three radix digits (11, 11, 10 bits).
+__device__ u32 rank_key(const Smem& sm, const u32* keys, int cnt, u32 r) {
+    u32 prefix = 0, mask = 0;
+#pragma unroll
+    for (int d = 0; d < 3; ++d) {
+        const int shift = d == 0 ? 21 : (d == 1 ? 10 : 0);
+        const u32 bins = d == 2 ? 1024u : 2048u;
+        for (int i0 = 0; i0 < cnt; i0 += NT) {  // (warp-uniform trips: hist_add is warp-collective)
+            const int i = i0 + threadIdx.x;
+            const u32 k = i < cnt ? keys[i] : 0u;
+            hist_add(sm.hist, (k >> shift) & (bins - 1), i < cnt && ((k ^ prefix) & mask) == 0);
+        }
+        __syncthreads();
+        if (d == 2) find_digit<1024, true>((const int*)sm.hist, r, sm.wsum, sm.res);
+        else find_digit<2048, true>((const int*)sm.hist, r, sm.wsum, sm.res);
+        prefix |= sm.res[0] << shift;
+        r -= sm.res[1];
+        mask |= (bins - 1) << shift;
+        for (int i = threadIdx.x; i < 2048; i += NT) sm.hist[i] = 0;
+        __syncthreads();
+    }
+    return prefix;
+}
+
+// The need (<= cnt <= CG) largest of cnt listed cells (keys gk, positions gp in global memory) to out[0..need):
+// three radix digits in shared memory, then the first cells of the final key still needed.
+__device__ void select_top(const Smem& sm, const int* gk, const int* gp, int cnt, u32 need, int* out) {
+    u32* keys = (u32*)sm.vals;  // the ring is idle after scoring: [CG] keys, [CG] positions
+    int* pos = (int*)(keys + CG);
+    const int tid = threadIdx.x;
+    const int c4 = (cnt + 3) / 4;  // 16-byte loads (the list's columns are 16-byte aligned)
+    for (int i = tid; i < c4; i += NT) {
+        ((int4*)keys)[i] = __ldcg((const int4*)gk + i);
+        ((int4*)pos)[i] = __ldcg((const int4*)gp + i);
+    }
+    __syncthreads();
+    u32 dg[3] = {0, 0, 0};
+    int full = 3;  // the first digit whose bin is taken whole (3: none)
+    u32 prefix = 0, mask = 0;
+#pragma unroll
+    for (int d = 0; d < 3; ++d) {
+        if (full == 3) {
+            const int shift = d == 0 ? 21 : (d == 1 ? 10 : 0);
+            const u32 bins = d == 2 ? 1024u : 2048u;
+            for (int i0 = 0; i0 < cnt; i0 += NT) {
+                const int i = i0 + tid;
+                const u32 k = i < cnt ? keys[i] : 0u;
+                hist_add(sm.hist, (k >> shift) & (bins - 1), i < cnt && ((k ^ prefix) & mask) == 0);
+            }
+            __syncthreads();
+            if (d == 2) find_digit<1024, true>((const int*)sm.hist, need, sm.wsum, sm.res);
+            else find_digit<2048, true>((const int*)sm.hist, need, sm.wsum, sm.res);
+            dg[d] = sm.res[0];
+            need -= sm.res[1];
+            if (sm.res[2] == need) full = d;
+            prefix |= dg[d] << shift;
+            mask |= (bins - 1) << shift;
+            for (int i = tid; i < 2048; i += NT) sm.hist[i] = 0;
+            __syncthreads();
+        }
+    }
+    // 1: selected, 2: a cell of the final key (taken while still needed)
+    auto cls = [&](u32 k) -> int {
+        const u32 kd[3] = {k >> 21, (k >> 10) & 2047u, k & 1023u};
+#pragma unroll
+        for (int d = 0; d < 3; ++d) {
+            if (kd[d] != dg[d]) return kd[d] > dg[d] ? 1 : 0;
+            if (full == d) return 1;
+        }
+        return 2;
+    };
+    const int per = (cnt + NT - 1) / NT, lo = min(cnt, tid * per), hi = min(cnt, lo + per);
+    u32 na = 0, nt = 0;
+    for (int i = lo; i < hi; ++i) {
+        const int c = cls(keys[i]);
+        na += c == 1;
+        nt += c == 2;
+    }
+    int tot;
+    const int pre = block_scan((int)((na << 16) | nt), sm.wsum, &tot);
+    u32 ia = (u32)pre >> 16, it = (u32)pre & 0xffffu;
+    const u32 na_tot = (u32)tot >> 16;
+    for (int i = lo; i < hi; ++i) {
+        const int c = cls(keys[i]);
+        if (c == 1) out[ia++] = pos[i];
+        else if (c == 2) {
+            if (it < need) out[na_tot + it] = pos[i];
+            ++it;
+        }
+    }
+    __syncthreads();
+}
+
+// A cell's class in a rescoring round: 1 selected, 2 a tie of the final round (kept while tickets last), 0
+// neither; the cells in the round's open bin are counted in hist by the next digit. Round 4: the first digit's
+// bin is all equal or all needed (its cells are tickets).
+__device__ __forceinline__ int classify(u32 key, int round, u32 d0, u32 d1, u32 d2, u32 full1, u32* hist) {
+    const u32 k0 = key >> 21, k1 = (key >> 10) & 2047u, k2 = key & 1023u;
+    if (round == 0) {
+        atomicAdd(&hist[k0], 1u);
+        return 0;
+    }
+    if (k0 != d0) return ((round == 1 || round == 4) && k0 > d0) ? 1 : 0;
+    if (round == 4) return 2;
+    if (round == 1) {
+        atomicAdd(&hist[k1], 1u);
+        return 0;
+    }
+    if (k1 != d1) return (round == 2 && k1 > d1) ? 1 : 0;
+    if (round == 2) {
+        if (full1) return 1;
+        atomicAdd(&hist[k2], 1u);
+        return 0;
+    }
+    return k2 > d2 ? 1 : (k2 == d2 ? 2 : 0);
+}
+
+struct Fallback {
+    int b, j, lim, round, base;  // base: the first output slot of the tickets (topk - need of the final key)
+    u32 d0, d1, d2, full1, need;
+    int* out;
+};
+
+// ---------------------------------------------------------------- scoring
+__device__ void sample_done(const Params& p, const Smem& sm, int start, int end, int ns);
+
+// Scores the n tiles (the CTA's list; with FB request fb.b's tiles 0..n) warpgroup by warpgroup. Without FB: list
+// entries [0, ns) are sample tiles (keys to the workspace), then sample_done, then the rest are filtered.
+template <bool FB>
+__device__ void score(const Params& p, const Smem& sm, int n, int ns, int start, int end, const Fallback& fb,
+                      bool issued = false) {
+    const int tid = threadIdx.x;
+    const int wg = tid >> 7;           // warpgroup
+    const int wt = tid & 127;          // thread in the warpgroup
+    const int warp = tid >> 5, lane = lane_id();
+    const int m0 = 16 * (wt >> 5) + (lane >> 2), c = lane & 3;
+    if (!issued) {
+        ring_init(sm, wg, wt, true);
+        for (int s = 0; s < STAGES - 1; ++s) load_stage<FB>(p, sm, wg, wt, s, n, fb.b);
+    }
+    int qseq = -1;                      // request whose queries and weights are loaded
+    float wreg[NEXT_N][H / 4];
+    int lims[NEXT_N];
+    unsigned char* qb = sm.qbuf + wg * NEXT_N * H * 128;
+    uint2* st = sm.stg + warp * STG;
+    int scnt = 0, sreq = 0;             // this warp's staged cells, of request sreq
+    const int mine = n > wg ? (n - wg + NWG - 1) / NWG : 0;  // this warpgroup's tiles
+    const int s_sw = FB ? -1 : (ns > wg ? (ns - wg + NWG - 1) / NWG : 0);  // its sample tiles
+    for (int s = 0; s <= mine; ++s) {
+        if (!FB && s == s_sw) sample_done(p, sm, start, end, ns);
+        if (s == mine) break;
+        const int lt = wg + NWG * s;
+        const int slot = wg * STAGES + s % STAGES;
+        WG_BAR();  // every thread is done with the slot refilled next
+        load_stage<FB>(p, sm, wg, wt, s + STAGES - 1, n, fb.b);
+        mbar_wait(smem_u32(sm.full + slot), (u32)(s / STAGES) & 1u);
+        const unsigned char* vals = sm.vals + slot * TILE_BYTES;
+        const float* scales = sm.scales + slot * 64;
+        const int cb = FB ? fb.b : sm.lb[lt];
+        const int tile = FB ? lt : sm.ltile[lt];
+        const bool sample = !FB && lt < ns;
+        const int si = sample ? sample_index(tile, sm.cum[cb + 1] - sm.cum[cb]) : 0;
+        if (cb != qseq) {  // this warpgroup's queries and weights of request cb
+            if (!FB && scnt) {
+                flush_stage(p, sm, st, scnt, sreq);
+                scnt = 0;
+            }
+            sreq = cb;
+            qseq = cb;
+            const uint4* qsrc = (const uint4*)(p.q + (long long)cb * NEXT_N * H * 128);
+            for (int i = wt; i < NEXT_N * H * 8; i += 128) {
+                const int row = i >> 3, col = i & 7;
+                *(uint4*)(qb + row * 128 + ((col ^ (row & 7)) << 4)) = qsrc[i];
+            }
+#pragma unroll
+            for (int j = 0; j < NEXT_N; ++j) {
+                const float* wr = p.w + (long long)(cb * NEXT_N + j) * p.stride_w;
+#pragma unroll
+                for (int i = 0; i < H / 8; ++i) {
+                    wreg[j][2 * i] = wr[8 * i + 2 * c];
+                    wreg[j][2 * i + 1] = wr[8 * i + 2 * c + 1];
+                }
+                lims[j] = row_limit(p, cb, j);
+            }
+            fence_async_smem();
+            WG_BAR();
+        }
+#pragma unroll
+        for (int j = 0; j < NEXT_N; ++j) {
+            if (FB && j != fb.j) continue;
+            float d[ACC_N];
+#pragma unroll
+            for (int i = 0; i < ACC_N; ++i) d[i] = 0.f;
+            wg_fence();
+            mma_tile(d, smem_u32(vals), smem_u32(qb + j * H * 128));
+            wg_commit();
+            wg_wait0();
+            float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+            for (int i = 0; i < ACC_N / 4; ++i) {
+                s0 += fmaxf(d[4 * i], 0.f) * wreg[j][2 * i] + fmaxf(d[4 * i + 1], 0.f) * wreg[j][2 * i + 1];
+                s1 += fmaxf(d[4 * i + 2], 0.f) * wreg[j][2 * i] + fmaxf(d[4 * i + 3], 0.f) * wreg[j][2 * i + 1];
+            }
+            s0 += __shfl_xor_sync(FULL, s0, 1);
+            s1 += __shfl_xor_sync(FULL, s1, 1);
+            s0 += __shfl_xor_sync(FULL, s0, 2);
+            s1 += __shfl_xor_sync(FULL, s1, 2);
+            const int m = m0 + 8 * (c & 1);
+            const float v = round_cell((c & 1 ? s1 : s0) * scales[m]);
+            const u32 key = fkey(v);
+            const int pos = tile * BLOCK_KEYS + m;
+            const bool has = c < 2, inside = has && pos < lims[j], active = lims[j] > p.topk;
+            if (FB) {
+                if (inside) {
+                    const int cl = classify(key, fb.round, fb.d0, fb.d1, fb.d2, fb.full1, sm.hist);
+                    if (cl == 1) {
+                        fb.out[atomicAdd(&sm.ctr[0], 1u)] = pos;
+                    } else if (cl == 2) {
+                        const u32 t = atomicAdd(&sm.ctr[1], 1u);
+                        if (t < fb.need) fb.out[fb.base + t] = pos;
+                    }
+                }
+            } else {
+#if LG_OUT
+                if (inside) {
+                    const long long o = (long long)(cb * NEXT_N + j) * p.stride_lg + pos;
+#if BF16
+                    ((unsigned short*)p.lg)[o] = (unsigned short)(__float_as_uint(v) >> 16);
+#else
+                    ((float*)p.lg)[o] = v;
+#endif
+                }
+#endif
+                if (sample) {
+                    if (has && active) ws_row(p, cb * NEXT_N + j)[WS_SAMPLE + si * 64 + m] = inside ? (int)key : 0;
+                } else {
+                    const bool sel = inside && active && key >= sm.tau[cb * NEXT_N + j];
+                    const u32 bm = __ballot_sync(FULL, sel);
+                    if (bm) {
+                        if (scnt + __popc(bm) > STG) {
+                            flush_stage(p, sm, st, scnt, sreq);
+                            scnt = 0;
+                        }
+                        if (sel) st[scnt + __popc(bm & lanes_below())] = make_uint2(key, (u32)pos | ((u32)j << 28));
+                        scnt += __popc(bm);
+                    }
+                }
+            }
+        }
+    }
+    if (!FB && scnt) flush_stage(p, sm, st, scnt, sreq);
+    __syncthreads();
+}
+
+// Between the sample tiles and the rest (every thread once): the sample tiles counted per request, the CTA's
+// requests' samples awaited, every row's tau computed, the CTA's own sample cells filed.
+__device__ void sample_done(const Params& p, const Smem& sm, int start, int end, int ns) {
+    const int tid = threadIdx.x;
+    __threadfence();
+    __syncthreads();
+    MARK(3);
+    for (int e = tid; e < ns; e += NT) atomicAdd(ws_row(p, sm.lb[e] * NEXT_N) + WS_CTR + C_SMP, 1);
+    const int n = end - start;
+    const int b0 = n > 0 ? seq_of(sm.cum, start, 0) : 0;
+    int b1 = b0;  // one past the CTA's last request
+    while (n > 0 && b1 < p.B && sm.cum[b1] < end) ++b1;
+    for (int b = b0 + tid; b < b1; b += NT) {
+        const u32 want = (u32)n_sample(sm.cum[b + 1] - sm.cum[b]);
+        if (want) {
+            while (ld_acquire((const u32*)(ws_row(p, b * NEXT_N) + WS_CTR + C_SMP)) < want) {
+            }
+        }
+    }
+    __threadfence();
+    __syncthreads();
+    MARK(4);
+    for (int b = b0; b < b1; ++b) {
+        const int nt = sm.cum[b + 1] - sm.cum[b];
+        if (nt == 0) continue;
+        const int S = n_sample(nt);
+        for (int j = 0; j < NEXT_N; ++j) {
+            const int lim = row_limit(p, b, j);
+            if (lim <= p.topk) continue;
+            const int* src = ws_row(p, b * NEXT_N + j) + WS_SAMPLE;
+            for (int i = tid; i < S * 64; i += NT) sm.tk[i] = (u32)__ldcg(src + i);
+            int s_in = 0;  // sample cells inside the window
+            for (int i = 0; i < S; ++i) s_in += max(0, min(BLOCK_KEYS, lim - (int)((long long)i * nt / S) * BLOCK_KEYS));
+            const float m = (float)p.topk * (float)s_in / (float)lim;
+            const u32 r = (u32)min(max((int)ceilf(m + 4.f * sqrtf(m) + 4.f), 1), s_in);
+            __syncthreads();
+            const u32 t = NO_SAMPLE_FILTER ? 0xffffffffu : rank_key(sm, sm.tk, S * 64, r);
+            if (tid == 0) sm.tau[b * NEXT_N + j] = t;
+            __syncthreads();
+        }
+    }
+    MARK(7);
+    // the CTA's own sample cells: warp w takes entries w, w + NW, ... (64 cells of each row, two per lane)
+    const int warp = tid >> 5, lane = lane_id();
+    for (int e = warp; e < ns; e += NW) {
+        const int b = sm.lb[e], tile = sm.ltile[e];
+        const int si = sample_index(tile, sm.cum[b + 1] - sm.cum[b]);
+#pragma unroll
+        for (int j = 0; j < NEXT_N; ++j) {
+            const int lim = row_limit(p, b, j);
+            if (lim <= p.topk) continue;
+            int* ws = ws_row(p, b * NEXT_N + j);
+            const u32 t = sm.tau[b * NEXT_N + j];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int m = lane + 32 * h, pos = tile * BLOCK_KEYS + m;
+                const u32 key = (u32)__ldcg(ws + WS_SAMPLE + si * 64 + m);
+                const bool in = pos < lim;
+                file_cell(ws, in && key > t, in && key == t, key, pos);
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// ---------------------------------------------------------------- finishing a row
 // A CTA's piece of one row: local tiles [la, le) of request b, row j of its next_n.
 struct Piece {
     int b, j, lim, la, le, t0;  // t0: the piece's first tile within request b
@@ -403,28 +837,10 @@ __device__ __forceinline__ void for_pieces(const Params& p, const Smem& sm, int 
             const int lim = row_limit(p, b, j);
             if (lim <= p.topk) continue;
             const int r = b * NEXT_N + j;
-            const Piece pc{b, j, lim, la, le, la + start - sm.cum[b], p.ws + (long long)r * p.stride_ws,
+            const Piece pc{b, j, lim, la, le, la + start - sm.cum[b], ws_row(p, r),
                            p.out + (long long)r * p.stride_o};
             f(pc);
         }
-    }
-}
-
-// f(key, position) for this thread's cells of the piece inside the row's window, in the same order every time
-// (4 consecutive keys per 16-byte load).
-template <class F>
-__device__ __forceinline__ void for_cells(const Smem& sm, const Piece& pc, F&& f) {
-    const int groups = (pc.le - pc.la) * (BLOCK_KEYS / 4);
-    for (int gi = threadIdx.x; gi < groups; gi += NT) {
-        const int i = gi * 4;
-        const int tile = pc.la + i / BLOCK_KEYS, m = i % BLOCK_KEYS;
-        const int pos = (pc.t0 + i / BLOCK_KEYS) * BLOCK_KEYS + m;
-        if (pos >= pc.lim) break;
-        const uint4 kv = *(const uint4*)(sm.lg + (tile * NEXT_N + pc.j) * 64 + m);
-        const u32 keys[4] = {kv.x, kv.y, kv.z, kv.w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-            if (pos + e < pc.lim) f(keys[e], pos + e);
     }
 }
 
@@ -433,163 +849,71 @@ __device__ __forceinline__ int piece_cells(const Piece& pc) {
     return max(0, min(pc.lim, (pc.t0 + pc.le - pc.la) * BLOCK_KEYS) - pc.t0 * BLOCK_KEYS);
 }
 
-// How a row is finished, from its first digit's bin d0 (in cells in it, need of them wanted); key 0 (-inf,
-// NaN) is one value, so its bin's cells are all equal.
-__device__ __forceinline__ int row_mode(u32 d0, u32 in, u32 need) {
-    if (in == need || d0 == 0) return MODE_TIES;
-    return in <= LIST_CAP ? MODE_LIST : MODE_ROUNDS;
-}
-
-// The need largest of a row's cnt listed cells (keys that share their top 11 bits) written to out[0..need):
-// two shared-memory digits (11 and 10 bits), then the first cells of the final key still needed.
-__device__ void select_list(const Smem& sm, const int* lkeys, const int* lpos, int cnt, u32 need, int* out) {
-    u32* keys = (u32*)sm.vals;  // the ring is idle after scoring: [LIST_CAP] keys, [LIST_CAP] positions
-    int* pos = (int*)(keys + LIST_CAP);
+// The exact top-k of row (b, j) by rescoring it in this CTA alone: four passes of one radix digit each.
+__device__ void rescore_row(const Params& p, const Smem& sm, const Piece& pc) {
     const int tid = threadIdx.x;
-    const int c4 = (cnt + 3) / 4;  // 16-byte loads, all issued before any store (the list's rows are aligned)
-#pragma unroll 2
-    for (int i = tid; i < c4; i += NT) {
-        const int4 kv = __ldcg((const int4*)lkeys + i);
-        const int4 pv = __ldcg((const int4*)lpos + i);
-        ((int4*)keys)[i] = kv;
-        ((int4*)pos)[i] = pv;
-    }
+    const int n = (pc.lim + BLOCK_KEYS - 1) / BLOCK_KEYS;
+    const u32 topk = (u32)p.topk;
+    Fallback fb{pc.b, pc.j, pc.lim, 0, 0, 0, 0, 0, 0, 0, pc.out};
+    for (int i = tid; i < 2048; i += NT) sm.hist[i] = 0;
+    if (tid < 4) sm.ctr[tid] = 0;
     __syncthreads();
-    for (int i = tid; i < cnt; i += NT) atomicAdd(&sm.hist[(keys[i] >> 10) & 2047u], 1u);
-    __syncthreads();
-    find_digit<2048, true>((const int*)sm.hist, need, sm.wsum, sm.res);
-    const u32 d1 = sm.res[0], need1 = need - sm.res[1], full1 = sm.res[2] == need1;
+    score<true>(p, sm, n, 0, 0, 0, fb);  // round 0: the first digit's histogram
+    find_digit<2048, true>((const int*)sm.hist, topk, sm.wsum, sm.res);
+    fb.d0 = sm.res[0];
+    fb.need = topk - sm.res[1];
+    const bool ties = sm.res[2] == fb.need || fb.d0 == 0;  // all of the bin needed, or all equal (key 0)
     for (int i = tid; i < 2048; i += NT) sm.hist[i] = 0;
     __syncthreads();
-    u32 d2 = 0, need2 = need1;
-    if (!full1) {
-        for (int i = tid; i < cnt; i += NT)
-            if (((keys[i] >> 10) & 2047u) == d1) atomicAdd(&sm.hist[keys[i] & 1023u], 1u);
-        __syncthreads();
-        find_digit<1024, true>((const int*)sm.hist, need1, sm.wsum, sm.res);
-        d2 = sm.res[0];
-        need2 = need1 - sm.res[1];
-        for (int i = tid; i < 1024; i += NT) sm.hist[i] = 0;
-        __syncthreads();
+    if (ties) {
+        fb.round = 4;
+        fb.base = (int)(topk - fb.need);
+        score<true>(p, sm, n, 0, 0, 0, fb);
+        return;
     }
-    // 1: selected, 2: a cell of the final key (taken while still needed)
-    auto cls = [&](u32 k) -> int {
-        const u32 k1 = (k >> 10) & 2047u, k2 = k & 1023u;
-        if (k1 != d1) return k1 > d1 ? 1 : 0;
-        if (full1) return 1;
-        return k2 > d2 ? 1 : (k2 == d2 ? 2 : 0);
-    };
-    const int per = (cnt + NT - 1) / NT, lo = min(cnt, tid * per), hi = min(cnt, lo + per);
-    u32 na = 0, nt = 0;
-    for (int i = lo; i < hi; ++i) {
-        const int c = cls(keys[i]);
-        na += c == 1;
-        nt += c == 2;
-    }
-    int tot;
-    const int pre = block_scan((int)((na << 16) | nt), sm.wsum, &tot);
-    u32 ia = (u32)pre >> 16, it = (u32)pre & 0xffffu;
-    const u32 na_tot = (u32)tot >> 16;
-    for (int i = lo; i < hi; ++i) {
-        const int c = cls(keys[i]);
-        if (c == 1) out[ia++] = pos[i];
-        else if (c == 2) {
-            if (it < need2) out[na_tot + it] = pos[i];
-            ++it;
-        }
-    }
+    fb.round = 1;
+    score<true>(p, sm, n, 0, 0, 0, fb);
+    find_digit<2048, true>((const int*)sm.hist, fb.need, sm.wsum, sm.res);
+    fb.d1 = sm.res[0];
+    fb.need -= sm.res[1];
+    fb.full1 = sm.res[2] == fb.need;
+    for (int i = tid; i < 2048; i += NT) sm.hist[i] = 0;
     __syncthreads();
+    fb.round = 2;
+    score<true>(p, sm, n, 0, 0, 0, fb);
+    if (fb.full1) return;
+    find_digit<1024, true>((const int*)sm.hist, fb.need, sm.wsum, sm.res);
+    fb.d2 = sm.res[0];
+    fb.need -= sm.res[1];
+    for (int i = tid; i < 2048; i += NT) sm.hist[i] = 0;
+    __syncthreads();
+    fb.round = 3;
+    fb.base = (int)(topk - fb.need);
+    score<true>(p, sm, n, 0, 0, 0, fb);
 }
 
-// A cell's class in a round: 1 selected, 2 a tie of the final round (kept while tickets last), 0 neither; with
-// hist, the cells in the round's open bin are counted there by the next digit.
-__device__ __forceinline__ int classify(u32 key, int round, u32 d0, u32 d1, u32 d2, u32 full1, u32* hist) {
-    const u32 k0 = key >> 21, k1 = (key >> 10) & 2047u, k2 = key & 1023u;
-    if (k0 != d0) return (round == 1 && k0 > d0) ? 1 : 0;
-    if (round == 1) {
-        if (hist) atomicAdd(&hist[k1], 1u);
-        return 0;
+// The row's selection by the CTA that completed it (see the header).
+__device__ void finish_row(const Params& p, const Smem& sm, const Piece& pc) {
+    const int tid = threadIdx.x;
+    if (tid == 0) {
+        sm.res[0] = ld_acquire((const u32*)(pc.ws + WS_CTR + C_GT));
+        sm.res[1] = ld_acquire((const u32*)(pc.ws + WS_CTR + C_EQ));
     }
-    if (k1 != d1) return (round == 2 && k1 > d1) ? 1 : 0;
-    if (round == 2) {
-        if (full1) return 1;
-        if (hist) atomicAdd(&hist[k2], 1u);
-        return 0;
-    }
-    return k2 > d2 ? 1 : (k2 == d2 ? 2 : 0);
-}
-
-// Round 1, 2 or 3 of a row whose first bin d0 (need of its cells wanted) overflows the list (MODE_ROUNDS), run by
-// each of the row's CTAs with a row barrier between rounds: round 1 writes the cells above d0 and histograms the
-// cells in it by the next 11 bits, round 2 the same one digit lower, round 3 the last 10 bits, with tickets for
-// the final key's cells. The later digits are recomputed from the global histograms (no per-row state is kept).
-__device__ void slow_round(const Smem& sm, const Piece& pc, int round, u32 d0, u32 need) {
-    u32 d1 = 0, d2 = 0, full1 = 0;
-    if (round >= 2) {
-        find_digit<2048, false>(pc.ws + WS_H1, need, sm.wsum, sm.res);
-        d1 = sm.res[0];
-        need -= sm.res[1];
-        full1 = sm.res[2] == need;
-        if (round == 3 && full1) return;
-    }
-    if (round == 3) {
-        find_digit<1024, false>(pc.ws + WS_H2, need, sm.wsum, sm.res);
-        d2 = sm.res[0];
-        need -= sm.res[1];
-    }
-    u32 na = 0, nt = 0;
-    for_cells(sm, pc, [&](u32 key, int) {
-        const int c = classify(key, round, d0, d1, d2, full1, sm.hist);
-        na += c == 1;
-        nt += c == 2;
-    });
-    int tot;  // one block scan of both counts (each below 2^16: a CTA holds fewer than 65536 cells)
-    const int pre = block_scan((int)((na << 16) | nt), sm.wsum, &tot);
-    const u32 na_tot = (u32)tot >> 16, nt_tot = (u32)tot & 0xffffu;
-    if (na_tot + nt_tot) {
-        if (threadIdx.x == 0) {
-            const u32 tie0 = nt_tot ? (u32)atomicAdd(pc.ws + WS_TIE, (int)nt_tot) : 0u;
-            const u32 taken = tie0 >= need ? 0u : min(nt_tot, need - tie0);
-            sm.res[0] = (u32)atomicAdd(pc.ws + WS_SEL, (int)(na_tot + taken));
-            sm.res[1] = tie0;
-        }
-        __syncthreads();
-        const u32 base = sm.res[0], tie0 = sm.res[1];
-        u32 ia = base + ((u32)pre >> 16), it = (u32)pre & 0xffffu;
-        if (na || nt) {
-            for_cells(sm, pc, [&](u32 key, int pos) {
-                const int c = classify(key, round, d0, d1, d2, full1, nullptr);
-                if (c == 1) {
-                    pc.out[ia++] = pos;
-                } else if (c == 2) {
-                    if (tie0 + it < need) pc.out[base + na_tot + it] = pos;
-                    ++it;
-                }
-            });
-        }
-    }
-    if (round == 1) flush_hist<2048>(sm.hist, pc.ws + WS_H1);
-    else if (round == 2 && !full1) flush_hist<1024>(sm.hist, pc.ws + WS_H2);
     __syncthreads();
-}
-
-// The row's CTAs (each adds its cells; they total lim per round) wait for each other after round `round`. Every
-// CTA takes its pieces in row order, so the lowest row not yet done always has all its CTAs at its barrier.
-__device__ void row_barrier(const Piece& pc, int round) {
+    const u32 g = sm.res[0], e = sm.res[1], k = (u32)p.topk;
     __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(pc.ws + WS_ARR, piece_cells(pc));
-        const u32 target = (u32)round * (u32)pc.lim;
-        while (ld_acquire((const u32*)(pc.ws + WS_ARR)) < target) {
-        }
-        __threadfence();
+    if (g > CG || g + e < k) {
+        rescore_row(p, sm, pc);
+    } else if (g >= k) {
+        select_top(sm, pc.ws + WS_GK, pc.ws + WS_GP, (int)g, k, pc.out);
+    } else {
+        for (u32 i = tid; i < k; i += NT) pc.out[i] = __ldcg(i < g ? pc.ws + WS_GP + i : pc.ws + WS_EP + (i - g));
     }
     __syncthreads();
 }
 
 // ---------------------------------------------------------------- the kernel
-extern "C" __global__ void __launch_bounds__(NT, 1) si_paged_mqa_topk(const Params p) {
+extern "C" __global__ void __launch_bounds__(NT, 1) si_paged_mqa_topk(const __grid_constant__ Params p) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const Smem sm = carve(smem_raw, p.B, p.capt);
     MARK(0);
@@ -627,211 +951,75 @@ extern "C" __global__ void __launch_bounds__(NT, 1) si_paged_mqa_topk(const Para
     const int end = (int)((long long)(pid + 1) * total / P);
     const int n = end - start;
     if (n > p.capt) __trap();  // the host sizes capt for the worst case; never taken
-    // The cache block of every local tile (one round of independent loads instead of one per ring stage).
-    for (int lt = tid; lt < n; lt += NT) {
-        const int g = start + lt;
-        int lo = 0, hi = p.B - 1;  // the last request with cum <= g (never an empty one: g < total)
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) >> 1;
-            if (sm.cum[mid] <= g) lo = mid;
-            else hi = mid - 1;
+    // The CTA's list: its sample tiles first, then the others, each in tile order (contiguous chunks per thread).
+    int ns;
+    {
+        const int per = (n + NT - 1) / NT, lo = min(n, tid * per), hi = min(n, lo + per);
+        int b = 0, cnt = 0;
+        if (lo < hi) {
+            int l = 0, h = p.B - 1;  // the last request with cum <= g (never an empty one: g < total)
+            const int g = start + lo;
+            while (l < h) {
+                const int mid = (l + h + 1) >> 1;
+                if (sm.cum[mid] <= g) l = mid;
+                else h = mid - 1;
+            }
+            b = l;
         }
-        const int blk = p.bt[(long long)lo * p.stride_bt + (g - sm.cum[lo])];
-        sm.blk[lt] = (unsigned)blk < (unsigned)p.num_blocks ? blk : -1;  // outside the cache: a zero key
+        const int bfirst = b;
+        for (int lt = lo; lt < hi; ++lt) {
+            b = seq_of(sm.cum, start + lt, b);
+            cnt += sample_index(start + lt - sm.cum[b], sm.cum[b + 1] - sm.cum[b]) >= 0;
+        }
+        int pre = block_scan(cnt, sm.wsum, &ns);
+        int other = ns + lo - pre;
+        b = bfirst;
+        for (int lt = lo; lt < hi; ++lt) {
+            b = seq_of(sm.cum, start + lt, b);
+            const int t = start + lt - sm.cum[b];
+            const int idx = sample_index(t, sm.cum[b + 1] - sm.cum[b]) >= 0 ? pre++ : other++;
+            sm.lb[idx] = b;
+            sm.ltile[idx] = t;
+            sm.blk[idx] = block_of(p, b, t);
+        }
     }
 
-    // Rows of at most topk cells: 0..len-1, then -1. Longer rows: their workspace row zeroed.
+    // Rows of at most topk cells: 0..len-1, then -1. Every row's counters zeroed.
     for (int r = pid; r < rows; r += P) {
         const int lim = row_limit(p, r / NEXT_N, r % NEXT_N);
-        if (lim <= p.topk) {
+        if (lim <= p.topk)
             for (int i = tid; i < p.topk; i += NT) p.out[(long long)r * p.stride_o + i] = i < lim ? i : -1;
-        } else {
-            int4* wr = (int4*)(p.ws + (long long)r * p.stride_ws);  // the histograms and the counters
-            for (int i = tid; i < WS_H2 / 4 + 256 + 2; i += NT)
-                wr[i < WS_H2 / 4 + 256 ? i : WS_SEL / 4 + i - (WS_H2 / 4 + 256)] = make_int4(0, 0, 0, 0);
-        }
+        if (tid < 2) ((int4*)(ws_row(p, r) + WS_CTR))[tid] = make_int4(0, 0, 0, 0);
     }
-
-    __syncthreads();
+    __syncthreads();  // the list complete
+    const Fallback none{0, 0, 0, 0, 0, 0, 0, 0, 0, 0, nullptr};
+    {  // the rings' first tiles in flight across the grid barrier
+        const int wg = tid >> 7, wt = tid & 127;
+        ring_init(sm, wg, wt, false);
+        for (int s = 0; s < STAGES - 1; ++s) load_stage<false>(p, sm, wg, wt, s, n, 0);
+    }
     MARK(1);
-
-    // ---- score: each warpgroup streams its own tiles wg, wg + NWG, ... through its own ring
-    {
-        const int wg = tid >> 7;           // warpgroup
-        const int wt = tid & 127;          // thread in the warpgroup
-#pragma unroll
-        for (int s = 0; s < STAGES - 1; ++s) load_stage(p, sm, wg, wt, s, n);
-        const int warp = wt >> 5, lane = lane_id();
-        const int m0 = 16 * warp + (lane >> 2), c = lane & 3;
-        int cb = 0;                         // this warpgroup's walk over requests
-        int qseq = -1;                      // request whose queries and weights are loaded
-        float wreg[NEXT_N][H / 4];
-        int lims[NEXT_N];
-        unsigned char* qb = sm.qbuf + wg * NEXT_N * H * 128;
-        const int mine = n > wg ? (n - wg + NWG - 1) / NWG : 0;  // this warpgroup's tiles
-        const int trips = CTA_BARRIERS ? (n + NWG - 1) / NWG : mine;  // (CTA-wide barriers: equal trip counts)
-        for (int s = 0; s < trips; ++s) {
-            cp_wait<STAGES - 2>();
-            fence_async_smem();
-            WG_BAR();
-            load_stage(p, sm, wg, wt, s + STAGES - 1, n);
-            if (s >= mine) {  // (CTA_BARRIERS only)
-                WG_BAR();
-                continue;
-            }
-            const int lt = wg + NWG * s;
-            const int slot = wg * STAGES + s % STAGES;
-            const unsigned char* vals = sm.vals + slot * TILE_BYTES;
-            const float* scales = sm.scales + slot * 64;
-            const int g = start + lt;
-            cb = seq_of(sm.cum, g, cb);
-            const bool newq = cb != qseq;
-            if (newq) {  // this warpgroup's queries and weights of request cb
-                qseq = cb;
-                const uint4* qsrc = (const uint4*)(p.q + (long long)cb * NEXT_N * H * 128);
-                for (int i = wt; i < NEXT_N * H * 8; i += 128) {
-                    const int row = i >> 3, col = i & 7;
-                    *(uint4*)(qb + row * 128 + ((col ^ (row & 7)) << 4)) = qsrc[i];
-                }
-#pragma unroll
-                for (int j = 0; j < NEXT_N; ++j) {
-                    const float* wr = p.w + (long long)(cb * NEXT_N + j) * p.stride_w;
-#pragma unroll
-                    for (int i = 0; i < H / 8; ++i) {
-                        wreg[j][2 * i] = wr[8 * i + 2 * c];
-                        wreg[j][2 * i + 1] = wr[8 * i + 2 * c + 1];
-                    }
-                    lims[j] = row_limit(p, cb, j);
-                }
-                fence_async_smem();
-            }
-            if (newq || CTA_BARRIERS) WG_BAR();
-            const int tile = g - sm.cum[cb];  // the tile's index within request cb
-#pragma unroll
-            for (int j = 0; j < NEXT_N; ++j) {
-                float d[ACC_N];
-#pragma unroll
-                for (int i = 0; i < ACC_N; ++i) d[i] = 0.f;
-                if (DIAG != 1) {
-                    wg_fence();
-                    mma_tile(d, smem_u32(vals), smem_u32(qb + j * H * 128));
-                    wg_commit();
-                    wg_wait0();
-                }
-                float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-                for (int i = 0; i < ACC_N / 4; ++i) {
-                    s0 += fmaxf(d[4 * i], 0.f) * wreg[j][2 * i] + fmaxf(d[4 * i + 1], 0.f) * wreg[j][2 * i + 1];
-                    s1 += fmaxf(d[4 * i + 2], 0.f) * wreg[j][2 * i] + fmaxf(d[4 * i + 3], 0.f) * wreg[j][2 * i + 1];
-                }
-                s0 += __shfl_xor_sync(FULL, s0, 1);
-                s1 += __shfl_xor_sync(FULL, s1, 1);
-                s0 += __shfl_xor_sync(FULL, s0, 2);
-                s1 += __shfl_xor_sync(FULL, s1, 2);
-                if (c < 2) {
-                    const int m = m0 + 8 * c;
-                    const float v = round_cell((c ? s1 : s0) * scales[m]);
-                    sm.lg[(lt * NEXT_N + j) * 64 + m] = fkey(v);
-#if LG_OUT
-                    const int pos = tile * BLOCK_KEYS + m;
-                    if (pos < lims[j]) {
-                        const long long o = (long long)(cb * NEXT_N + j) * p.stride_lg + pos;
-#if BF16
-                        ((unsigned short*)p.lg)[o] = (unsigned short)(__float_as_uint(v) >> 16);
-#else
-                        ((float*)p.lg)[o] = v;
-#endif
-                    }
-#endif
-                }
-            }
-            (void)tile;
-            (void)lims;
-        }
-        cp_wait<0>();
-    }
+    grid_barrier(p.bar);  // every counter zeroed
     MARK(2);
-    grid_barrier(p.bar);  // every workspace row zeroed
-    MARK(3);
-
-    // ---- round 0: the row pieces' histograms of the top 11 key bits, into the rows' global histograms
-    for_pieces(p, sm, start, end, n, [&](const Piece& pc) {
-        for_cells(sm, pc, [&](u32 key, int) { atomicAdd(&sm.hist[key >> 21], 1u); });
-        flush_hist<2048>(sm.hist, pc.ws + WS_H0);
-    });
-    grid_barrier(p.bar);
-    MARK(4);
-
-    // ---- the one-pass select: a row's histogram gives the bin of its topk-th largest key
-    for_pieces(p, sm, start, end, n, [&](const Piece& pc) {
-        find_digit<2048, false>(pc.ws + WS_H0, (u32)p.topk, sm.wsum, sm.res);
-        const u32 d0 = sm.res[0], above = sm.res[1], in = sm.res[2], need = (u32)p.topk - above;
-        const int mode = row_mode(d0, in, need);
-        if (mode == MODE_ROUNDS) {  // (a piece of no cells in the window takes no part)
-            if (piece_cells(pc) > 0) {
-                for (int round = 1; round < 4; ++round) {
-                    slow_round(sm, pc, round, d0, need);
-                    if (round < 3) row_barrier(pc, round);
-                }
-            }
-            return;
-        }
-        u32 na = 0, nb = 0;  // this thread's cells above the bin and in it
-        for_cells(sm, pc, [&](u32 key, int) {
-            na += (key >> 21) > d0;
-            nb += (key >> 21) == d0;
-        });
-        int tot;
-        const int pre = block_scan((int)((na << 16) | nb), sm.wsum, &tot);
-        const u32 na_tot = (u32)tot >> 16, nb_tot = (u32)tot & 0xffffu;
-        if (tid == 0) {
-            u32 b0 = 0, taken = 0;
-            if (mode == MODE_TIES) {  // the bin's cells are all equal (or all needed): the first ones taken
-                b0 = nb_tot ? (u32)atomicAdd(pc.ws + WS_TIE, (int)nb_tot) : 0u;
-                taken = b0 >= need ? 0u : min(nb_tot, need - b0);
-            } else if (nb_tot) {  // MODE_LIST: the bin's cells go to the row's candidate list
-                b0 = (u32)atomicAdd(pc.ws + WS_CNT, (int)nb_tot);
-            }
-            sm.res[0] = (na_tot + taken) ? (u32)atomicAdd(pc.ws + WS_SEL, (int)(na_tot + taken)) : 0u;
-            sm.res[1] = b0;
-        }
-        __syncthreads();
-        const u32 base = sm.res[0], b0 = sm.res[1];
-        u32 ia = base + ((u32)pre >> 16), ib = (u32)pre & 0xffffu;
-        int* lkeys = pc.ws + WS_LIST;
-        int* lpos = lkeys + LIST_CAP;
-        if (na || nb) {
-            for_cells(sm, pc, [&](u32 key, int pos) {
-                const u32 k0 = key >> 21;
-                if (k0 > d0) {
-                    pc.out[ia++] = pos;
-                } else if (k0 == d0) {
-                    if (mode == MODE_TIES) {
-                        if (b0 + ib < need) pc.out[base + na_tot + ib] = pos;
-                    } else {
-                        lkeys[b0 + ib] = (int)key;
-                        lpos[b0 + ib] = pos;
-                    }
-                    ++ib;
-                }
-            });
-        }
-        if (mode == MODE_LIST) {  // the CTA whose cells complete the row selects need of its list
-            __syncthreads();
-            if (tid == 0) {
-                __threadfence();
-                const int cells = piece_cells(pc);
-                const int old = atomicAdd(pc.ws + WS_ARR, cells);
-                sm.res[2] = cells > 0 && old + cells == pc.lim;
-            }
-            __syncthreads();
-            if (sm.res[2]) {
-                __threadfence();
-                select_list(sm, lkeys, lpos, (int)in, need, pc.out + above);
-            }
-        }
-        __syncthreads();
-    });
+    score<false>(p, sm, n, ns, start, end, none, true);
+    __threadfence();
+    __syncthreads();
     MARK(5);
-    MARK(7);
+
+    // ---- finish: the CTA whose cells complete a row selects it
+    for_pieces(p, sm, start, end, n, [&](const Piece& pc) {
+        if (tid == 0) {
+            const int cells = piece_cells(pc);
+            const int old = cells > 0 ? atomicAdd(pc.ws + WS_CTR + C_ARR, cells) : -1;
+            sm.res[3] = cells > 0 && old + cells == pc.lim;
+        }
+        __syncthreads();
+        const bool mine = sm.res[3];
+        __syncthreads();
+        if (mine) {
+            __threadfence();
+            finish_row(p, sm, pc);
+        }
+    });
+    MARK(6);
 }

@@ -2,18 +2,18 @@
 
 Row ``r`` of the int32 workspace ``[>= B * next_n, FUSED_WORKSPACE_COLS]`` holds, for row ``r``:
 
-- the histogram of the keys' top 11 bits (2048 bins);
-- either the two histograms of the later digits (2048 and 1024 bins: the next 11 bits, the last 10), for a row
-  whose threshold bin holds more than ``LIST_CAP`` cells, or, over the same columns and beyond, the row's list of
-  the threshold bin's cells (``LIST_CAP`` keys, then ``LIST_CAP`` positions);
-- 8 counters (output slots taken, tickets of a tie class, list entries taken, cells done; the rest unused).
+- the keys of the row's sample (``SAMPLE_TILES`` tiles of 64 cells);
+- the row's list of the cells above its threshold (``LIST_CAP`` keys, then ``LIST_CAP`` positions) and the
+  positions of the first ``TIE_CAP`` cells equal to it;
+- 8 counters (cells above the threshold, cells equal to it, sample tiles done, cells done; the rest unused).
 
-The kernel zeroes what it counts in at the start of each call, so the contents before and after a call are
+The kernel zeroes its counters at the start of each call, so the contents before and after a call are
 undefined.
 """
 
-HIST_BINS = (2048, 2048, 1024)
-LIST_CAP = 4096
+SAMPLE_TILES = 32
+LIST_CAP = 6144
+TIE_CAP = 2048
 COUNTERS = 8
-FUSED_WORKSPACE_COLS = HIST_BINS[0] + 2 * LIST_CAP + COUNTERS
-"""int32 columns per row: 10248."""
+FUSED_WORKSPACE_COLS = SAMPLE_TILES * 64 + 2 * LIST_CAP + TIE_CAP + COUNTERS
+"""int32 columns per row: 16392."""
