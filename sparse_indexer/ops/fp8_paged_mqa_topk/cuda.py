@@ -19,10 +19,12 @@ With value checks off (docs/spec.md §10) the kernel clamps every limit into ``[
 64 bits) and copies a tile whose block id lies outside ``[0, num_blocks)`` as zeros (nothing read), so its cells
 score 0, as the reference composition's zero keys do.
 
-The grid barrier's state (two words: arrivals, 0 between barriers, and a generation) is one small buffer per
-device, created at the first call; a first call inside CUDA-graph capture raises ``NotImplementedError``
-(engines warm up eagerly before they capture). Launches of this kernel on one device must not overlap
-(two cooperative grids of one CTA per SM cannot be resident together).
+The per-row counters (4 int32 a row) are one buffer per device that only this kernel writes: zeroed when it is
+made and left at zero by every call (each row's finisher resets its row), so a call needs no zeroing and no grid
+barrier. It is made, or grown for more rows, outside CUDA-graph capture: a call inside capture that needs more
+rows than the buffer has raises ``NotImplementedError`` (engines warm up eagerly at their largest batch before
+they capture). Launches of this kernel on one device must not overlap (two cooperative grids of one CTA per SM
+cannot be resident together, and they would share the counters).
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ class _Params(ctypes.Structure):
                 ("stride_clb", ctypes.c_longlong), ("bt", ctypes.c_void_p), ("stride_bt", ctypes.c_longlong),
                 ("out", ctypes.c_void_p), ("stride_o", ctypes.c_longlong), ("ws", ctypes.c_void_p),
                 ("stride_ws", ctypes.c_longlong), ("lg", ctypes.c_void_p), ("stride_lg", ctypes.c_longlong),
-                ("bar", ctypes.c_void_p), ("probe", ctypes.c_void_p), ("B", ctypes.c_int), ("cap", ctypes.c_int),
+                ("ctr", ctypes.c_void_p), ("probe", ctypes.c_void_p), ("B", ctypes.c_int), ("cap", ctypes.c_int),
                 ("topk", ctypes.c_int), ("cl_2d", ctypes.c_int), ("capt", ctypes.c_int),
                 ("num_blocks", ctypes.c_int), ("_pad", ctypes.c_ubyte * 64)]
     # (``fused_kernel.cu``'s Params is 64-byte aligned, its tensor map first; the padding covers its tail)
@@ -138,17 +140,19 @@ _STATE: dict[int, torch.Tensor] = {}
 _STATE_LOCK = threading.Lock()
 
 
-def _barrier_state(dev: torch.device) -> torch.Tensor:
+def _counters(dev: torch.device, rows: int) -> torch.Tensor:
+    """The device's per-row counters, ``[>= rows, 4]`` int32 (zero between calls), made or grown here."""
     index = dev.index or 0
     st = _STATE.get(index)
-    if st is None:
+    if st is None or st.shape[0] < rows:
         if torch.cuda.is_current_stream_capturing():
-            raise NotImplementedError("the fused top-k's barrier state is created at the first call, which must "
-                                      "not be inside CUDA-graph capture (call it once eagerly first)")
+            raise NotImplementedError(f"the fused top-k's counters are made for {rows} rows at a call outside "
+                                      "CUDA-graph capture (call it once eagerly at the largest batch first)")
         with _STATE_LOCK:
             st = _STATE.get(index)
-            if st is None:
-                st = _STATE[index] = torch.zeros(4, dtype=torch.int32, device=dev)
+            if st is None or st.shape[0] < rows:
+                torch.cuda.synchronize(dev)  # (no launch still counts on the buffer being replaced)
+                st = _STATE[index] = torch.zeros(max(rows, 1024), 4, dtype=torch.int32, device=dev)
     return st
 
 
@@ -283,9 +287,9 @@ def fp8_paged_mqa_topk(q, kv_cache, weights, context_lens, block_table, *, out, 
     index = dev.index or 0
     b, next_n, h, _ = q.shape
     rows = b * next_n
-    state = _barrier_state(dev)
     if rows == 0:
         return
+    state = _counters(dev, rows)
     if workspace is None:  # (a call outside the step; the step passes its buffer)
         workspace = torch.empty(rows, FUSED_WORKSPACE_COLS, dtype=torch.int32, device=dev)
     bf16 = (logits.dtype if logits is not None else (logits_dtype or torch.float32)) == torch.bfloat16
@@ -310,7 +314,7 @@ def fp8_paged_mqa_topk(q, kv_cache, weights, context_lens, block_table, *, out, 
     a.out, a.stride_o = out.data_ptr(), out.stride(0)
     a.ws, a.stride_ws = workspace.data_ptr(), workspace.stride(0)
     a.lg, a.stride_lg = (None, 0) if logits is None else (logits.data_ptr(), logits.stride(0))
-    a.bar = state.data_ptr()
+    a.ctr = state.data_ptr()
     a.probe = None if probe is None else probe.data_ptr()
     a.B, a.cap, a.topk, a.cl_2d = b, _width(block_table, logits), out.shape[1], int(context_lens.dim() == 2)
     a.capt = capt

@@ -7,15 +7,16 @@
 // as in the Gluon logits kernel. Each CTA lists its tiles with the request's *sample tiles* first: tiles
 // floor(i * nt / S), i < S = min(nt, SAMPLE_TILES), of a request of nt tiles. Phases:
 //
-//   setup    the request table, the CTA's tile list, rows of at most topk cells written (0..len-1, -1...),
-//            every row's counters zeroed; one grid barrier.
+//   setup    the request table, the CTA's tile list, rows of at most topk cells written (0..len-1, -1...).
+//            There is no grid barrier: the per-row counters live in a buffer only this kernel writes, zeroed
+//            once when it is made and left at zero by each row's finisher.
 //   sample   the warpgroups score the CTA's sample tiles (each its own tiles wg, wg + NWG, ... through its own
 //            cp.async ring of STAGES slots, synchronizing only its 128 threads; per query token j one wgmma
 //            chain K[64 keys, 128] x Q_j^T[128, H], fp8 in, f32 accumulators; then relu, times the head weights,
 //            the head sum within a thread and its quad, times the key scale) and store the order-preserving
 //            32-bit keys in the row's workspace (cells outside the window as 0). The rings keep prefetching the
 //            tiles after the samples meanwhile.
-//   tau      each CTA counts its sample tiles done per request, waits until its requests' samples are complete
+//   tau      each CTA counts its sample tiles done per row, waits until its rows' samples are complete
 //            (the row's other CTAs: every CTA scores its samples before it waits, and all are resident) and
 //            computes, per row, tau = the r-th largest sample key, r = m + 4 sqrt(m) + 4 for the m = topk * s / lim
 //            sample cells expected above the row's topk-th largest (s sample cells in the window): three radix
@@ -38,13 +39,11 @@
 // the block table is read only inside its rows; a block id outside [0, num_blocks) is copied as a zero tile
 // (cp.async zero-fill, nothing read), so its cells score 0 (relu(0) * weights, times a zero scale).
 //
-// The grid barrier is a self-resetting counter (bar[0], back to 0 after each barrier) and a generation word
-// (bar[1]) in a small per-device state buffer only this kernel writes; the cooperative launch guarantees that
-// every CTA is resident.
+// The cooperative launch guarantees that every CTA is resident (a CTA waits for the samples other CTAs score).
 //
 // Workspace row r (int32, FUSED_WORKSPACE_COLS = 16392): sample keys [2048]; keys above tau [CG]; their positions
-// [CG]; positions equal to tau [CE]; counters at 16384: GT, EQ, SMP (sample tiles done, on the request's first
-// row), ARR (cells done). Only the counters are zeroed at the start of a call.
+// [CG]; positions equal to tau [CE]. Counter row r (int32 [4], Params::ctr): GT, EQ, SMP (sample tiles done),
+// ARR (cells done).
 
 #ifndef NEXT_N
 #define NEXT_N 1
@@ -98,12 +97,11 @@
 #define WS_GK 2048        // [CG] keys above tau
 #define WS_GP (WS_GK + CG)  // [CG] their positions
 #define WS_EP (WS_GP + CG)  // [CE] positions equal to tau
-#define WS_CTR (WS_EP + CE) // counters
+#define WS_END (WS_EP + CE)
 #define C_GT 0
 #define C_EQ 1
 #define C_SMP 2
 #define C_ARR 3
-#define WS_COLS (WS_CTR + 8)
 #define STG 64            // staged entries per warp
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -125,7 +123,7 @@ struct __align__(64) Params {
     long long stride_ws;
     void* lg;                    // LG_OUT: [B * NEXT_N, W] float32 or bfloat16
     long long stride_lg;
-    u32* bar;                    // grid barrier state: [0] arrivals (0 between barriers), [1] generation
+    int* ctr;                    // [>= B * NEXT_N, 4] per-row counters: 0 on entry, left 0 by each row's finisher
     unsigned long long* probe;   // PROBE builds: [P, 8] %globaltimer marks per CTA (else unused)
     int B;
     int cap;                     // min(W, max_blocks * 64): limits are clamped to it
@@ -207,24 +205,6 @@ __device__ __forceinline__ void tma_tile(u32 dst, const void* tmap, int z, u32 b
 __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-
-// Every CTA of the (cooperative, so co-resident) grid; bar[0] is 0 on entry and on exit.
-__device__ void grid_barrier(u32* bar) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const u32 gen = ld_acquire(bar + 1);
-        __threadfence();
-        if (atomicAdd(bar, 1u) == gridDim.x - 1) {
-            atomicExch(bar, 0u);
-            __threadfence();
-            atomicAdd(bar + 1, 1u);
-        } else {
-            while (ld_acquire(bar + 1) == gen) {
-        }
-        }
-    }
-    __syncthreads();
 }
 
 // Block-wide exclusive prefix sum of one int per thread; returns the total in *total.
@@ -395,13 +375,18 @@ __device__ __forceinline__ int seq_of(const int* cum, int g, int b) {
 __device__ __forceinline__ int n_sample(int nt) { return min(nt, SAMPLE_TILES); }
 
 // The sample index i of tile t of a request of nt tiles (t == floor(i * nt / S)), or -1.
+// (32-bit: t * S < 2^25 * 32, nt < 2^25 tiles; 64-bit divisions are emulated, about 100 instructions each.)
 __device__ __forceinline__ int sample_index(int t, int nt) {
-    const int S = n_sample(nt);
-    const int i = (int)(((long long)t * S + nt - 1) / nt);
-    return (i < S && (int)((long long)i * nt / S) == t) ? i : -1;
+    const u32 S = (u32)n_sample(nt);
+    const u32 i = ((u32)t * S + (u32)nt - 1u) / (u32)nt;
+    return (i < S && i * (u32)nt / S == (u32)t) ? (int)i : -1;
 }
 
+// The first tile of sample i.
+__device__ __forceinline__ int sample_tile(int i, int nt) { return (int)((u32)i * (u32)nt / (u32)n_sample(nt)); }
+
 __device__ __forceinline__ int* ws_row(const Params& p, int r) { return p.ws + (long long)r * p.stride_ws; }
+__device__ __forceinline__ int* ctr_row(const Params& p, int r) { return p.ctr + 4ll * r; }
 
 __device__ __forceinline__ int block_of(const Params& p, int b, int t) {
     const int blk = p.bt[(long long)b * p.stride_bt + t];
@@ -454,10 +439,10 @@ __device__ __forceinline__ u32 warp_reserve(int* ctr, u32 n) {
 __device__ __forceinline__ u32 lanes_below() { return (1u << lane_id()) - 1u; }
 
 // Warp-collective: files cells (key >= tau of their row, request b) into the rows' lists. gt / eq per lane.
-__device__ __forceinline__ void file_cell(int* ws, bool gt, bool eq, u32 key, int pos) {
+__device__ __forceinline__ void file_cell(int* ws, int* ctr, bool gt, bool eq, u32 key, int pos) {
     const u32 bg = __ballot_sync(FULL, gt), be = __ballot_sync(FULL, eq);
     if (bg) {
-        const u32 base = warp_reserve(ws + WS_CTR + C_GT, __popc(bg));
+        const u32 base = warp_reserve(ctr + C_GT, __popc(bg));
         const u32 i = base + __popc(bg & lanes_below());
         if (gt && i < CG) {
             ws[WS_GK + i] = (int)key;
@@ -465,7 +450,7 @@ __device__ __forceinline__ void file_cell(int* ws, bool gt, bool eq, u32 key, in
         }
     }
     if (be) {
-        const u32 base = warp_reserve(ws + WS_CTR + C_EQ, __popc(be));
+        const u32 base = warp_reserve(ctr + C_EQ, __popc(be));
         const u32 i = base + __popc(be & lanes_below());
         if (eq && i < CE) ws[WS_EP + i] = pos;
     }
@@ -481,9 +466,10 @@ __device__ __forceinline__ void flush_stage(const Params& p, const Smem& sm, con
     for (int j = 0; j < NEXT_N; ++j) {
         const u32 t = sm.tau[b * NEXT_N + j];
         int* ws = ws_row(p, b * NEXT_N + j);
+        int* ctr = ctr_row(p, b * NEXT_N + j);
         const bool m0 = (e0.y >> 28) == (u32)j, m1 = (e1.y >> 28) == (u32)j;
-        file_cell(ws, m0 && e0.x > t, m0 && e0.x == t, e0.x, (int)(e0.y & 0x0fffffffu));
-        file_cell(ws, m1 && e1.x > t, m1 && e1.x == t, e1.x, (int)(e1.y & 0x0fffffffu));
+        file_cell(ws, ctr, m0 && e0.x > t, m0 && e0.x == t, e0.x, (int)(e0.y & 0x0fffffffu));
+        file_cell(ws, ctr, m1 && e1.x > t, m1 && e1.x == t, e1.x, (int)(e1.y & 0x0fffffffu));
     }
     __syncwarp();
 }
@@ -627,17 +613,14 @@ __device__ void sample_done(const Params& p, const Smem& sm, int start, int end,
 // Scores the n tiles (the CTA's list; with FB request fb.b's tiles 0..n) warpgroup by warpgroup. Without FB: list
 // entries [0, ns) are sample tiles (keys to the workspace), then sample_done, then the rest are filtered.
 template <bool FB>
-__device__ void score(const Params& p, const Smem& sm, int n, int ns, int start, int end, const Fallback& fb,
-                      bool issued = false) {
+__device__ void score(const Params& p, const Smem& sm, int n, int ns, int start, int end, const Fallback& fb) {
     const int tid = threadIdx.x;
     const int wg = tid >> 7;           // warpgroup
     const int wt = tid & 127;          // thread in the warpgroup
     const int warp = tid >> 5, lane = lane_id();
     const int m0 = 16 * (wt >> 5) + (lane >> 2), c = lane & 3;
-    if (!issued) {
-        ring_init(sm, wg, wt, true);
-        for (int s = 0; s < STAGES - 1; ++s) load_stage<FB>(p, sm, wg, wt, s, n, fb.b);
-    }
+    ring_init(sm, wg, wt, FB);  // (the fallback's rings were used by the scoring before)
+    for (int s = 0; s < STAGES - 1; ++s) load_stage<FB>(p, sm, wg, wt, s, n, fb.b);
     int qseq = -1;                      // request whose queries and weights are loaded
     float wreg[NEXT_N][H / 4];
     int lims[NEXT_N];
@@ -759,15 +742,20 @@ __device__ void sample_done(const Params& p, const Smem& sm, int start, int end,
     __threadfence();
     __syncthreads();
     MARK(3);
-    for (int e = tid; e < ns; e += NT) atomicAdd(ws_row(p, sm.lb[e] * NEXT_N) + WS_CTR + C_SMP, 1);
+    for (int e = tid; e < ns; e += NT) {  // each sample tile counted on its request's rows that select
+        const int b = sm.lb[e];
+        for (int j = 0; j < NEXT_N; ++j)
+            if (row_limit(p, b, j) > p.topk) atomicAdd(ctr_row(p, b * NEXT_N + j) + C_SMP, 1);
+    }
     const int n = end - start;
     const int b0 = n > 0 ? seq_of(sm.cum, start, 0) : 0;
     int b1 = b0;  // one past the CTA's last request
     while (n > 0 && b1 < p.B && sm.cum[b1] < end) ++b1;
-    for (int b = b0 + tid; b < b1; b += NT) {
+    for (int r = b0 * NEXT_N + tid; r < b1 * NEXT_N; r += NT) {
+        const int b = r / NEXT_N;
         const u32 want = (u32)n_sample(sm.cum[b + 1] - sm.cum[b]);
-        if (want) {
-            while (ld_acquire((const u32*)(ws_row(p, b * NEXT_N) + WS_CTR + C_SMP)) < want) {
+        if (want && row_limit(p, b, r % NEXT_N) > p.topk) {
+            while (ld_acquire((const u32*)(ctr_row(p, r) + C_SMP)) < want) {
             }
         }
     }
@@ -783,8 +771,10 @@ __device__ void sample_done(const Params& p, const Smem& sm, int start, int end,
             if (lim <= p.topk) continue;
             const int* src = ws_row(p, b * NEXT_N + j) + WS_SAMPLE;
             for (int i = tid; i < S * 64; i += NT) sm.tk[i] = (u32)__ldcg(src + i);
-            int s_in = 0;  // sample cells inside the window
-            for (int i = 0; i < S; ++i) s_in += max(0, min(BLOCK_KEYS, lim - (int)((long long)i * nt / S) * BLOCK_KEYS));
+            // sample cells inside the window (lane i of every warp: sample i)
+            int s_in = (int)lane_id() < S ? max(0, min(BLOCK_KEYS, lim - sample_tile(lane_id(), nt) * BLOCK_KEYS)) : 0;
+#pragma unroll
+            for (int o = 16; o; o >>= 1) s_in += __shfl_xor_sync(FULL, s_in, o);
             const float m = (float)p.topk * (float)s_in / (float)lim;
             const u32 r = (u32)min(max((int)ceilf(m + 4.f * sqrtf(m) + 4.f), 1), s_in);
             __syncthreads();
@@ -804,13 +794,14 @@ __device__ void sample_done(const Params& p, const Smem& sm, int start, int end,
             const int lim = row_limit(p, b, j);
             if (lim <= p.topk) continue;
             int* ws = ws_row(p, b * NEXT_N + j);
+            int* ctr = ctr_row(p, b * NEXT_N + j);
             const u32 t = sm.tau[b * NEXT_N + j];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int m = lane + 32 * h, pos = tile * BLOCK_KEYS + m;
                 const u32 key = (u32)__ldcg(ws + WS_SAMPLE + si * 64 + m);
                 const bool in = pos < lim;
-                file_cell(ws, in && key > t, in && key == t, key, pos);
+                file_cell(ws, ctr, in && key > t, in && key == t, key, pos);
             }
         }
     }
@@ -896,8 +887,10 @@ __device__ void rescore_row(const Params& p, const Smem& sm, const Piece& pc) {
 __device__ void finish_row(const Params& p, const Smem& sm, const Piece& pc) {
     const int tid = threadIdx.x;
     if (tid == 0) {
-        sm.res[0] = ld_acquire((const u32*)(pc.ws + WS_CTR + C_GT));
-        sm.res[1] = ld_acquire((const u32*)(pc.ws + WS_CTR + C_EQ));
+        int* ctr = ctr_row(p, pc.b * NEXT_N + pc.j);
+        sm.res[0] = ld_acquire((const u32*)(ctr + C_GT));
+        sm.res[1] = ld_acquire((const u32*)(ctr + C_EQ));
+        *(int4*)ctr = make_int4(0, 0, 0, 0);  // nothing counts on this row again in this call
     }
     __syncthreads();
     const u32 g = sm.res[0], e = sm.res[1], k = (u32)p.topk;
@@ -984,24 +977,17 @@ extern "C" __global__ void __launch_bounds__(NT, 1) si_paged_mqa_topk(const __gr
         }
     }
 
-    // Rows of at most topk cells: 0..len-1, then -1. Every row's counters zeroed.
+    // Rows of at most topk cells: 0..len-1, then -1.
     for (int r = pid; r < rows; r += P) {
         const int lim = row_limit(p, r / NEXT_N, r % NEXT_N);
         if (lim <= p.topk)
             for (int i = tid; i < p.topk; i += NT) p.out[(long long)r * p.stride_o + i] = i < lim ? i : -1;
-        if (tid < 2) ((int4*)(ws_row(p, r) + WS_CTR))[tid] = make_int4(0, 0, 0, 0);
     }
     __syncthreads();  // the list complete
     const Fallback none{0, 0, 0, 0, 0, 0, 0, 0, 0, 0, nullptr};
-    {  // the rings' first tiles in flight across the grid barrier
-        const int wg = tid >> 7, wt = tid & 127;
-        ring_init(sm, wg, wt, false);
-        for (int s = 0; s < STAGES - 1; ++s) load_stage<false>(p, sm, wg, wt, s, n, 0);
-    }
     MARK(1);
-    grid_barrier(p.bar);  // every counter zeroed
-    MARK(2);
-    score<false>(p, sm, n, ns, start, end, none, true);
+    MARK(2);  // (no grid barrier)
+    score<false>(p, sm, n, ns, start, end, none);
     __threadfence();
     __syncthreads();
     MARK(5);
@@ -1010,7 +996,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) si_paged_mqa_topk(const __gr
     for_pieces(p, sm, start, end, n, [&](const Piece& pc) {
         if (tid == 0) {
             const int cells = piece_cells(pc);
-            const int old = cells > 0 ? atomicAdd(pc.ws + WS_CTR + C_ARR, cells) : -1;
+            const int old = cells > 0 ? atomicAdd(ctr_row(p, pc.b * NEXT_N + pc.j) + C_ARR, cells) : -1;
             sm.res[3] = cells > 0 && old + cells == pc.lim;
         }
         __syncthreads();
