@@ -552,26 +552,31 @@ def test_prefill_bad_input_raises_before_writing(what, change, exc, name):
 
 
 def test_fused_kernel_capacity_plan():
-    """The fused CUDA kernel's host plan (no GPU needed): the shared memory it leaves for the logits, the ring
-    depth it picks, and the cases it declines before anything is written."""
+    """The fused CUDA kernel's host plan (no GPU needed): the ring depth it picks beside the CTA's tile list, and
+    the cases it declines before anything is written."""
     from sparse_indexer.ops.fp8_paged_mqa_topk import cuda as fused
 
     smem = 232448  # the H200's opt-in shared memory per CTA
-    # 64 requests x 64K keys over 132 SMs: 497 tiles per CTA fit beside rings of 4 tiles for each of 2 warpgroups
+    # 64 requests x 64K keys over 132 SMs: 497 tiles per CTA, listed beside rings of 4 tiles for each of 4
+    # warpgroups (5 leave room for 352)
     per = -(-(64 * 1024) // 132)
     assert per == 497
-    assert fused.stages_for(per, 1, 64, 64, smem, 2) == 4
-    assert fused.stages_for(per, 1, 64, 64, smem, 4) is None  # four warpgroups leave too little
-    assert fused.capacity_tiles(1, 64, 64, smem, 4, 2) >= per > fused.capacity_tiles(1, 64, 64, smem, 5, 2)
-    # next_n = 2 doubles the cells per tile: 64 x 64K does not fit, 16 x 64K does
-    assert fused.stages_for(2 * per, 2, 64, 64, smem) is None
-    assert fused.stages_for(-(-(16 * 1024) // 132), 2, 64, 16, smem) is not None
-    # the bytes carved in fused_kernel.cu never exceed the budget for the chosen depth
+    assert fused.warpgroups(1) == fused.warpgroups(2) == 4 and fused.warpgroups(3) == fused.warpgroups(4) == 2
+    assert fused.stages_for(per, 1, 64, 64, smem, 4) == 4
+    assert fused.capacity_tiles(1, 64, 64, smem, 4, 4) >= per > fused.capacity_tiles(1, 64, 64, smem, 5, 4)
+    assert fused.stages_for(-(-(16 * 1024) // 132), 1, 64, 16, smem, 4) == 5  # 124 tiles per CTA
+    # next_n = 2 needs no more list: 64 x 64K fits (the scores are never kept)
+    assert fused.stages_for(per, 2, 64, 64, smem, 4) is not None
+    # too many tiles per CTA for any ring: 1024 requests x 1M keys
+    assert fused.stages_for(-(-(1024 * 16384) // 132), 1, 64, 1024, smem, 4) is None
+    # the bytes carved in fused_kernel.cu never exceed the budget; the final select's list fits the idle ring
     for st in fused.STAGES:
         for nwg in (2, 4):
             cap = fused.capacity_tiles(1, 64, 64, smem, st, nwg)
             if cap:  # (0: the ring alone does not fit)
-                assert fused._fixed_smem(1, 64, 64, st, nwg) + cap * (64 * 4 + 4) <= smem
+                assert fused._fixed_smem(1, 64, 64, st, nwg) + cap * 12 <= smem
+            if fused.stages_for(1, 1, 64, 64, smem, nwg) == st:
+                assert st * nwg * 8192 >= fused.LIST_BYTES
     # on the CPU it declines (auto then composes), and auto would not run it anyway
     q = torch.zeros(1, 1, 64, 128, dtype=torch.float8_e4m3fn)
     kv = si.new_kv_cache(2, 64, 128)
@@ -579,6 +584,7 @@ def test_fused_kernel_capacity_plan():
     out = torch.zeros(1, 2048, dtype=torch.int32)
     why = fused.takes(q, kv, torch.zeros(1, 64), torch.ones(1, dtype=torch.int32), bt, out)
     assert why is not None and "NVIDIA" in why
+    assert fused.MAX_TOPK == 2048
     assert fused.fp8_paged_mqa_topk.auto_when(q, kv, None, None, bt, out=out) is False
 
 
