@@ -11,8 +11,9 @@ Usage on an NVIDIA Hopper GPU (each mode may be combined):
 - ``... time``: medians (``triton.testing.do_bench``, L2 flushed) of the copy floor of the same key bytes, the
   logits op alone, the composition (logits + ``top_k_per_row``) eagerly and as a CUDA graph, and the fused kernel
   eagerly, as a graph and per eager call on the host.
-- ``... probe``: a ``PROBE=1`` build's per-CTA ``%globaltimer`` marks (setup, the grid barrier, the sample tiles
-  scored, every sample of the CTA's requests complete, scoring done, the rows finished).
+- ``... probe``: a ``PROBE=1`` build's per-CTA ``%globaltimer`` marks (setup, the CTA's last row selection begun,
+  the sample tiles scored, every sample of the CTA's rows complete, scoring done, the rows finished, the
+  thresholds computed).
 """
 import sys
 import time
@@ -192,7 +193,7 @@ def probes():
         med = x.median(0).values
         mx = x.max(0).values
         t = bench(lambda: F.fp8_paged_mqa_topk(q4, cache, w, cl, bt, out=out, workspace=ws))
-        print(f"probe B={B} nn={nn} L={L} k={topk}: time={t:.1f} marks (start, setup, barrier, samples scored, "
+        print(f"probe B={B} nn={nn} L={L} k={topk}: time={t:.1f} marks (start, setup, a finish begun, samples scored, "
               "samples complete, scoring done, finished, tau) median " + " ".join(f"{v:.1f}" for v in med.tolist())
               + " | max " + " ".join(f"{v:.1f}" for v in mx.tolist()), flush=True)
 

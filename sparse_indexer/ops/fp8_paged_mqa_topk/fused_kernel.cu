@@ -895,6 +895,7 @@ __device__ void finish_row(const Params& p, const Smem& sm, const Piece& pc) {
     __syncthreads();
     const u32 g = sm.res[0], e = sm.res[1], k = (u32)p.topk;
     __syncthreads();
+    MARK(2);
     if (g > CG || g + e < k) {
         rescore_row(p, sm, pc);
     } else if (g >= k) {
@@ -986,7 +987,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) si_paged_mqa_topk(const __gr
     __syncthreads();  // the list complete
     const Fallback none{0, 0, 0, 0, 0, 0, 0, 0, 0, 0, nullptr};
     MARK(1);
-    MARK(2);  // (no grid barrier)
     score<false>(p, sm, n, ns, start, end, none);
     __threadfence();
     __syncthreads();
