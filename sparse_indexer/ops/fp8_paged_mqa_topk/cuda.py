@@ -335,9 +335,9 @@ def _fire(index: int, kern, smem: int, nt: int) -> None:
 def _auto_when(q, kv_cache, weights, context_lens, block_table, *, out, logits=None, workspace=None,
                logits_dtype=None, **_) -> bool:
     """Whether ``auto`` runs the fused kernel for a call: never today. It is slower than composing the Gluon
-    logits and the CUDA top-k at every shape measured on the H200 (docs/kernels.md, "Fused decode top-k, CUDA";
-    graphed, L2 flushed: 24.6 against 23.8 us at 1 x 64K keys, 76.2 against 65.3 at 16 x 64K, 239.6 against
-    173.5 at 64 x 64K); ``backend="cuda"`` runs it."""
+    logits and the CUDA top-k at every shape measured on the H200 (docs/benchmarks.md, "Fused decode top-k";
+    graphed, L2 flushed: 35.6 against 24.1 us at 1 x 64K keys, 98.8 against 64.6 at 16 x 64K, 209.3 against
+    169.6 at 64 x 64K); ``backend="cuda"`` runs it."""
     return False
 
 
