@@ -6,14 +6,16 @@ Usage on an NVIDIA Hopper GPU (each mode may be combined):
 - ``python3 scripts/fused_decode_topk.py check``: the selection exact on the kernel's own scores (its test mode),
   the scores within 2e-4 relative L2 of the Gluon logits op, for next_n 1-4, H 32/64, short and long windows,
   2-D lengths, tie-heavy, constant, all-zero, negative and sorted scores, bfloat16 scores, and every row through
-  the exact rescoring path; also
-  small enough for ``compute-sanitizer``. Exits 1 on a mismatch.
+  the exact rescoring path. Exits 1 on a mismatch.
+- ``... small``: six of those cases at small shapes (2-D lengths, rows of 1 to 8192 cells, H 32 and 64, next_n 1,
+  2 and 4, constant rows, the rescoring path on tied and bfloat16 scores), quick enough to run under
+  ``compute-sanitizer --tool memcheck --report-api-errors no``. Exits 1 on a mismatch.
 - ``... time``: medians (``triton.testing.do_bench``, L2 flushed) of the copy floor of the same key bytes, the
   logits op alone, the composition (logits + ``top_k_per_row``) eagerly and as a CUDA graph, and the fused kernel
   eagerly, as a graph and per eager call on the host.
-- ``... probe``: a ``PROBE=1`` build's per-CTA ``%globaltimer`` marks (setup, the CTA's last row selection begun,
-  the sample tiles scored, every sample of the CTA's rows complete, scoring done, the rows finished, the
-  thresholds computed).
+- ``... probe``: a ``PROBE=1`` build's per-CTA ``%globaltimer`` marks (setup, the sample tiles scored, every
+  sample of the CTA's rows complete, the thresholds computed, scoring done, the rows finished: medians over CTAs
+  and the slowest CTA), and the last row selection begun (only finishing CTAs write it: the slowest only).
 """
 import sys
 import time
@@ -126,6 +128,19 @@ def checks():
     return bad
 
 
+def small_checks():
+    """Small cases for the sanitizer (every row of each through the kernel's phases, in seconds under memcheck)."""
+    bad = 0
+    bad += not check(5, 1, 64, 8192, 2048, lens=torch.tensor([1, 2048, 2049, 5000, 8192]))
+    bad += not check(3, 2, 64, 4096, 512, cl2d=True, lens=torch.tensor([600, 4096, 300]))
+    bad += not check(2, 4, 32, 4096, 512)
+    bad += not check(4, 1, 64, 4096, 512, dist="const")
+    bad += not check(3, 1, 64, 4096, 512, rescore=True, dist="ties")
+    bad += not check(3, 2, 64, 4096, 512, rescore=True, bf16=True)
+    print("small bad:", bad, flush=True)
+    return bad
+
+
 def bench(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
 
@@ -190,18 +205,24 @@ def probes():
             F.fp8_paged_mqa_topk(q4, cache, w, cl, bt, out=out, workspace=ws, probe=pr)
         torch.cuda.synchronize()
         x = (pr - pr[:, :1].min()).double() / 1e3
-        med = x.median(0).values
-        mx = x.max(0).values
+        med = x.median(0).values.tolist()
+        mx = x.max(0).values.tolist()
         t = bench(lambda: F.fp8_paged_mqa_topk(q4, cache, w, cl, bt, out=out, workspace=ws))
-        print(f"probe B={B} nn={nn} L={L} k={topk}: time={t:.1f} marks (start, setup, a finish begun, samples scored, "
-              "samples complete, scoring done, finished, tau) median " + " ".join(f"{v:.1f}" for v in med.tolist())
-              + " | max " + " ".join(f"{v:.1f}" for v in mx.tolist()), flush=True)
+        # marks: 0 start, 1 setup, 2 the CTA's last row selection begun (finishing CTAs only), 3 samples scored,
+        # 4 samples complete, 5 scoring done, 6 finished, 7 thresholds computed
+        phases = " ".join(f"{name} {med[i]:.1f} ({mx[i]:.1f})" for name, i in (
+            ("setup", 1), ("samples-scored", 3), ("samples-complete", 4), ("thresholds", 7), ("scoring-done", 5),
+            ("finished", 6)))
+        print(f"probe B={B} nn={nn} L={L} k={topk}: time={t:.1f}; us from the first start, median over CTAs "
+              f"(slowest): {phases}; last selection begun (slowest) {mx[2]:.1f}", flush=True)
 
 
 if __name__ == "__main__":
     if "probe" in sys.argv:
         probes()
     if "check" in sys.argv and checks():
+        sys.exit(1)
+    if "small" in sys.argv and small_checks():
         sys.exit(1)
     if "time" in sys.argv:
         times()

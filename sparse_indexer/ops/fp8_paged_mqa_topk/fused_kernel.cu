@@ -169,13 +169,6 @@ __device__ __forceinline__ int seq_max_limit(const Params& p, int b) {
     return m;
 }
 
-// 16 bytes from src, of which the first `bytes` (16 or 0: zero-filled, nothing read) are read.
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 __device__ __forceinline__ u32 ld_acquire(const u32* p) {
