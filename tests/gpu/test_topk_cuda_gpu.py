@@ -328,3 +328,64 @@ def test_cuda_topk_from_a_fresh_thread():
     t.join()
     assert not errors, errors
     _check(x, s, e, out)
+
+
+def _late_writer():
+    """A Triton kernel that signals its programmatic dependents at its start, spins ``NS`` nanoseconds, then
+    copies ``src`` into ``dst`` and ``ends_src`` into ``ends_dst`` (one persistent program per SM)."""
+    import triton
+    import triton.language as tl
+
+    from sparse_indexer._runtime.pdl import launch_dependents
+
+    @triton.jit
+    def late_copy(src, dst, n, ends_src, ends_dst, rows, NS: tl.constexpr, BLOCK: tl.constexpr):
+        launch_dependents()
+        t0 = tl.extra.cuda.globaltimer()
+        while tl.extra.cuda.globaltimer() - t0 < NS:
+            pass
+        pid = tl.program_id(0)
+        for off in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
+            i = off + tl.arange(0, BLOCK)
+            tl.store(dst + i, tl.load(src + i, mask=i < n), mask=i < n)
+        if pid == 0:
+            for off in range(0, rows, BLOCK):
+                i = off + tl.arange(0, BLOCK)
+                tl.store(ends_dst + i, tl.load(ends_src + i, mask=i < rows), mask=i < rows)
+
+    return late_copy
+
+
+@pytest.mark.parametrize("rows,width,topk", [(64, 65536, 2048), (1, 65536, 2048), (64, 16384, 512)])
+def test_dependent_launch_reads_what_its_predecessor_wrote(rows, width, topk):
+    """The top-k as a programmatic dependent (sm_90+) of a kernel that lets it be scheduled at once and writes the
+    logits and the window ends only 200 us later: the selection is that of the values written (one that read
+    before its wait would see empty windows and stale logits), eagerly and replayed from a CUDA graph."""
+    tkc = _cuda()
+    if torch.cuda.get_device_capability()[0] < 9 or not tkc.PDL:
+        pytest.skip("programmatic dependent launch: sm_90+ with the top-k's PDL switch on")
+    from sparse_indexer.ops.top_k_per_row.cuda import _plan
+
+    late_copy = _late_writer()
+    g = torch.Generator(device=DEV).manual_seed(5)
+    src = torch.randn(rows, width, device=DEV, generator=g)
+    ends_src = torch.randint(topk + 1, width + 1, (rows,), device=DEV, dtype=torch.int32, generator=g)
+    logits = torch.empty_like(src)
+    starts = torch.zeros(rows, dtype=torch.int32, device=DEV)
+    ends = torch.empty_like(ends_src)
+    out = torch.empty(rows, topk, dtype=torch.int32, device=DEV)
+    assert _plan(0 if src.device.index is None else src.device.index, rows, width, topk, False).pdl
+    sms = torch.cuda.get_device_properties(src.device).multi_processor_count
+
+    def step():
+        late_copy[(sms,)](src, logits, src.numel(), ends_src, ends, rows, NS=200_000, BLOCK=1024)
+        si.top_k_per_row(logits, starts, ends, out=out, backend="cuda")
+
+    for replay in (None, capture_cuda_graph(step)):
+        logits.copy_(-src)  # stale values: the opposite order
+        ends.zero_()  # stale windows: empty
+        out.fill_(-7)
+        torch.cuda.synchronize()
+        step() if replay is None else replay.replay()
+        torch.cuda.synchronize()
+        assert_topk(out, src, starts, ends_src)
