@@ -9,8 +9,13 @@ here at the start of the paged logits kernels) lets them be scheduled earlier, o
 own CTAs of the previous kernel leave it: the dependent's CTA launch and its set-up overlap the previous kernel's
 tail. The signal only changes scheduling, never what the dependent reads.
 
-:func:`signals` says whether a Triton or Gluon kernel compiled for ``device`` should signal (a constexpr of the
-kernel): CUDA devices of compute capability 9 or newer, not Triton's CPU interpreter, and :data:`SIGNAL` set.
+The paged logits kernels are dependents in turn (of whatever kernel the engine ran before them, the cache write
+of the step included): launched with Triton's ``launch_pdl`` option, they wait (``griddepcontrol.wait``) at
+their start.
+
+:func:`signals` and :func:`depends` say whether a Triton or Gluon kernel compiled for ``device`` signals its
+dependents, and whether it is launched as a dependent (constexprs of the kernel): CUDA devices of compute
+capability 9 or newer, not Triton's CPU interpreter, and :data:`SIGNAL` / :data:`DEPEND` set.
 """
 
 from __future__ import annotations
@@ -21,15 +26,27 @@ import torch
 
 from .triton_compat import interpreting
 
-__all__ = ["SIGNAL", "launch_dependents", "signals"]
+__all__ = ["DEPEND", "SIGNAL", "depends", "launch_dependents", "signals", "wait_for_predecessor"]
 
-try:  # Triton's builtin for griddepcontrol.launch_dependents (Triton >= 3.3)
+try:  # Triton's builtins for griddepcontrol.launch_dependents and griddepcontrol.wait (Triton >= 3.3)
     from triton.language.extra.cuda import gdc_launch_dependents as launch_dependents
-except ImportError:  # pragma: no cover - an older Triton or none: no kernel signals
-    launch_dependents = None
+    from triton.language.extra.cuda import gdc_wait as wait_for_predecessor
+except ImportError:  # pragma: no cover - an older Triton or none: no kernel signals or waits
+    launch_dependents = wait_for_predecessor = None
 
 SIGNAL = True
 """Whether the paged logits kernels signal their dependents (read when a kernel's launch plan is made)."""
+DEPEND = True
+"""Whether the paged logits kernels are launched as dependents of their predecessor (read likewise)."""
+
+
+@functools.cache
+def _launch_option() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # pragma: no cover - no NVIDIA backend
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
 @functools.cache
@@ -40,5 +57,13 @@ def _capable(index: int) -> bool:
 def signals(device: torch.device) -> bool:
     """Whether a kernel compiled for ``device`` signals its programmatic dependents (see the module doc)."""
     if not SIGNAL or launch_dependents is None or device.type != "cuda" or interpreting():
+        return False
+    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def depends(device: torch.device) -> bool:
+    """Whether a kernel compiled for ``device`` is launched as a programmatic dependent (``launch_pdl=True``) and
+    waits for its predecessor at its start (see the module doc)."""
+    if not DEPEND or wait_for_predecessor is None or not _launch_option() or device.type != "cuda" or interpreting():
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())

@@ -273,5 +273,11 @@ def test_which_kernels_signal_their_dependents(monkeypatch):
     monkeypatch.setattr(pdl, "SIGNAL", False)
     assert not pdl.signals(torch.device("cuda", 0))
     monkeypatch.setattr(pdl, "SIGNAL", True)
+    if pdl._launch_option():
+        assert pdl.depends(torch.device("cuda", 0)) and not pdl.depends(torch.device("cuda", 1))
+        monkeypatch.setattr(pdl, "DEPEND", False)
+        assert not pdl.depends(torch.device("cuda", 0))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(pdl, "DEPEND", True)
     assert not pdl.signals(torch.device("cuda", 0))
+    assert not pdl.depends(torch.device("cuda", 0))
