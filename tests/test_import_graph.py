@@ -87,7 +87,7 @@ def test_cycle_finder_finds_one():
 LAYERS = (
     ("foundation", ("buffers.limits", "sparse_indexer.fp8", "sparse_indexer.mxfp4", "sparse_indexer.kcache",
                     "sparse_indexer._runtime", "sparse_indexer._runtime.launch", "sparse_indexer._runtime.tma",
-                    "sparse_indexer._runtime.triton_compat", "sparse_indexer._runtime.pdl")),
+                    "sparse_indexer._runtime.triton_compat")),
     ("kernels", ("sparse_indexer.ops", "sparse_indexer.ops._aiter", "sparse_indexer.ops._mxfp4_triton",
                  "sparse_indexer.ops.*.*", "sparse_indexer.parallel.triton")),
     ("runtime", ("sparse_indexer.backends", "sparse_indexer._runtime.*", "buffers", "buffers.*")),

@@ -255,29 +255,3 @@ def test_bound_launch_keeps_each_descriptors_encoded_map():
     assert _launch._with_encoded_maps(plain) is plain
     no_meta = _triton36_launcher(None, [1], [None])
     assert _launch._with_encoded_maps(no_meta) is no_meta
-
-
-def test_which_kernels_signal_their_dependents(monkeypatch):
-    """Programmatic dependent launch: only compiled kernels for CUDA devices of sm_90+ signal (never the CPU
-    interpreter, never ROCm or older GPUs), and ``SIGNAL`` switches it off."""
-    from sparse_indexer._runtime import pdl
-
-    if pdl.launch_dependents is None:
-        pytest.skip("this Triton has no griddepcontrol builtins")
-    capable = {0: True, 1: False}
-    monkeypatch.setattr(pdl, "_capable", lambda index: capable[index])
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert pdl.signals(torch.device("cuda", 0))
-    assert not pdl.signals(torch.device("cuda", 1))
-    assert not pdl.signals(torch.device("cpu"))
-    monkeypatch.setattr(pdl, "SIGNAL", False)
-    assert not pdl.signals(torch.device("cuda", 0))
-    monkeypatch.setattr(pdl, "SIGNAL", True)
-    if pdl._launch_option():
-        assert pdl.depends(torch.device("cuda", 0)) and not pdl.depends(torch.device("cuda", 1))
-        monkeypatch.setattr(pdl, "DEPEND", False)
-        assert not pdl.depends(torch.device("cuda", 0))
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(pdl, "DEPEND", True)
-    assert not pdl.signals(torch.device("cuda", 0))
-    assert not pdl.depends(torch.device("cuda", 0))

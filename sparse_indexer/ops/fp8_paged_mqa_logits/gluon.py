@@ -46,9 +46,7 @@ import functools
 
 import torch
 
-from ..._runtime import pdl
 from ..._runtime.launch import Launcher
-from ..._runtime.pdl import launch_dependents, wait_for_predecessor
 from ..._runtime.tma import Descriptors
 from .reference import fp8_paged_mqa_logits as _reference
 
@@ -426,13 +424,8 @@ if _GLUON:
         NEXT_N: gl.constexpr, CL_2D: gl.constexpr, CLEAN: gl.constexpr, HAS_IDX: gl.constexpr,
         BLOCK_B: gl.constexpr, STAGES: gl.constexpr, CHUNK: gl.constexpr, FILL_N: gl.constexpr,
         NCONS: gl.constexpr, QBUF: gl.constexpr, CONS_REGS: gl.constexpr, DIAG: gl.constexpr, PAIR: gl.constexpr,
-        WIDE: gl.constexpr, DUO: gl.constexpr, PDL: gl.constexpr, PDL_WAIT: gl.constexpr,
-        num_warps: gl.constexpr,
+        WIDE: gl.constexpr, DUO: gl.constexpr, num_warps: gl.constexpr,
     ):
-        if PDL_WAIT:  # launched as a programmatic dependent: nothing is read before the predecessor completes
-            wait_for_predecessor()
-        if PDL:  # let the programmatic dependents (the CUDA top-k) be scheduled as this kernel's CTAs leave
-            launch_dependents()
         pid = gl.program_id(0)
         # This CTA's piece [start, end) of the global tile range, its first request b0 and where b0's tiles start.
         if BLOCK_B <= 256:  # every warp holds all B (its reductions stay in the warp: shuffles, no bar.sync)
@@ -591,10 +584,8 @@ def _plan(q, out, context_lens, block_table, next_n: int, b: int, cl_2d: bool, c
                   BLOCK_B=max(32, triton.next_power_of_2(b)), STAGES=int(cfg["STAGES"]), CHUNK=int(cfg["CHUNK"]),
                   FILL_N=int(cfg["FILL_N"]), NCONS=int(cfg["NCONS"]), QBUF=int(cfg["QBUF"]),
                   CONS_REGS=int(cfg["CONS_REGS"]), DIAG=bool(cfg.get("DIAG", False)),
-                  PAIR=bool(cfg.get("PAIR", False)), WIDE=_wide(cfg, next_n), PDL=pdl.signals(q.device),
-                  PDL_WAIT=pdl.depends(q.device), num_warps=4)
-    if kwargs["PDL_WAIT"]:
-        kwargs["launch_pdl"] = True
+                  PAIR=bool(cfg.get("PAIR", False)), WIDE=_wide(cfg, next_n),
+                  num_warps=4)
     # DUO (two tiles per ring slot) where it is written: one math warpgroup, the per-token wgmmas, an even CHUNK
     kwargs["DUO"] = (bool(cfg.get("DUO", False)) and kwargs["NCONS"] == 1 and not kwargs["WIDE"]
                      and not kwargs["DIAG"] and kwargs["CHUNK"] % 2 == 0)

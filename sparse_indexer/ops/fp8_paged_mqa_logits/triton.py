@@ -37,9 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._runtime import pdl
 from ..._runtime.launch import Launcher
-from ..._runtime.pdl import launch_dependents, wait_for_predecessor
 from ..._runtime.triton_compat import fix_interpreter
 from .._mxfp4_triton import scale_offset, tile_constants, value_offset
 from ..fp8_mqa_logits.triton import _e2m1, _scale_factors, to_out
@@ -144,13 +142,7 @@ def _paged_logits_kernel(
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, CL_2D: tl.constexpr, CLEAN: tl.constexpr,
     FILL_N: tl.constexpr, SPLIT: tl.constexpr, KSC_PF: tl.constexpr, HAS_IDX: tl.constexpr,
     UE8M0: tl.constexpr,  # key scales as 4 UE8M0 bytes (the "ue8m0x4" encoding) instead of a float32
-    PDL: tl.constexpr,  # signal programmatic dependents at the start (sparse_indexer/_runtime/pdl.py)
-    PDL_WAIT: tl.constexpr,  # launched as a programmatic dependent: wait for the predecessor first
 ):
-    if PDL_WAIT:
-        wait_for_predecessor()
-    if PDL:
-        launch_dependents()
     pid = tl.program_id(0)
     # the byte cache read as q's fp8 type (a pointer cast here instead of a torch view per call: host time)
     kv_ptr = kv_ptr.to(tl.pointer_type(q_ptr.dtype.element_ty))
@@ -369,10 +361,7 @@ def _plan(args, q, context_lens, next_n: int, h: int, d: int, bs: int, b: int, c
                   BLOCK_N=block_n, BLOCK_B=max(16, triton.next_power_of_2(b)), CL_2D=cl_2d, CLEAN=bool(clean),
                   FILL_N=cfg.get("FILL_N", max(128, 1024 // nn_pad)), SPLIT=bool(cfg.get("SPLIT", False)),
                   KSC_PF=int(cfg.get("KSC_PF", 0)) if bs >= block_n and not cfg.get("SPLIT", False) else 0,
-                  HAS_IDX=bool(has_idx), UE8M0=bool(ue8m0), PDL=pdl.signals(q.device), PDL_WAIT=pdl.depends(q.device),
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if kwargs["PDL_WAIT"]:
-        kwargs["launch_pdl"] = True
+                  HAS_IDX=bool(has_idx), UE8M0=bool(ue8m0), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if cfg.get("maxnreg"):
         kwargs["maxnreg"] = cfg["maxnreg"]  # register cap per thread: more programs per SM
     if q.device.type != "cuda":

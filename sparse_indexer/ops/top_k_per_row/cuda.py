@@ -225,12 +225,6 @@ def _smem_optin(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).shared_memory_per_block_optin)
 
 
-PDL = True
-"""Launch the top-k as a programmatic dependent of the previous kernel on the stream (sm_90+): its CTAs may be
-scheduled while that kernel's last CTAs finish (or, when that kernel signals it, earlier: the paged logits
-kernels do), and the kernel waits (``griddepcontrol.wait``) for its completion before it reads or writes
-anything, so any predecessor is safe. Read when a launch plan is made."""
-
 PREFETCH_BYTES = 131072
 
 
@@ -384,7 +378,7 @@ class _Plan:
     """Everything a launch needs that depends on shapes only: kernel, grid, layout and launch configurations."""
 
     __slots__ = ("index", "kern", "handle", "nt", "cs", "grid", "cap", "samp", "small_max", "smem", "pf", "spec",
-                 "pdl", "cfgs")
+                 "cfgs")
 
     def __init__(self, index, nt, cs, rows, topk, width, bf16, small=None, defines=(), pf=None, spec=None):
         self.index, self.nt, self.cs, self.grid = index, nt, cs, rows * cs
@@ -395,7 +389,6 @@ class _Plan:
         self.spec = spec
         self.kern = _kernel(index, nt, cs, bf16, defines)[1]
         self.handle = int(self.kern)
-        self.pdl = PDL and _capability(index)[0] >= 9
         self.cfgs: dict = {}  # raw stream -> (CUlaunchConfig, its address)
 
     def cfg(self, stream: int) -> tuple:
@@ -410,19 +403,14 @@ class _Plan:
             cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = self.nt, 1, 1
             cfg.sharedMemBytes = self.smem
             cfg.hStream = driver.CUstream(stream)
-            attrs = []
             if self.cs > 1:
                 attr = driver.CUlaunchAttribute()
                 attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
                 attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = self.cs, 1, 1
-                attrs.append(attr)
-            if self.pdl:
-                attr = driver.CUlaunchAttribute()
-                attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-                attr.value.programmaticStreamSerializationAllowed = 1
-                attrs.append(attr)
-            cfg.attrs = attrs
-            cfg.numAttrs = len(attrs)
+                cfg.attrs = [attr]
+                cfg.numAttrs = 1
+            else:
+                cfg.numAttrs = 0
             if len(self.cfgs) >= 64:  # streams come and go (e.g. one per capture): keep the table small
                 self.cfgs.clear()
             got = self.cfgs[stream] = (cfg, cfg.getPtr())

@@ -34,10 +34,6 @@
 // bits cover its 16).
 // Before the bounds arrive, each CTA may ask L2 for its share of the row's first CS x spec_bytes bytes (a launch
 // argument, 0 for none: few rows whose windows start at the row's first column then find their cells in L2).
-// Programmatic dependent launch (sm_90+; cuda.py sets the launch attribute): the kernel may start while the
-// previous kernel on the stream finishes; griddepcontrol.wait, before its first access to memory (PDL_LATE=1,
-// measurements only: after the bounds read), waits until that kernel has completed and its writes are visible.
-// Launched without the attribute, the wait returns at once.
 // Output positions are relative to the window start, in no particular order. The bounds are clamped first (docs/spec.md
 // section 10): start to >= 0, end to <= width (the logits' columns, a launch argument); end <= start is an empty row.
 //
@@ -67,9 +63,6 @@ typedef unsigned long long u64;
 #ifndef RLIM
 #define RLIM 8  // the sample threshold is refined while more than RLIM / 4 x r sample keys lie at or above it
 #endif
-#ifndef PDL_LATE
-#define PDL_LATE 0
-#endif
 #ifndef LIST
 #define LIST 1  // small rows: after the first digit, one pass writes the cells above it and lists the cells in it
 #endif
@@ -79,13 +72,6 @@ typedef unsigned short elem_t;  // bfloat16 bits
 typedef float elem_t;
 #endif
 #define VEC (16 / (int)sizeof(elem_t))  // cells per 16-byte load
-
-// Wait for the previous kernel on the stream (a no-op unless launched as a programmatic dependent; sm_90+).
-__device__ __forceinline__ void grid_dependency_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
 #define KPT 16  // cells per thread in flight in the filter pass
 #define SU 4  // 16-byte loads per thread in flight while a small row is loaded
 #define SCHUNK (32 / (int)sizeof(elem_t))  // sample cells per run (one 32-byte sector)
@@ -490,14 +476,8 @@ si_top_k_per_row(const elem_t* __restrict__ logits, long long stride_l, const in
 
     const int row = blockIdx.x / CS;
     const u32 rank = cluster_rank();
-#if !PDL_LATE
-    grid_dependency_wait();
-#endif
     const int start = max(starts[row], 0);  // the window clamped into [0, width): hostile bounds never move a read
     const int end = min(ends[row], width);    // outside the row, and end - start cannot overflow
-#if PDL_LATE
-    grid_dependency_wait();
-#endif
     if (spec_bytes > 0) {  // while the bounds load: ask L2 for this CTA's share of the row's first cells
         const char* p0 = reinterpret_cast<const char*>(logits + (long long)row * stride_l) +
                          (long long)rank * spec_bytes;
