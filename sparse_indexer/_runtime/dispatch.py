@@ -14,7 +14,10 @@ e.g. a kernel whose launch costs more host time than its device time gains on sm
 requested backend always runs. Its answer is remembered for later calls of a layout the public function has
 proven (:func:`sparse_indexer._runtime.library.run_direct`'s ``memo``), so it may read nothing but the tensors' dtypes,
 shapes and strides and constants (a threshold changed at run time reaches a proven layout only after the
-routes are resolved again: ``_dispatch._resolved.clear()`` and ``_dispatch._routes.cache_clear()``).
+routes are resolved again: ``_dispatch._resolved.clear()`` and ``_dispatch._routes.cache_clear()``). A predicate
+with a true ``graph_aware`` attribute may also read whether the current stream is capturing a CUDA graph (a
+kernel whose launch costs more host time, taken at smaller sizes in a graph, where the host time is paid once):
+its answers are never remembered (:func:`graph_aware`).
 
 The fused ops (scoring and selection in one call: ``fp8_paged_mqa_topk``, ``fp8_mqa_topk``) have a
 *composition* (:data:`COMPOSITIONS`, set by the op's public module): under ``auto`` only their fused
@@ -40,7 +43,7 @@ from ..backends import OPS
 from .triton_compat import interpreting
 
 __all__ = ["BACKENDS", "COMPOSED", "COMPOSITIONS", "OPS", "BackendUnavailable", "available", "call", "candidates",
-           "chosen", "compose", "first", "fused", "invoke", "invoke_at", "routes", "unavailable_reason"]
+           "chosen", "compose", "first", "fused", "graph_aware", "invoke", "invoke_at", "routes", "unavailable_reason"]
 
 BACKENDS = _registry.BUILTIN
 """The built-in backends (``sparse_indexer.BACKENDS``); :func:`sparse_indexer.backends.names` adds registered ones."""
@@ -259,6 +262,12 @@ def _invoke_from(found: tuple[_Route, ...], start: int, op: str, backend: str | 
             last = e
     names = tuple(r.name for r in found)
     raise BackendUnavailable(f"no backend among {names} handles this {op} call: {last}")
+
+
+def graph_aware(found: tuple[_Route, ...]) -> bool:
+    """Whether a route of ``found`` has an ``auto_when`` that reads the CUDA-graph capture state (its answer for a
+    layout may change between calls: see the module doc)."""
+    return any(getattr(r.when, "graph_aware", False) for r in found)
 
 
 def first(found: tuple[_Route, ...], backend: str | None, args: tuple, kwargs: dict) -> int | None:

@@ -389,7 +389,9 @@ def run_direct(name: str, backend: str | None, device: torch.device, args: tuple
     if memo is not None:
         hit = memo.get(backend)
         if hit is None or hit[0] is not found:  # a new backend argument, registry or monkeypatch: ask once
-            hit = memo[backend] = (found, _first(found, backend, args, kwargs))
+            # (routes whose auto_when reads the capture state are asked on every call)
+            hit = memo[backend] = (found, None if _dispatch.graph_aware(found) else _first(found, backend, args,
+                                                                                              kwargs))
         i = hit[1]
     if _profiling():
         with torch.autograd.profiler.record_function(_RECORD_NAMES[name]):

@@ -243,3 +243,47 @@ def test_auto_takes_gluon_for_large_calls_only():
         kw = {"out": torch.empty(b * nn, 64, device=dev), "clean": True}
         assert _dispatch.chosen(found, None, args, kw).name == want, (b, nn, blocks)
         assert _dispatch.chosen(found, "gluon", args, kw).name == "gluon"
+
+
+def test_auto_takes_gluon_for_smaller_calls_in_a_graph(monkeypatch):
+    """Between ``AUTO_MIN_KEY_BLOCKS_GRAPHED`` and ``AUTO_MIN_KEY_BLOCKS`` key blocks, ``auto`` runs the Triton
+    kernel eagerly and the Gluon kernel when the call is captured into a CUDA graph, on a layout already proven
+    eagerly too; the replayed logits equal the reference."""
+    from sparse_indexer._runtime import dispatch as _dispatch
+    from sparse_indexer.ops.fp8_paged_mqa_logits import gluon as G
+
+    ran = []
+    real = G.fp8_paged_mqa_logits
+
+    def spy(*a, **k):
+        ran.append(torch.cuda.is_current_stream_capturing())
+        return real(*a, **k)
+
+    spy.auto_when = real.auto_when
+    monkeypatch.setattr(G, "fp8_paged_mqa_logits", spy)
+    _dispatch._resolved.clear()
+    _dispatch._routes.cache_clear()
+    try:
+        q, kv, wts, cl, bt = _inputs(64, 16384 - 200, 1, pad_blocks=0, seed=9)
+        blocks = 64 * bt.shape[1]
+        assert G.AUTO_MIN_KEY_BLOCKS_GRAPHED <= blocks < G.AUTO_MIN_KEY_BLOCKS
+        w = bt.shape[1] * 64
+        out = torch.full((64, w), SENTINEL, device="cuda")
+        for _ in range(2):  # eager, then the same layout proven: Triton both times
+            si.fp8_paged_mqa_logits(q, kv, wts, cl, bt, out=out, clean=True)
+        assert ran == []
+        real(q, kv, wts, cl, bt, out=out, clean=True)  # (compile and plan the Gluon kernel outside the capture)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            si.fp8_paged_mqa_logits(q, kv, wts, cl, bt, out=out, clean=True)
+        assert ran == [True]
+        out.fill_(SENTINEL)
+        g.replay()
+        torch.cuda.synchronize()
+        _check(out, _ref(q, kv, wts, cl, bt, w), True)
+        si.fp8_paged_mqa_logits(q, kv, wts, cl, bt, out=out, clean=True)  # eager again: Triton
+        assert ran == [True]
+    finally:
+        _dispatch._resolved.clear()
+        _dispatch._routes.cache_clear()

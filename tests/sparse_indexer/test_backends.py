@@ -291,3 +291,62 @@ def test_invoke_at_keeps_the_auto_fallback():
     with pytest.raises(si.BackendUnavailable, match="no backend among"):
         _dispatch.invoke_at(found[:1], 0, "top_k_per_row", "auto", (9,), {"out": out})
     assert out == [7]
+
+
+def test_graph_aware_predicates_are_asked_on_every_call(toy, monkeypatch):
+    """A ``graph_aware`` ``auto_when`` (one that reads the CUDA-graph capture state) is asked on every call of a
+    proven layout, so a choice made eagerly never serves a call captured later (and the other way round)."""
+    capturing = [False]
+
+    def when(logits, row_starts, row_ends, *, out, workspace=None):
+        return capturing[0]
+
+    when.graph_aware = True
+    monkeypatch.setattr(top_k_per_row, "auto_when", when, raising=False)
+    _dispatch._resolved.clear()
+    _dispatch._routes.cache_clear()
+    logits, s, e, out = _topk_case()
+    want = out.clone()
+    si.top_k_per_row(logits, s, e, out=want, backend="reference")
+    try:
+        assert _dispatch.graph_aware(_dispatch.routes("top_k_per_row", None, torch.device("cpu")))
+        for _ in range(2):
+            si.top_k_per_row(logits, s, e, out=out)  # eager: the predicate says no, the reference runs
+        assert CALLS == [] and torch.equal(out, want)
+        capturing[0] = True  # the same proven layout, now "captured": the toy
+        si.top_k_per_row(logits, s, e, out=out)
+        assert CALLS == ["top_k_per_row"] and torch.equal(out, want)
+        capturing[0] = False
+        si.top_k_per_row(logits, s, e, out=out)
+        assert CALLS == ["top_k_per_row"]
+    finally:
+        _dispatch._resolved.clear()
+        _dispatch._routes.cache_clear()
+
+
+def test_gluon_paged_logits_takes_smaller_calls_in_a_graph(monkeypatch):
+    """``auto`` takes the Gluon paged logits from ``AUTO_MIN_KEY_BLOCKS`` key blocks, and from
+    ``AUTO_MIN_KEY_BLOCKS_GRAPHED`` while a CUDA graph is being captured (its host time is then paid once)."""
+    import importlib
+
+    try:
+        g = importlib.import_module("sparse_indexer.ops.fp8_paged_mqa_logits.gluon")
+    except Exception as e:  # noqa: BLE001 - no Gluon in this Triton
+        pytest.skip(f"the Gluon module does not import here: {e}")
+    assert g._auto_when.graph_aware and g.AUTO_MIN_KEY_BLOCKS_GRAPHED < g.AUTO_MIN_KEY_BLOCKS
+    assert not g._capturing(torch.empty(1))  # a CPU tensor is never captured
+
+    def call(b, next_n, blocks):
+        q = torch.empty(b, next_n, 64, 128, dtype=torch.float8_e4m3fn)
+        bt = torch.empty(b, blocks, dtype=torch.int32)
+        return g._auto_when(q, None, None, None, bt, out=None, clean=False)
+
+    for capturing in (False, True):
+        monkeypatch.setattr(g, "_capturing", lambda q, c=capturing: c)
+        assert call(64, 1, 512)  # 32768 key blocks: always
+        assert call(32, 2, 128) is capturing  # 8192 (64 x 16K keys at next_n 2 / 2): only in a graph
+        assert call(64, 1, 256) is capturing  # 16384: the V4 decode shape
+        assert not call(16, 1, 256)  # 4096: never
+        assert not g._auto_when(torch.empty(64, 1, 64, 128, dtype=torch.uint8), None, None, None,
+                                torch.empty(64, 1024, dtype=torch.int32), out=None, clean=False,
+                                cache_values="mxfp4", q_scale=torch.empty(1))

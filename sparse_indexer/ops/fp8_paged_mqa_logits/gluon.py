@@ -659,15 +659,35 @@ per call), which its 3% of device time repays only where the GPU, not the host, 
 (docs/benchmarks.md, "Host cost per eager call"). An explicit ``backend="gluon"`` always runs it."""
 
 
+AUTO_MIN_KEY_BLOCKS_GRAPHED = 8192
+"""``auto`` runs this kernel from this many key blocks (512K keys) when the call is captured into a CUDA graph,
+where the launch's host time is paid once, at capture, and only device time counts. Measured on the H200
+(2026-12-03, graphed, L2 flushed, against the Triton kernel): 64 x 16K keys 48.2 against 50.8 us, 64 x 16K at
+next_n 2 53.0 against 55.6, 32 x 16K at next_n 2 33.2 against 36.9, 8 x 64K at next_n 2 33.0 against 36.4, 64 x 8K
+30.3 against 31.9, 32 x 16K 30.0 against 30.7; level below (4096 blocks: 19.3-19.5 against 19.2-20.7; 1 x 64K
+10.5 against 10.8)."""
+
+
+def _capturing(q) -> bool:
+    """Whether the current CUDA stream of ``q``'s device is capturing a CUDA graph."""
+    return q.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _auto_when(q, kv_cache, weights, context_lens, block_table, *, out, clean, indices=None, config=None,
                cache_fp8_dtype=None, cache_scale="float32", cache_order="flat", cache_values="fp8",
                q_scale=None) -> bool:
-    """``auto`` takes this backend for this call (sparse_indexer/_runtime/dispatch.py): large problems only, shapes only
-    (``q.numel() >> 13`` is ``B * next_n`` at the H = 64, D = 128 this kernel runs; other shapes it refuses); never an
-    MXFP4 cache (the kernel reads FP8)."""
+    """``auto`` takes this backend for this call (sparse_indexer/_runtime/dispatch.py): from
+    :data:`AUTO_MIN_KEY_BLOCKS` key blocks, or from :data:`AUTO_MIN_KEY_BLOCKS_GRAPHED` in a CUDA-graph capture
+    (``q.numel() >> 13`` is ``B * next_n`` at the H = 64, D = 128 this kernel runs; other shapes it refuses); never
+    an MXFP4 cache (the kernel reads FP8). Reads the shapes and, in the band between the two thresholds, whether
+    the stream is capturing (``graph_aware``: its answers are not remembered per layout)."""
     if cache_values != "fp8" or q_scale is not None:
         return False
-    return (q.numel() >> 13) * block_table.shape[1] >= AUTO_MIN_KEY_BLOCKS
+    blocks = (q.numel() >> 13) * block_table.shape[1]
+    if blocks >= AUTO_MIN_KEY_BLOCKS:
+        return True
+    return blocks >= AUTO_MIN_KEY_BLOCKS_GRAPHED and _capturing(q)
 
 
+_auto_when.graph_aware = True
 fp8_paged_mqa_logits.auto_when = _auto_when
