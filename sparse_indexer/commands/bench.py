@@ -11,9 +11,9 @@ One run measures the Triton backend, the reference backend on the same device an
   causal ``[0, 8 (j + 1))``) and 8K x 8K causal; 64 x 64K on every value distribution of
   :data:`TOPK_DISTRIBUTIONS`;
 * the decode step (``indexer_decode``: paged logits + top-k as the step runs them), eager and replayed in a CUDA
-  graph: ``(B, next_n, L)`` in ``(64, 1, 64K), (64, 2, 64K), (256, 1, 16K), (1, 1, 64K), (4, 1, 64K),
-  (16, 1, 64K)``; a backend of some ops means ``auto`` there (``cuda``: the Gluon or Triton logits ``auto``
-  picks, CUDA top-k);
+  graph: ``(B, next_n, L)`` in ``(64, 1, 64K), (64, 2, 64K), (256, 1, 16K), (64, 1, 16K), (64, 2, 16K),
+  (1, 1, 64K), (4, 1, 64K), (16, 1, 64K)``; a backend of some ops means ``auto`` there (``cuda``: the Gluon or
+  Triton logits ``auto`` picks, CUDA top-k);
 * ``write_k_cache`` and ``gather_k_cache`` of 64K tokens.
 
 The cases of each op live beside it (``sparse_indexer/ops/<op>/bench.py``: ``specs(smoke)``, ``build(spec, ctx)``,
@@ -107,7 +107,8 @@ def case_specs(smoke: bool = False, graphs: bool = True) -> list[CaseSpec]:
     """The cases of a full run (or of ``--smoke``), in run order: each op's (from ``ops/<op>/bench.py``) and the
     decode step's (eager, and replayed from a CUDA graph unless ``graphs`` is false)."""
     step = ([(2, 1, 4096), (2, 2, 4096)] if smoke else
-            [(64, 1, 65536), (64, 2, 65536), (256, 1, 16384), (1, 1, 65536), (4, 1, 65536), (16, 1, 65536)])
+            [(64, 1, 65536), (64, 2, 65536), (256, 1, 16384), (64, 1, 16384), (64, 2, 16384), (1, 1, 65536),
+             (4, 1, 65536), (16, 1, 65536)])
     steps = [CaseSpec("step", f"step-{how}-{b}x{n}x{k_str(seq)}", f"step ({how}) B={b} next_n={n} L={seq}",
                       dict(B=b, next_n=n, L=seq, graph=graph))
              for graph, how in ((False, "eager"), (True, "graph")) for b, n, seq in step if graphs or not graph]
