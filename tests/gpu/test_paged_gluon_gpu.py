@@ -8,6 +8,8 @@ Cases the kernel does not take raise ``NotImplementedError`` and write nothing. 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -255,11 +257,11 @@ def test_auto_takes_gluon_for_smaller_calls_in_a_graph(monkeypatch):
     ran = []
     real = G.fp8_paged_mqa_logits
 
+    @functools.wraps(real)  # (its signature and auto_when: the routes read both)
     def spy(*a, **k):
         ran.append(torch.cuda.is_current_stream_capturing())
         return real(*a, **k)
 
-    spy.auto_when = real.auto_when
     monkeypatch.setattr(G, "fp8_paged_mqa_logits", spy)
     _dispatch._resolved.clear()
     _dispatch._routes.cache_clear()
@@ -276,7 +278,7 @@ def test_auto_takes_gluon_for_smaller_calls_in_a_graph(monkeypatch):
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            si.fp8_paged_mqa_logits(q, kv, wts, cl, bt, out=out, clean=True)
+            si.fp8_paged_mqa_logits(q, kv, wts, cl, bt, out=out, clean=True, check_values=False)
         assert ran == [False, True]
         out.fill_(SENTINEL)
         g.replay()
