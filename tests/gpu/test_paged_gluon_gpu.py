@@ -263,6 +263,7 @@ def test_auto_takes_gluon_for_smaller_calls_in_a_graph(monkeypatch):
         return real(*a, **k)
 
     monkeypatch.setattr(G, "fp8_paged_mqa_logits", spy)
+    _dispatch._implementation.cache_clear()
     _dispatch._resolved.clear()
     _dispatch._routes.cache_clear()
     try:
@@ -287,5 +288,7 @@ def test_auto_takes_gluon_for_smaller_calls_in_a_graph(monkeypatch):
         si.fp8_paged_mqa_logits(q, kv, wts, cl, bt, out=out, clean=True)  # eager again: Triton
         assert ran == [False, True]
     finally:
+        monkeypatch.undo()
+        _dispatch._implementation.cache_clear()
         _dispatch._resolved.clear()
         _dispatch._routes.cache_clear()
