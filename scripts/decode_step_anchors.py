@@ -1,0 +1,106 @@
+# ruff: noqa: B023  (the timed closures run within their loop iteration)
+"""The decode step's two kernels beside the engine's: ours (``fp8_paged_mqa_logits`` under ``auto``, then the CUDA
+``top_k_per_row``) against DeepGEMM's paged logits and vLLM's top-k, on the same inputs, each pair replayed from a
+CUDA graph (``triton.testing.do_bench`` medians, L2 flushed), with each kernel alone beside it.
+
+Usage on an NVIDIA Hopper GPU, with the anchors of ``../shared/anchors`` copied into a git-ignored folder and
+DeepGEMM built (its README)::
+
+    PYTHONPATH=/tmp/dg_site:. python3 scripts/decode_step_anchors.py --anchors .anchors/vllm_topk
+
+Without DeepGEMM importable the DeepGEMM columns are left out (said once). vLLM's top-k is its cooperative
+kernel for at most 16 rows and its persistent one above (vLLM's own choice on Hopper). The Gluon and Triton
+logits are timed alone too (``auto`` runs Gluon in a graph from 8192 key blocks). Each of our selections is
+checked against the top-k of the logits it read (exits 1 on a mismatch); the anchors' outputs are not checked.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, no install needed
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fused_decode_topk import make  # noqa: E402
+
+from sparse_indexer import fp8_paged_mqa_logits, row_limits, top_k_per_row  # noqa: E402
+from sparse_indexer.testing import capture_cuda_graph, topk_errors  # noqa: E402
+
+CASES = [  # (B, next_n, H, keys per request, topk)
+    (64, 1, 64, 16384, 512), (64, 2, 64, 16384, 512), (64, 1, 64, 16384, 1024), (32, 1, 64, 16384, 512),
+    (128, 1, 64, 8192, 512), (1, 1, 64, 16384, 512), (64, 1, 64, 65536, 2048), (64, 2, 64, 65536, 2048),
+    (16, 2, 64, 65536, 2048), (1, 1, 64, 65536, 2048), (16, 1, 64, 65536, 2048)]
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=300, return_mode="median") * 1e3
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--anchors", required=True, help="the folder holding vllm_topk.py (../shared/anchors/vllm_topk)")
+    args = ap.parse_args()
+    sys.path.insert(0, args.anchors)
+    import vllm_topk as V
+
+    try:
+        import deep_gemm as DG
+    except ImportError as e:
+        DG = None
+        print(f"DeepGEMM does not import ({e}): its columns are left out", flush=True)
+    dev = torch.device("cuda")
+    bad = 0
+    for (B, nn, H, L, topk) in CASES:
+        q4, cache, w, cl, bt = make(B, nn, H, L)
+        rows = B * nn
+        W = bt.shape[1] * 64
+        lg = torch.empty(rows, W, device=dev)
+        lim = row_limits(cl, nn).int()
+        z = torch.zeros_like(lim)
+        out = torch.empty(rows, topk, dtype=torch.int32, device=dev)
+
+        def ours():
+            fp8_paged_mqa_logits(q4, cache, w, cl, bt, out=lg, clean=False)
+            top_k_per_row(lg, z, lim, out=out)
+
+        ours()
+        fp8_paged_mqa_logits(q4, cache, w, cl, bt, out=lg, clean=False, backend="gluon")  # (compile outside)
+        graph = capture_cuda_graph(ours)
+        out.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        lgm = torch.where(torch.arange(W, device=dev)[None, :] < lim[:, None], lg, float("-inf"))
+        errs = topk_errors(out, lgm, z, lim, limit=2)
+        bad += bool(errs)
+        res = {"ours": bench(graph.replay)}
+        for be in ("gluon", "triton"):
+            g = capture_cuda_graph(lambda: fp8_paged_mqa_logits(q4, cache, w, cl, bt, out=lg, clean=False,
+                                                                backend=be))
+            res[f"logits[{be}]"] = bench(g.replay)
+        res["top-k"] = bench(capture_cuda_graph(lambda: top_k_per_row(lg, z, lim, out=out)).replay)
+        vout = torch.empty_like(out)
+        vtopk = V.cooperative if rows <= 16 else V.persistent
+        if DG is not None:
+            kv4 = cache.view(cache.shape[0], 64, 1, 132)  # our cache is DeepGEMM's layout
+            ctx = (cl[:, None] if nn == 1 else torch.stack([cl - nn + 1 + j for j in range(nn)], 1)).int().contiguous()
+            sched = DG.get_paged_mqa_logits_metadata(ctx, 64, DG.get_num_sms())
+
+            def engine():
+                vtopk(DG.fp8_paged_mqa_logits(q4, kv4, w, ctx, bt, sched, W, False), lim, vout)
+
+            engine()
+            res["DeepGEMM+vLLM"] = bench(capture_cuda_graph(engine).replay)
+            res["DeepGEMM logits"] = bench(capture_cuda_graph(
+                lambda: DG.fp8_paged_mqa_logits(q4, kv4, w, ctx, bt, sched, W, False)).replay)
+        vtopk(lg, lim, vout)
+        res["vLLM top-k"] = bench(capture_cuda_graph(lambda: vtopk(lg, lim, vout)).replay)
+        print(f"B={B} next_n={nn} H={H} keys={L} topk={topk}: " + " ".join(f"{k}={v:.1f}" for k, v in res.items())
+              + ("" if not errs else f" MISMATCH {errs[:1]}"), flush=True)
+    print("bad:", bad, flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
