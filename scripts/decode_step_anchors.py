@@ -8,13 +8,16 @@ DeepGEMM built (its README)::
 
     PYTHONPATH=/tmp/dg_site:. python3 scripts/decode_step_anchors.py --anchors .anchors/vllm_topk
 
-Without DeepGEMM importable the DeepGEMM columns are left out (said once). vLLM's top-k is its cooperative
+Without DeepGEMM importable the DeepGEMM columns are left out (said once). ``--logits-sweep`` (no anchors
+needed) times instead the Gluon and the Triton paged logits alone, graphed, on the shapes behind ``auto``'s graph
+threshold (``AUTO_MIN_KEY_BLOCKS_GRAPHED``), with each one's host time per eager call. vLLM's top-k is its cooperative
 kernel for at most 16 rows and its persistent one above (vLLM's own choice on Hopper). The Gluon and Triton
 logits are timed alone too (``auto`` runs Gluon in a graph from 8192 key blocks). Each of our selections is
 checked against the top-k of the logits it read (exits 1 on a mismatch); the anchors' outputs are not checked.
 """
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -38,10 +41,54 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=300, return_mode="median") * 1e3
 
 
+SWEEP = [  # (B, next_n, keys per request)
+    (1, 1, 65536), (4, 1, 65536), (16, 1, 65536), (32, 1, 65536), (1, 1, 16384), (16, 1, 16384), (32, 1, 16384),
+    (64, 1, 16384), (64, 2, 16384), (32, 2, 16384), (48, 1, 16384), (96, 1, 16384), (128, 1, 16384), (64, 1, 8192),
+    (128, 1, 8192), (8, 2, 65536), (16, 2, 65536), (32, 1, 32768), (64, 1, 32768), (256, 1, 4096), (64, 1, 4096)]
+
+
+def logits_sweep() -> int:
+    """The Gluon and Triton paged logits alone on :data:`SWEEP`: graphed device time and eager host time per call;
+    each checked against the other (relative L2 of the in-window cells)."""
+    dev = torch.device("cuda")
+    bad = 0
+    for (B, nn, L) in SWEEP:
+        q4, cache, w, cl, bt = make(B, nn, 64, L)
+        lg = torch.empty(B * nn, bt.shape[1] * 64, device=dev)
+        ref = torch.empty_like(lg)
+        fp8_paged_mqa_logits(q4, cache, w, cl, bt, out=ref, clean=True, backend="triton")
+        fin = torch.isfinite(ref)
+        res = {}
+        for be in ("triton", "gluon"):
+            def fn():
+                fp8_paged_mqa_logits(q4, cache, w, cl, bt, out=lg, clean=False, backend=be)
+
+            fn()
+            res[be] = bench(capture_cuda_graph(fn).replay)
+            fp8_paged_mqa_logits(q4, cache, w, cl, bt, out=lg, clean=True, backend=be)
+            err = ((lg - ref)[fin].norm() / ref[fin].norm()).item()
+            bad += not err < 2e-4
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(200):
+                fn()
+            res[be + " host"] = (time.perf_counter() - t0) / 200 * 1e6
+            torch.cuda.synchronize()
+        print(f"B={B} next_n={nn} keys={L} key blocks={B * nn * bt.shape[1]}: "
+              + " ".join(f"{k}={v:.1f}" for k, v in res.items()), flush=True)
+    print("bad:", bad, flush=True)
+    return 1 if bad else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--anchors", required=True, help="the folder holding vllm_topk.py (../shared/anchors/vllm_topk)")
+    ap.add_argument("--anchors", help="the folder holding vllm_topk.py (../shared/anchors/vllm_topk)")
+    ap.add_argument("--logits-sweep", action="store_true", help="the Gluon and Triton logits alone (no anchors)")
     args = ap.parse_args()
+    if args.logits_sweep:
+        return logits_sweep()
+    if args.anchors is None:
+        ap.error("--anchors DIR is needed (or --logits-sweep)")
     sys.path.insert(0, args.anchors)
     import vllm_topk as V
 
