@@ -3,8 +3,8 @@
 ``top_k_per_row``) against DeepGEMM's paged logits and vLLM's top-k, on the same inputs, each pair replayed from a
 CUDA graph (``triton.testing.do_bench`` medians, L2 flushed), with each kernel alone beside it.
 
-Usage on an NVIDIA Hopper GPU, with the anchors of ``../shared/anchors`` copied into a git-ignored folder and
-DeepGEMM built (its README)::
+Usage on an NVIDIA Hopper GPU, with vLLM's top-k kernels (a prebuilt ``vllm_topk.py`` and its shared library, the
+measuring instrument the benchmarks use) in a git-ignored folder and DeepGEMM built from source on its path::
 
     PYTHONPATH=/tmp/dg_site:. python3 scripts/decode_step_anchors.py --anchors .anchors/vllm_topk
 
@@ -82,7 +82,7 @@ def logits_sweep() -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--anchors", help="the folder holding vllm_topk.py (../shared/anchors/vllm_topk)")
+    ap.add_argument("--anchors", help="the folder holding vllm_topk.py (vLLM's top-k kernels, prebuilt)")
     ap.add_argument("--logits-sweep", action="store_true", help="the Gluon and Triton logits alone (no anchors)")
     args = ap.parse_args()
     if args.logits_sweep:
