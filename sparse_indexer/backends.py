@@ -150,8 +150,9 @@ _BUILTIN = (
     Backend("aiter", _aiter_reason, auto=("cuda",), rank=0,
             where="ROCm GPUs with AMD's aiter installed"),
     Backend("cuda", _cuda_reason, auto=("cuda",), rank=10,
-            ops=("top_k_per_row", "fp8_paged_mqa_topk", "select_candidate_blocks"),
-            where="NVIDIA GPUs (sm_80+; the fused `fp8_paged_mqa_topk` on Hopper, sm_90), the top-k ops only"),
+            ops=("top_k_per_row", "fp8_paged_mqa_topk", "select_candidate_blocks", "fp8_paged_mqa_logits"),
+            where="NVIDIA GPUs (sm_80+; the fused `fp8_paged_mqa_topk` and the paged logits on Hopper, sm_90), the "
+                  "top-k ops and the paged logits"),
     Backend("gluon", _gluon_reason, auto=("cuda",), rank=15, ops=("fp8_mqa_logits", "fp8_paged_mqa_logits"),
             where="NVIDIA Hopper (sm_90), the logits ops only"),
 )

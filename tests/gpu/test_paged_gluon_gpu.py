@@ -31,9 +31,9 @@ def _fp8(*shape, gen=None):
     return (torch.randn(*shape, device="cuda", generator=gen) * 2).to(FP8)
 
 
-def _inputs(b, L, next_n, *, cl2d=False, pad_blocks=3, block_pad=0, four_d=False, seed=0):
+def _inputs(b, L, next_n, *, cl2d=False, pad_blocks=3, block_pad=0, four_d=False, seed=0, h=64):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    bs, h, d = 64, 64, 128
+    bs, d = 64, 128
     max_blocks = (L + bs - 1) // bs + pad_blocks
     nb = b * max_blocks + 7
     kv = new_kv_cache(nb, bs, d, device="cuda", block_pad=block_pad, four_d=four_d)
@@ -235,7 +235,7 @@ def test_auto_takes_gluon_for_large_calls_only():
 
     dev = torch.device("cuda")
     found = _dispatch.routes("fp8_paged_mqa_logits", None, dev)
-    assert found[0].name == "gluon" and found[0].when is not None
+    assert [r.name for r in found if r.name == "gluon" and r.when is not None] == ["gluon"]
     kv = new_kv_cache(8, 64, 128, device=dev)
     for b, nn, blocks, want in ((64, 1, 1024, "gluon"), (32, 2, 512, "gluon"), (4, 1, 64, "triton"),
                                 (64, 1, G.AUTO_MIN_KEY_BLOCKS // 64 - 1, "triton")):

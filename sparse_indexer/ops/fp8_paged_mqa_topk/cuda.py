@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..fp8_paged_mqa_logits.cuda import cache_tensor_map
 from ..top_k_per_row import cuda as _T
 from .workspace import FUSED_WORKSPACE_COLS
 
@@ -102,31 +103,6 @@ class _Params(ctypes.Structure):
                 ("topk", ctypes.c_int), ("cl_2d", ctypes.c_int), ("capt", ctypes.c_int),
                 ("num_blocks", ctypes.c_int), ("_pad", ctypes.c_ubyte * 64)]
     # (``fused_kernel.cu``'s Params is 64-byte aligned, its tensor map first; the padding covers its tail)
-
-
-_TMAPS: dict = {}
-
-
-def _tensor_map(kv_cache: torch.Tensor) -> bytes:
-    """The encoded ``CUtensorMap`` of the cache's values (``[num_blocks][64 rows][128 bytes]``, boxes of one
-    block, 128-byte swizzle, zeros outside), one per (address, blocks, block stride), encoded by the driver's
-    ``cuTensorMapEncodeTiled`` through ctypes."""
-    key = (kv_cache.data_ptr(), kv_cache.shape[0], kv_cache.stride(0))
-    got = _TMAPS.get(key)
-    if got is None:
-        fn = _T._driver_lib().cuTensorMapEncodeTiled
-        fn.restype = ctypes.c_int
-        buf = (ctypes.c_ubyte * 128)()
-        u64x3, u64x2, u32x3 = ctypes.c_uint64 * 3, ctypes.c_uint64 * 2, ctypes.c_uint32 * 3
-        rc = fn(buf, ctypes.c_int(0), ctypes.c_uint32(3), ctypes.c_void_p(kv_cache.data_ptr()),
-                u64x3(D, TILE_KEYS, kv_cache.shape[0]), u64x2(D, kv_cache.stride(0)), u32x3(D, TILE_KEYS, 1),
-                u32x3(1, 1, 1), ctypes.c_int(0), ctypes.c_int(3), ctypes.c_int(3), ctypes.c_int(0))
-        if rc:
-            raise RuntimeError(f"cuTensorMapEncodeTiled failed ({rc}) for a cache of {kv_cache.shape[0]} blocks")
-        if len(_TMAPS) >= 64:
-            _TMAPS.clear()
-        got = _TMAPS[key] = bytes(buf)
-    return got
 
 
 class _Args(threading.local):
@@ -303,7 +279,7 @@ def fp8_paged_mqa_topk(q, kv_cache, weights, context_lens, block_table, *, out, 
     defines = (f"NEXT_N={next_n}", f"H={h}", f"STAGES={st}", f"LG_OUT={int(logits is not None)}",
                f"PROBE={int(probe is not None)}", f"NWG={nwg}", f"NO_SAMPLE_FILTER={int(bool(rescore))}")
     kern = _T._kernel(index, 128 * nwg, 1, bf16, defines, KERNEL, SOURCE)[1]
-    tmap = _tensor_map(kv_cache)
+    tmap = cache_tensor_map(kv_cache)
     a = _ARGS.p
     ctypes.memmove(a.tmap, tmap, 128)
     a.cache, a.block_stride = kv_cache.data_ptr(), kv_cache.stride(0)
