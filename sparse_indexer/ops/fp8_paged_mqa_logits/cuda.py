@@ -41,7 +41,7 @@ TILE_KEYS = 64
 HEADS = (32, 64)
 MAX_NEXT_N = 4
 
-CONFIG = {"STAGES": 5, "NWG": 4, "ctas_per_sm": 1, "QBUF": 2, "PIPE": False}
+CONFIG = {"STAGES": 4, "NWG": 4, "ctas_per_sm": 1, "QBUF": 2, "PIPE": False}
 CONFIG_BY_N: dict = {96: {"NWG": 3, "STAGES": 6}, 128: {"NWG": 3, "STAGES": 6}, 192: {"NWG": 2, "STAGES": 8},
                      256: {"NWG": 1, "STAGES": 12}}
 """Launch configuration per wgmma width ``N = next_n * H`` over :data:`CONFIG`, overridable per call with
@@ -274,12 +274,25 @@ def _fire(index: int, kern, grid: int, nt: int, smem: int) -> None:
         raise _T._launch_error(rc)
 
 
+AUTO_MIN_KEY_BLOCKS = 65536
+"""``auto`` runs this kernel for ``H = 32`` at ``next_n = 2`` from this many key blocks (``B * next_n *
+max_blocks``; 4M keys), where it is ahead of the Triton kernel (the Gluon kernel takes only ``H = 64``). Measured on
+the H200 (2026-12-03, graphed, L2 flushed; docs/benchmarks.md): 64 x 64K keys 159.8-161.6 against
+169.0-169.2 us; at 32768 blocks and below it is level or behind (64 x 16K 52.7-53.7 against 53.4, 16 x 64K 53.0
+against 52.1, 8 x 64K 33.2 against 32.6). At ``next_n = 1`` it is level with Triton (153.0-154.0 against
+153.1-153.6 at 64 x 64K) and at ``H = 64`` behind the Gluon kernel (154.8 against 150.8 at ``next_n = 1``, 204.7
+against 178.3 at ``next_n = 2``), so ``auto`` leaves those to them."""
+
+
 def _auto_when(q, kv_cache, weights, context_lens, block_table, *, out, clean, indices=None, config=None,
                cache_fp8_dtype=None, cache_scale="float32", cache_order="flat", cache_values="fp8",
                q_scale=None) -> bool:
-    """Whether ``auto`` runs this kernel for a call: not yet (it has not been measured ahead of the Gluon and
-    Triton kernels); ``backend="cuda"`` runs it."""
-    return False
+    """Whether ``auto`` runs this kernel for a call: FP8 caches with ``H = 32``, ``next_n = 2`` and at least
+    :data:`AUTO_MIN_KEY_BLOCKS` key blocks (shapes only); ``backend="cuda"`` runs it for every call it takes."""
+    if cache_values != "fp8" or q_scale is not None or q.dim() != 4:
+        return False
+    b, next_n, h, _ = q.shape
+    return h == 32 and next_n == 2 and b * next_n * block_table.shape[1] >= AUTO_MIN_KEY_BLOCKS
 
 
 fp8_paged_mqa_logits.auto_when = _auto_when
