@@ -324,6 +324,28 @@ def test_graph_aware_predicates_are_asked_on_every_call(toy, monkeypatch):
         _dispatch._routes.cache_clear()
 
 
+def test_cuda_paged_logits_auto_takes_h32_next_n2_large_calls_only():
+    """``auto`` takes the CUDA paged logits only where it was measured ahead: H = 32 at next_n = 2 from
+    ``AUTO_MIN_KEY_BLOCKS`` key blocks (the shapes alone decide: no device value, no capture state); never H = 64
+    (the Gluon kernel's), next_n 1, smaller calls or MXFP4 caches."""
+    from sparse_indexer.ops.fp8_paged_mqa_logits import cuda as c
+
+    def call(b, next_n, h, blocks, **kw):
+        q = torch.empty(b, next_n, h, 128, dtype=torch.float8_e4m3fn)
+        bt = torch.empty(b, blocks, dtype=torch.int32)
+        return c._auto_when(q, None, None, None, bt, out=None, clean=False, **kw)
+
+    assert not getattr(c._auto_when, "graph_aware", False)
+    assert c.AUTO_MIN_KEY_BLOCKS == 65536
+    assert call(64, 2, 32, 512)  # 64 x 32K keys
+    assert call(64, 2, 32, 1024)  # 64 x 64K keys
+    assert not call(64, 2, 32, 511)
+    assert not call(64, 2, 64, 1024)  # H = 64: the Gluon kernel's
+    assert not call(64, 1, 32, 2048)  # next_n 1: level with Triton
+    assert not call(64, 3, 32, 1024)  # next_n 3: not measured
+    assert not call(64, 2, 32, 1024, cache_values="mxfp4", q_scale=torch.empty(1))
+
+
 def test_gluon_paged_logits_takes_smaller_calls_in_a_graph(monkeypatch):
     """``auto`` takes the Gluon paged logits from ``AUTO_MIN_KEY_BLOCKS`` key blocks, and from
     ``AUTO_MIN_KEY_BLOCKS_GRAPHED`` while a CUDA graph is being captured (its host time is then paid once)."""
