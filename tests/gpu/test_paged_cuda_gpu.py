@@ -59,15 +59,13 @@ def test_cuda_paged_logits(h, next_n, cl2d, clean, dtype):
 @pytest.mark.parametrize("next_n", [1, 2, 4])
 @pytest.mark.parametrize("cfg", [{"STAGES": 2, "ctas_per_sm": 1}, {"NWG": 1, "STAGES": 4, "ctas_per_sm": 2},
                                  {"NWG": 2, "STAGES": 6, "ctas_per_sm": 1}, {"QBUF": 1, "STAGES": 3},
-                                 {"NWG": 3, "QBUF": 3, "STAGES": 3}, {"PIPE": True, "NWG": 1, "STAGES": 3},
-                                 {"PIPE": True, "NWG": 2, "STAGES": 4}],
-                         ids=["st2", "nwg1x2", "nwg2", "qbuf1", "nwg3-qbuf3", "pipe1", "pipe2"])
+                                 {"NWG": 3, "QBUF": 3, "STAGES": 3}, {"NWG": 1, "STAGES": 3}],
+                         ids=["st2", "nwg1x2", "nwg2", "qbuf1", "nwg3-qbuf3", "nwg1-st3"])
 def test_cuda_paged_logits_configs(next_n, cfg):
-    """Every ring depth, query-slot count, warpgroup count and the two-accumulator pipeline on ragged lengths
-    (a request split between CTAs, a CTA's piece spanning many requests, lengths 0 and 1, odd and even tile
-    counts per warpgroup)."""
-    if next_n == 4:  # (one CTA per SM: 128 accumulators per thread, twice that pipelined)
-        cfg = {**cfg, "ctas_per_sm": 1, "PIPE": False, "NWG": min(cfg.get("NWG", 1), 2)}
+    """Every ring depth, query-slot count and warpgroup count on ragged lengths (a request split between CTAs, a
+    CTA's piece spanning many requests, lengths 0 and 1, a ring wrapping many times)."""
+    if next_n == 4:  # (one CTA per SM of at most two math warpgroups: 128 accumulators per thread)
+        cfg = {**cfg, "ctas_per_sm": 1, "NWG": min(cfg.get("NWG", 1), 2)}
     q, kv, wts, cl, bt = _inputs(37, 3000, next_n, cl2d=next_n == 2, seed=40 + next_n)
     ref = _ref(q, kv, wts, cl, bt, bt.shape[1] * 64)
     for clean in (True, False):

@@ -41,15 +41,14 @@ TILE_KEYS = 64
 HEADS = (32, 64)
 MAX_NEXT_N = 4
 
-CONFIG = {"STAGES": 4, "NWG": 4, "ctas_per_sm": 1, "QBUF": 2, "PIPE": False}
+CONFIG = {"STAGES": 4, "NWG": 4, "ctas_per_sm": 1, "QBUF": 2}
 CONFIG_BY_N: dict = {96: {"NWG": 3, "STAGES": 6}, 128: {"NWG": 3, "STAGES": 6}, 192: {"NWG": 2, "STAGES": 8},
                      256: {"NWG": 1, "STAGES": 12}}
 """Launch configuration per wgmma width ``N = next_n * H`` over :data:`CONFIG`, overridable per call with
 ``config=``: ``NWG`` math warpgroups per CTA (each with its own producer warp and ring; the CTA has
 ``128 * (NWG + 1)`` threads, so the registers decide: four warpgroups hold the ``N / 2`` accumulators up to
 ``N = 64``), ``STAGES`` slots per ring, ``QBUF`` query slots, ``ctas_per_sm`` CTAs per SM (the grid is
-``SMs x ctas_per_sm``; they must fit the SM's shared memory together), ``PIPE`` two accumulator sets per math
-thread (the next tile's wgmmas run during this tile's epilogue)."""
+``SMs x ctas_per_sm``; they must fit the SM's shared memory together)."""
 
 
 def _fixed_smem(stages: int, qbuf: int, next_n: int, h: int, nwg: int) -> int:
@@ -178,7 +177,7 @@ def unsupported_reason(q, kv_cache, weights, context_lens, block_table, out, ind
     need = smem_bytes(int(cfg["STAGES"]), int(cfg["QBUF"]), next_n, h, b, int(cfg["NWG"]))
     ctas, nt = int(cfg["ctas_per_sm"]), 128 * (int(cfg["NWG"]) + 1)
     regs = min(255, 65536 // (nt * ctas)) // 8 * 8
-    want = next_n * h // 2 * (2 if cfg["PIPE"] else 1) + 32
+    want = next_n * h // 2 + 32
     if regs < want:
         return (f"the CUDA paged logits kernel's {nt}-thread CTAs, {ctas} per SM, leave {regs} registers a thread; "
                 f"its accumulators need about {want}")
@@ -195,7 +194,7 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
 
     ``NotImplementedError`` before writing anything for the calls :func:`unsupported_reason` declines, MXFP4
     caches, other scale layouts and declared format mixes. ``config`` overrides :data:`CONFIG` and
-    :data:`CONFIG_BY_N` (``STAGES``, ``NWG``, ``ctas_per_sm``, ``QBUF``, ``PIPE``)."""
+    :data:`CONFIG_BY_N` (``STAGES``, ``NWG``, ``ctas_per_sm``, ``QBUF``)."""
     if cache_values != "fp8" or q_scale is not None:
         raise NotImplementedError("the CUDA paged logits kernel does not score MXFP4 caches (docs/spec.md §3a)")
     if cache_fp8_dtype is not None and cache_fp8_dtype != q.dtype:
@@ -220,7 +219,7 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, *, out
     nt = 128 * (nwg + 1)
     defines = (f"NEXT_N={next_n}", f"H={h}", f"STAGES={stages}", f"NWG={nwg}", f"QBUF={qbuf}",
                f"CLEAN={int(bool(clean))}", f"HAS_IDX={int(indices is not None)}",
-               f"CL_2D={int(context_lens.dim() == 2)}", f"MINB={ctas}", f"PIPE={int(bool(cfg['PIPE']))}")
+               f"CL_2D={int(context_lens.dim() == 2)}", f"MINB={ctas}")
     kern = _T._kernel(index, nt, 1, out.dtype == torch.bfloat16, defines, KERNEL, SOURCE)[1]
     a = _ARGS.p
     ctypes.memmove(a.kmap, cache_tensor_map(kv_cache), 128)

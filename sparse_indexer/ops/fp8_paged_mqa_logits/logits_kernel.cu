@@ -59,9 +59,6 @@
 #ifndef MINB
 #define MINB 1
 #endif
-#ifndef PIPE
-#define PIPE 0  // 1: two accumulator sets per math thread, the next tile's wgmmas issued before this tile's epilogue
-#endif
 
 #undef NT  // (the loader passes -DNT; the block size follows NWG)
 #define NT (128 * (NWG + 1))
@@ -177,7 +174,6 @@ __device__ __forceinline__ u64 smem_desc(u32 addr) {
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-__device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 
 // d (N / 2 f32 per thread) = A [64, 128] x B^T [128, N]: one k32 step; acc = 0 overwrites d.
 template <int N> __device__ __forceinline__ void wgmma(float* d, u64 da, u64 db, int acc);
@@ -316,7 +312,7 @@ __device__ __forceinline__ void store_cell(const Params& p, long long o, float v
 // ---------------------------------------------------------------- the kernel
 extern "C" __global__ void __launch_bounds__(NT, MINB) si_paged_mqa_logits(const __grid_constant__ Params p) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    unsigned char* base = (unsigned char*)(((unsigned long long)smem_raw + 1023) & ~1023ull);
+    unsigned char* base = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);  // (still shared)
     unsigned char* vals = base;                                  // [NWG][STAGES][TILE_BYTES]
     unsigned char* qbuf = vals + NWG * STAGES * TILE_BYTES;      // [QBUF][Q_BYTES]
     float* scales = (float*)(qbuf + QBUF * Q_BYTES);             // [NWG][STAGES][64]
@@ -408,7 +404,8 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) si_paged_mqa_logits(const
                     ++qseg;
                 }
             };
-            int nrb, nblk;
+            int nrb, nblk, slot = 0;
+            u32 phase = 0;
             entry(0, nrb, nblk);
             for (int u0 = 0; u0 < mine; u0 += 32) {
                 const int crb = nrb, cblk = nblk;
@@ -418,8 +415,12 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) si_paged_mqa_logits(const
                     const int rb = __shfl_sync(FULL, crb, e), blk = __shfl_sync(FULL, cblk, e);
                     const int u = u0 + e;
                     if (k == 0) queries_through(rb);
-                    const int s = u % STAGES;
-                    if (u >= STAGES) mbar_wait(smem_u32(kempty + s), (u32)(u / STAGES - 1) & 1u);
+                    const int s = slot;
+                    if (u >= STAGES) mbar_wait(smem_u32(kempty + s), phase ^ 1u);
+                    if (++slot == STAGES) {
+                        slot = 0;
+                        phase ^= 1u;
+                    }
                     if (lane == 0) {
                         const u32 bar = smem_u32(kfull + s);
                         float* sc = kscales + s * 64;
@@ -450,12 +451,8 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) si_paged_mqa_logits(const
         float d[NEXT_N * H / 2];
 #pragma unroll
         for (int i = 0; i < NEXT_N * H / 2; ++i) d[i] = 0.f;
-#if PIPE
-        float d2[NEXT_N * H / 2];
-#pragma unroll
-        for (int i = 0; i < NEXT_N * H / 2; ++i) d2[i] = 0.f;
-#endif
-        int seg = 0;
+        int seg = 0, slot = 0;  // the request count and the ring position (slot, phase) of the next tile
+        u32 phase = 0;
         for (int b = first; b < p.B && cum[b] < end; ++b) {
             const int la = max(cum[b], start) - start, le = min(cum[b + 1], end) - start;
             if (le <= la) continue;
@@ -476,23 +473,22 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) si_paged_mqa_logits(const
             mbar_wait(smem_u32(qfull + qs), (u32)(seg / QBUF) & 1u);
             const u32 qa = smem_u32(qbuf + qs * Q_BYTES);
             const int t0 = start - cum[b];  // tile of local entry i: t0 + i
-            // the wgmma chain of local tile i into acc (its slot awaited), committed
-            auto issue = [&](float* acc, int i) {
-                const int u = i / NWG, s = u % STAGES;
-                mbar_wait(smem_u32(cfull + s), (u32)(u / STAGES) & 1u);
+            for (int i = la + ((c - la) % NWG + NWG) % NWG; i < le; i += NWG) {
+                mbar_wait(smem_u32(cfull + slot), phase);
                 wg_fence();
-                mma_tile(acc, smem_u32(cvals + s * TILE_BYTES), qa);
+                mma_tile(d, smem_u32(cvals + slot * TILE_BYTES), qa);
                 wg_commit();
-            };
-            // tile i's chain complete in acc: its slot released, its cells stored
-            auto finish = [&](const float* acc, int i) {
-                const int s = (i / NWG) % STAGES;
-                const float sc0 = cscales[s * 64 + m0], sc1 = cscales[s * 64 + m0 + 8];
-                mbar_arrive(smem_u32(cempty + s));
+                const float sc0 = cscales[slot * 64 + m0], sc1 = cscales[slot * 64 + m0 + 8];
+                wg_wait0();
+                mbar_arrive(smem_u32(cempty + slot));
+                if (++slot == STAGES) {
+                    slot = 0;
+                    phase ^= 1u;
+                }
                 const int pos = (t0 + i) * 64 + m0 + 8 * (cq & 1);
 #pragma unroll
                 for (int j = 0; j < NEXT_N; ++j) {
-                    const float* dj = acc + j * (H / 2);
+                    const float* dj = d + j * (H / 2);
                     float sum[4];
 #pragma unroll
                     for (int e = 0; e < 4; ++e) sum[e] = fmaxf(dj[e], 0.f) * wreg[j][e & 1];
@@ -508,40 +504,7 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) si_paged_mqa_logits(const
                     if (cq < 2 && pos < lims[j])
                         store_cell(p, (long long)(b * NEXT_N + j) * p.stride_o + pos, cq ? v1 : v0);
                 }
-            };
-            const int i0 = la + ((c - la) % NWG + NWG) % NWG;
-#if PIPE
-            // two accumulator sets: the next tile's chain runs during this tile's epilogue
-            const int cnt = i0 < le ? (le - i0 + NWG - 1) / NWG : 0;
-            if (cnt > 0) {
-                issue(d, i0);
-                int i = i0, k = 0;
-                for (; k + 2 < cnt; k += 2, i += 2 * NWG) {  // tiles k, k + 1 finished; k + 1, k + 2 issued
-                    issue(d2, i + NWG);
-                    wg_wait1();
-                    finish(d, i);
-                    issue(d, i + 2 * NWG);
-                    wg_wait1();
-                    finish(d2, i + NWG);
-                }
-                if (k + 1 < cnt) {
-                    issue(d2, i + NWG);
-                    wg_wait1();
-                    finish(d, i);
-                    wg_wait0();
-                    finish(d2, i + NWG);
-                } else {
-                    wg_wait0();
-                    finish(d, i);
-                }
             }
-#else
-            for (int i = i0; i < le; i += NWG) {
-                issue(d, i);
-                wg_wait0();
-                finish(d, i);
-            }
-#endif
             mbar_arrive(smem_u32(qempty + qs));
             ++seg;
         }
