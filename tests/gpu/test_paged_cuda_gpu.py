@@ -154,3 +154,49 @@ def test_cuda_paged_logits_cuda_graph():
     g.replay()
     torch.cuda.synchronize()
     _check(out, _ref(q, kv, wts, cl, bt, w), True)
+
+
+def test_auto_takes_cuda_for_h32_next_n2_in_a_graph(monkeypatch):
+    """Between ``AUTO_MIN_KEY_BLOCKS_GRAPHED`` and ``AUTO_MIN_KEY_BLOCKS`` key blocks, ``auto`` runs another kernel
+    eagerly and the CUDA kernel when an H = 32, next_n = 2 call is captured into a CUDA graph; the replayed logits
+    equal the reference."""
+    import functools
+
+    from sparse_indexer._runtime import dispatch as _dispatch
+    from sparse_indexer.ops.fp8_paged_mqa_logits import cuda as C
+
+    ran = []
+    real = C.fp8_paged_mqa_logits
+
+    @functools.wraps(real)  # (its signature and auto_when: the routes read both)
+    def spy(*a, **k):
+        ran.append(torch.cuda.is_current_stream_capturing())
+        return real(*a, **k)
+
+    monkeypatch.setattr(C, "fp8_paged_mqa_logits", spy)
+    _dispatch._implementation.cache_clear()
+    _dispatch._resolved.clear()
+    _dispatch._routes.cache_clear()
+    try:
+        q, kv, wts, cl, bt = _inputs(16, 32768 - 100, 2, pad_blocks=0, seed=9, h=32)
+        assert C.AUTO_MIN_KEY_BLOCKS_GRAPHED <= 32 * bt.shape[1] < C.AUTO_MIN_KEY_BLOCKS
+        w = bt.shape[1] * 64
+        out = torch.full((32, w), SENTINEL, device="cuda")
+        for _ in range(2):
+            si.fp8_paged_mqa_logits(q, kv, wts, cl, bt, out=out, clean=True)
+        assert ran == []
+        si.fp8_paged_mqa_logits(q, kv, wts, cl, bt, out=out, clean=True, backend="cuda")  # (compile outside)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            si.fp8_paged_mqa_logits(q, kv, wts, cl, bt, out=out, clean=True, check_values=False)
+        assert ran == [False, True]
+        out.fill_(SENTINEL)
+        g.replay()
+        torch.cuda.synchronize()
+        _check(out, _ref(q, kv, wts, cl, bt, w), True)
+    finally:
+        monkeypatch.undo()
+        _dispatch._implementation.cache_clear()
+        _dispatch._resolved.clear()
+        _dispatch._routes.cache_clear()

@@ -326,8 +326,8 @@ def test_graph_aware_predicates_are_asked_on_every_call(toy, monkeypatch):
 
 def test_cuda_paged_logits_auto_takes_h32_next_n2_large_calls_only():
     """``auto`` takes the CUDA paged logits only where it was measured ahead: H = 32 at next_n = 2 from
-    ``AUTO_MIN_KEY_BLOCKS`` key blocks (the shapes alone decide: no device value, no capture state); never H = 64
-    (the Gluon kernel's), next_n 1, smaller calls or MXFP4 caches."""
+    ``AUTO_MIN_KEY_BLOCKS`` key blocks eagerly (from ``AUTO_MIN_KEY_BLOCKS_GRAPHED`` in a capture, which a CPU
+    tensor never is); never H = 64 (the Gluon kernel's), next_n 1, smaller calls or MXFP4 caches."""
     from sparse_indexer.ops.fp8_paged_mqa_logits import cuda as c
 
     def call(b, next_n, h, blocks, **kw):
@@ -335,8 +335,7 @@ def test_cuda_paged_logits_auto_takes_h32_next_n2_large_calls_only():
         bt = torch.empty(b, blocks, dtype=torch.int32)
         return c._auto_when(q, None, None, None, bt, out=None, clean=False, **kw)
 
-    assert not getattr(c._auto_when, "graph_aware", False)
-    assert c.AUTO_MIN_KEY_BLOCKS == 65536
+    assert c._auto_when.graph_aware and c.AUTO_MIN_KEY_BLOCKS_GRAPHED < c.AUTO_MIN_KEY_BLOCKS == 65536
     assert call(64, 2, 32, 512)  # 64 x 32K keys
     assert call(64, 2, 32, 1024)  # 64 x 64K keys
     assert not call(64, 2, 32, 511)

@@ -275,23 +275,36 @@ def _fire(index: int, kern, grid: int, nt: int, smem: int) -> None:
 
 AUTO_MIN_KEY_BLOCKS = 65536
 """``auto`` runs this kernel for ``H = 32`` at ``next_n = 2`` from this many key blocks (``B * next_n *
-max_blocks``; 4M keys), where it is ahead of the Triton kernel (the Gluon kernel takes only ``H = 64``). Measured on
-the H200 (2026-12-03, graphed, L2 flushed; docs/benchmarks.md): 64 x 64K keys 159.8-161.6 against
-169.0-169.2 us; at 32768 blocks and below it is level or behind (64 x 16K 52.7-53.7 against 53.4, 16 x 64K 53.0
-against 52.1, 8 x 64K 33.2 against 32.6). At ``next_n = 1`` it is level with Triton (153.0-154.0 against
-153.1-153.6 at 64 x 64K) and at ``H = 64`` behind the Gluon kernel (154.8 against 150.8 at ``next_n = 1``, 204.7
-against 178.3 at ``next_n = 2``), so ``auto`` leaves those to them."""
+max_blocks``, 4M keys) in eager calls, where its device time repays its launch's extra host time (33-63 us per
+public call against Triton's 21-38 on the H200's host); the Gluon kernel takes only ``H = 64``."""
+
+AUTO_MIN_KEY_BLOCKS_GRAPHED = 16384
+"""``auto`` runs this kernel for ``H = 32`` at ``next_n = 2`` from this many key blocks while a CUDA graph is being
+captured (the host time is paid once there). Measured on the H200 (2026-12-03, graphed, L2 flushed, against the
+Triton kernel; docs/benchmarks.md): 64 x 64K keys 157.0-157.8 against 167.9-169.0 us, 64 x 16K 51.0-51.9 against
+53.3-53.6, 128 x 8K 52.3 against 53.7, 16 x 64K 51.4 against 52.2, 8 x 64K 31.6-32.2 against 32.4-32.8; one request
+(2048 blocks) 11.7 against 11.5. At ``next_n = 1`` it is level with Triton (152.4 against 152.4 at 64 x 64K; 49.1
+against 49.1 at 64 x 16K) and at ``H = 64`` behind the Gluon kernel (153.4 against 150.1 at ``next_n = 1``, 188.9
+against 175.7 at ``next_n = 2``), so ``auto`` leaves those calls to them."""
 
 
 def _auto_when(q, kv_cache, weights, context_lens, block_table, *, out, clean, indices=None, config=None,
                cache_fp8_dtype=None, cache_scale="float32", cache_order="flat", cache_values="fp8",
                q_scale=None) -> bool:
-    """Whether ``auto`` runs this kernel for a call: FP8 caches with ``H = 32``, ``next_n = 2`` and at least
-    :data:`AUTO_MIN_KEY_BLOCKS` key blocks (shapes only); ``backend="cuda"`` runs it for every call it takes."""
+    """Whether ``auto`` runs this kernel for a call: FP8 caches with ``H = 32`` at ``next_n = 2``, from
+    :data:`AUTO_MIN_KEY_BLOCKS` key blocks, or from :data:`AUTO_MIN_KEY_BLOCKS_GRAPHED` in a CUDA-graph capture
+    (``graph_aware``: its answers are not remembered per layout); ``backend="cuda"`` runs it for every call it
+    takes."""
     if cache_values != "fp8" or q_scale is not None or q.dim() != 4:
         return False
     b, next_n, h, _ = q.shape
-    return h == 32 and next_n == 2 and b * next_n * block_table.shape[1] >= AUTO_MIN_KEY_BLOCKS
+    if h != 32 or next_n != 2:
+        return False
+    blocks = b * next_n * block_table.shape[1]
+    if blocks >= AUTO_MIN_KEY_BLOCKS:
+        return True
+    return blocks >= AUTO_MIN_KEY_BLOCKS_GRAPHED and q.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+_auto_when.graph_aware = True
 fp8_paged_mqa_logits.auto_when = _auto_when
