@@ -178,7 +178,7 @@ def test_auto_takes_cuda_for_h32_next_n2_in_a_graph(monkeypatch):
     _dispatch._resolved.clear()
     _dispatch._routes.cache_clear()
     try:
-        q, kv, wts, cl, bt = _inputs(16, 32768 - 100, 2, pad_blocks=0, seed=9, h=32)
+        q, kv, wts, cl, bt = _inputs(16, 32768, 2, pad_blocks=0, seed=9, h=32)
         assert C.AUTO_MIN_KEY_BLOCKS_GRAPHED <= 32 * bt.shape[1] < C.AUTO_MIN_KEY_BLOCKS
         w = bt.shape[1] * 64
         out = torch.full((32, w), SENTINEL, device="cuda")
