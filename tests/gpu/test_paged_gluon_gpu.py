@@ -244,7 +244,8 @@ def test_auto_takes_gluon_for_large_calls_only():
         args = (q, as_3d(kv), torch.zeros(b * nn, 64, device=dev), torch.zeros(b, device=dev, dtype=torch.int32), bt)
         kw = {"out": torch.empty(b * nn, 64, device=dev), "clean": True}
         assert _dispatch.chosen(found, None, args, kw).name == want, (b, nn, blocks)
-        assert _dispatch.chosen(found, "gluon", args, kw).name == "gluon"
+        named = _dispatch.routes("fp8_paged_mqa_logits", "gluon", dev)
+        assert _dispatch.chosen(named, "gluon", args, kw).name == "gluon"
 
 
 def test_auto_takes_gluon_for_smaller_calls_in_a_graph(monkeypatch):
