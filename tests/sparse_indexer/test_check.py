@@ -105,7 +105,8 @@ def test_backends_on_a_gpu_include_partial_ones_for_their_ops_and_the_auto_step(
     monkeypatch.setattr(_dispatch, "available", lambda device: ("cuda", "triton", "reference"))
     got = check._backends("all", torch.device("cuda"))
     assert got == ["cuda", "triton", "reference", "auto"]
-    assert check._ops_of("cuda") == ("top_k_per_row", "fp8_paged_mqa_topk", "select_candidate_blocks")
+    assert check._ops_of("cuda") == ("top_k_per_row", "fp8_paged_mqa_topk", "select_candidate_blocks",
+                                     "fp8_paged_mqa_logits")
     assert check._ops_of("auto") == ("step",)
     assert set(check._ops_of("triton")) == set(check.CHECKS)
     assert {op for op, _, _ in check.cases(check.SMALL)} == set(check.CHECKS)
