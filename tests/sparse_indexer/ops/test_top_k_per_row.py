@@ -379,7 +379,8 @@ def test_cuda_backend_reported_unavailable_off_nvidia():
     out = torch.empty(2, 4, dtype=torch.int32)
     with pytest.raises(si.BackendUnavailable, match="cuda"):
         top_k_per_row(x, int32([0, 0]), int32([50, 50]), out=out, backend="cuda")
-    assert _dispatch.PARTIAL_BACKENDS["cuda"] == ("top_k_per_row", "fp8_paged_mqa_topk", "select_candidate_blocks")
+    assert _dispatch.PARTIAL_BACKENDS["cuda"] == ("top_k_per_row", "fp8_paged_mqa_topk", "select_candidate_blocks",
+                                                  "fp8_paged_mqa_logits")
 
 
 def test_cuda_backend_layout():
